@@ -1,0 +1,86 @@
+"""fzero: ZeRO-style sharded data-parallel training as pure functions.
+
+States (immutable pytrees): :class:`ScalerState`, :class:`ShardState`,
+:class:`OptState`, :class:`TrainState`. Pure functions: :func:`scale`,
+:func:`unscale_and_check`, :func:`update_scale`, :func:`reduce_scatter_grads`,
+:func:`shard_step`, :func:`all_gather_params`, composed by
+:func:`make_train_step`. Collectives are methods of a communicator passed in
+explicitly: :class:`SimulatedWorld` (N ranks in one process) or
+:class:`fzero.dist.TorchCommunicator` (``torch.distributed``).
+"""
+
+from .comm import (
+    CollectiveRecord,
+    Communicator,
+    CountingCommunicator,
+    SimulatedWorld,
+    gradient_divide_factors,
+)
+from .layout import FlatGroup, Layout, ParamSlot, build_layout
+from .optim import (
+    OptState,
+    Optimizer,
+    ParamGroup,
+    adam,
+    adamw,
+    init_opt_state,
+    no_weight_decay,
+    set_hyperparams,
+    sgd,
+)
+from .precision import MixedPrecision
+from .pytree import NAMESPACE, tree_map
+from .scaler import ScalerState, init_scaler, scale, static_scaler, unscale_and_check, update_scale
+from .sharding import (
+    ShardState,
+    all_gather_params,
+    gather_flat_params,
+    global_norm,
+    init_shard,
+    reduce_scatter_grads,
+    shard_step,
+)
+from .step import TrainState, init_train_state, make_train_step, module_loss
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "NAMESPACE",
+    "CollectiveRecord",
+    "Communicator",
+    "CountingCommunicator",
+    "FlatGroup",
+    "Layout",
+    "MixedPrecision",
+    "OptState",
+    "Optimizer",
+    "ParamGroup",
+    "ParamSlot",
+    "ScalerState",
+    "ShardState",
+    "SimulatedWorld",
+    "TrainState",
+    "adam",
+    "adamw",
+    "all_gather_params",
+    "build_layout",
+    "gather_flat_params",
+    "global_norm",
+    "gradient_divide_factors",
+    "init_opt_state",
+    "init_scaler",
+    "init_shard",
+    "init_train_state",
+    "make_train_step",
+    "module_loss",
+    "no_weight_decay",
+    "reduce_scatter_grads",
+    "scale",
+    "set_hyperparams",
+    "sgd",
+    "shard_step",
+    "static_scaler",
+    "tree_map",
+    "unscale_and_check",
+    "update_scale",
+]

@@ -1,0 +1,229 @@
+"""Communicators: the only way fzero's functions talk to other ranks.
+
+Every tensor that differs between ranks carries a leading *local-rank axis*
+of size ``R = comm.local_ranks``: ``R == world_size`` on the
+:class:`SimulatedWorld` (all ranks in one process) and ``R == 1`` on a real
+rank (:class:`fzero.dist.TorchCommunicator`). Collectives are plain methods
+on that axis, so one step function runs unchanged on both and traces under
+``torch.compile(fullgraph=True)``.
+
+Shapes (``W`` = world size, ``R`` = local ranks):
+  * ``all_reduce(x, op)``: ``[R, ...] -> [R, ...]``, ``op`` in sum/avg/max.
+  * ``reduce_scatter(x, op)``: ``[R, W*n] -> [R, n]``; row ``r`` receives
+    chunk ``ranks[r]`` of the reduction. ``op`` in sum/avg.
+  * ``all_gather(x)``: ``[R, n] -> [R, W*n]``, chunks in rank order.
+  * ``take_shard(x)``: ``[R, W*n] -> [R, n]``, this rank's chunk, no traffic.
+
+``avg`` is a sum followed by a division by ``W`` on every communicator (gloo
+has no native average), so simulated and real worlds round identically.
+
+Imports: torch only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Sequence
+
+import torch
+import torch.utils._pytree as tp
+
+__all__ = [
+    "Communicator",
+    "SimulatedWorld",
+    "CountingCommunicator",
+    "CollectiveRecord",
+    "gradient_divide_factors",
+]
+
+ReduceOp = Literal["sum", "avg", "max"]
+
+
+def gradient_divide_factors(world_size: int) -> tuple[float, float]:
+    """FSDP's ``(pre, post)`` factors with ``pre * post == world_size``.
+
+    Low-precision gradient reduction divides by ``pre`` before the sum and by
+    ``post`` after it, so the sum neither overflows (fp16) nor underflows.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    pre = 1
+    while world_size % pre == 0 and world_size / pre > pre:
+        pre *= 2
+    return float(pre), world_size / pre
+
+
+class Communicator:
+    """Base class of communicators; subclasses implement the three collectives.
+
+    Attributes: ``world_size`` (W), ``local_ranks`` (R), ``ranks`` (the
+    global rank of each local row, length R).
+    """
+
+    world_size: int
+    local_ranks: int
+    ranks: tuple[int, ...]
+
+    # -- collectives: subclasses implement -------------------------------------------
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        raise NotImplementedError
+
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        raise NotImplementedError
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    # -- local helpers shared by every communicator -----------------------------------
+    def take_shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of a ``[R, W*n]`` tensor: ``[R, n]``. No communication."""
+        self._check_rows(x, "take_shard")
+        n = self._chunk(x, "take_shard")
+        return torch.stack([x[i, r * n : (r + 1) * n] for i, r in enumerate(self.ranks)])
+
+    def split_batch(self, batch: Any) -> Any:
+        """Split a global batch into per-rank micro-batches with the local-rank axis.
+
+        Every leaf's dim 0 (the global batch, divisible by W) is cut into W equal
+        parts; the result keeps this process's parts: ``[R, B // W, ...]``.
+        Like ``DistributedSampler``, for examples and tests.
+        """
+        def one(path: Any, x: torch.Tensor) -> torch.Tensor:
+            if x.dim() == 0 or x.shape[0] % self.world_size:
+                raise ValueError(
+                    f"split_batch: batch{tp.keystr(path)} has shape {tuple(x.shape)}; dim 0 must "
+                    f"be divisible by the world size {self.world_size}"
+                )
+            parts = x.reshape(self.world_size, x.shape[0] // self.world_size, *x.shape[1:])
+            return parts[list(self.ranks)] if self.local_ranks < self.world_size else parts
+
+        return tp.tree_map_with_path(one, batch)
+
+    def _check_rows(self, x: torch.Tensor, what: str) -> None:
+        if x.dim() < 1 or x.shape[0] != self.local_ranks:
+            raise ValueError(
+                f"{what}: expected a leading local-rank axis of size {self.local_ranks}, "
+                f"got shape {tuple(x.shape)}"
+            )
+
+    def _chunk(self, x: torch.Tensor, what: str) -> int:
+        if x.dim() != 2 or x.shape[1] % self.world_size:
+            raise ValueError(
+                f"{what}: expected shape [R, W*n] with W={self.world_size}, got {tuple(x.shape)}"
+            )
+        return x.shape[1] // self.world_size
+
+
+class SimulatedWorld(Communicator):
+    """All ``world_size`` ranks in one process; collectives are reductions over dim 0.
+
+    Deterministic, and equal to gloo bit for bit at W=2 (a sum of two terms
+    rounds the same in any order); for W>2 the summation order may differ
+    from the backend's, within rounding.
+    """
+
+    def __init__(self, world_size: int):
+        if not (isinstance(world_size, int) and world_size >= 1):
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        self.world_size = world_size
+        self.local_ranks = world_size
+        self.ranks = tuple(range(world_size))
+
+    def __repr__(self) -> str:
+        return f"SimulatedWorld({self.world_size})"
+
+    def _reduce0(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        if op == "max":
+            return x.amax(dim=0)
+        total = x.sum(dim=0)
+        if op == "sum":
+            return total
+        if op == "avg":
+            return total / self.world_size
+        raise ValueError(f"unknown reduce op {op!r}")
+
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        self._check_rows(x, "all_reduce")
+        return self._reduce0(x, op).unsqueeze(0).expand_as(x).contiguous()
+
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        self._check_rows(x, "reduce_scatter")
+        if op == "max":
+            raise ValueError("reduce_scatter supports 'sum' and 'avg'")
+        n = self._chunk(x, "reduce_scatter")
+        return self._reduce0(x.reshape(self.world_size, self.world_size, n), op)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_rows(x, "all_gather")
+        if x.dim() != 2:
+            raise ValueError(f"all_gather: expected shape [R, n], got {tuple(x.shape)}")
+        return x.reshape(1, -1).expand(self.world_size, -1).contiguous()
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective as seen by one rank.
+
+    ``elements``: the size of the full (unsharded) buffer the collective is
+    about, per rank: input of all-reduce and reduce-scatter, output of
+    all-gather. ``moved``: elements each rank sends with the bandwidth-optimal
+    (ring) algorithm: ``2 (W-1)/W`` of it for all-reduce, ``(W-1)/W`` for the
+    others. ``bytes`` = ``moved * itemsize``.
+    """
+
+    op: str
+    dtype: torch.dtype
+    elements: int
+    moved: float
+    bytes: float
+
+
+class CountingCommunicator(Communicator):
+    """Wraps a communicator and records every collective it runs.
+
+    Counting is a Python side effect: run it eagerly (under torch.compile the
+    records are made once, while tracing).
+    """
+
+    def __init__(self, inner: Communicator):
+        self.inner = inner
+        self.world_size = inner.world_size
+        self.local_ranks = inner.local_ranks
+        self.ranks = inner.ranks
+        self.records: list[CollectiveRecord] = []
+
+    def __repr__(self) -> str:
+        return f"CountingCommunicator({self.inner!r})"
+
+    def reset(self) -> None:
+        self.records.clear()
+
+    def _record(self, op: str, x: torch.Tensor, elements: int, ring_factor: float) -> None:
+        w = self.world_size
+        moved = elements * ring_factor * (w - 1) / w
+        self.records.append(CollectiveRecord(op, x.dtype, elements, moved, moved * x.element_size()))
+
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        self._record("all_reduce", x, x[0].numel(), 2.0)
+        return self.inner.all_reduce(x, op)
+
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        self._record("reduce_scatter", x, x[0].numel(), 1.0)
+        return self.inner.reduce_scatter(x, op)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        self._record("all_gather", x, x[0].numel() * self.world_size, 1.0)
+        return self.inner.all_gather(x)
+
+    def totals(self, ops: Sequence[str] | None = None, min_elements: int = 0) -> dict[str, float]:
+        """Sums over the records (optionally only ``ops``, only buffers of at least ``min_elements``)."""
+        rows = [
+            r for r in self.records
+            if (ops is None or r.op in ops) and r.elements >= min_elements
+        ]
+        return {
+            "calls": len(rows),
+            "elements": sum(r.elements for r in rows),
+            "moved": sum(r.moved for r in rows),
+            "bytes": sum(r.bytes for r in rows),
+        }

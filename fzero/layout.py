@@ -1,0 +1,310 @@
+"""The flat parameter layout: which parameter lives where in which flat buffer.
+
+Trainable parameters are packed, in tree order, into one flat buffer per
+*flat group*: parameters that share an optimizer parameter group and a dtype
+(DeepSpeed's and Megatron's flat groups). Each buffer is padded at its end so
+that it splits into ``world_size`` equal contiguous shards whose length is a
+multiple of ``alignment`` elements; rank ``r`` owns elements
+``[r * shard_numel, (r + 1) * shard_numel)``. Padding is zero in every buffer
+fzero builds, so it never reaches parameters, gradients or norms. Frozen
+parameters (``requires_grad=False``, or excluded by ``trainable``) are kept
+out of the flat buffers and out of the optimizer.
+
+The layout is static: hashable, comparable, and kept as pytree metadata of
+:class:`fzero.sharding.ShardState`.
+
+Imports: torch only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.utils._pytree as tp
+
+__all__ = [
+    "ParamSlot",
+    "FlatGroup",
+    "Layout",
+    "build_layout",
+    "named_leaves",
+    "path_str",
+]
+
+
+def path_str(keypath: Sequence[Any]) -> str:
+    """A dotted name for a pytree key path: ``layers.0.weight``."""
+    parts = []
+    for k in keypath:
+        if isinstance(k, tp.MappingKey):
+            parts.append(str(k.key))
+        elif isinstance(k, tp.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, tp.GetAttrKey):
+            parts.append(k.name)
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def named_leaves(tree: Any) -> tuple[list[tuple[str, Any]], tp.TreeSpec]:
+    """``[(dotted path, leaf)]`` in tree order, and the tree's spec.
+
+    An ``nn.Module`` is read as the ordered mapping of its named parameters.
+    """
+    if isinstance(tree, torch.nn.Module):
+        tree = dict(tree.named_parameters())
+    leaves, spec = tp.tree_flatten_with_path(tree)
+    return [(path_str(p), x) for p, x in leaves], spec
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """One parameter: where it lives. ``group == -1`` for frozen parameters."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    group: int
+    offset: int
+    numel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatGroup:
+    """One flat buffer: parameters of one optimizer group and one dtype.
+
+    ``numel``: parameter elements; ``padded_numel = world_size * shard_numel``;
+    ``slots``: indices into :attr:`Layout.slots`, in buffer order.
+    """
+
+    index: int
+    opt_group: int
+    dtype: torch.dtype
+    slots: tuple[int, ...]
+    numel: int
+    padded_numel: int
+    shard_numel: int
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The fp32 master copy's dtype (float64 for float64 parameters)."""
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    @property
+    def padding(self) -> int:
+        return self.padded_numel - self.numel
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layout:
+    """Where every parameter of a tree lives, for one world size.
+
+    ``slots``: every leaf of the parameter tree in tree order (trainable and
+    frozen); ``groups``: the flat buffers; ``spec``: the tree's structure.
+    Equality and hash use :attr:`fingerprint` (paths, shapes, dtypes,
+    trainability, groups, world size, alignment, structure).
+    """
+
+    slots: tuple[ParamSlot, ...]
+    groups: tuple[FlatGroup, ...]
+    spec: tp.TreeSpec
+    world_size: int
+    alignment: int
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(s.path for s in self.slots)
+
+    @property
+    def trainable_slots(self) -> tuple[ParamSlot, ...]:
+        return tuple(s for s in self.slots if s.group >= 0)
+
+    @property
+    def frozen_slots(self) -> tuple[ParamSlot, ...]:
+        return tuple(s for s in self.slots if s.group < 0)
+
+    @property
+    def num_params(self) -> int:
+        """Trainable parameter elements (Ψ)."""
+        return sum(g.numel for g in self.groups)
+
+    @property
+    def num_padded(self) -> int:
+        """Trainable elements including padding (Ψ_padded)."""
+        return sum(g.padded_numel for g in self.groups)
+
+    def describe(self) -> tuple[tuple[Any, ...], ...]:
+        """Rows ``(path, shape, dtype, group)`` plus a header row: what the fingerprint hashes."""
+        head = ("world_size", self.world_size, "alignment", self.alignment, str(self.spec))
+        return (head,) + tuple((s.path, s.shape, str(s.dtype), s.group) for s in self.slots)
+
+    @property
+    def fingerprint(self) -> str:
+        return _fingerprint(self.describe())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and self.fingerprint == other.fingerprint
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint)
+
+    def first_difference(self, other: "Layout") -> Optional[str]:
+        """A sentence naming the first thing that differs from ``other``, or None."""
+        return first_difference(self.describe(), other.describe())
+
+    def with_world_size(self, world_size: int) -> "Layout":
+        """The same parameters laid out for another world size (for resharding)."""
+        unpacked = [
+            dataclasses.replace(s, group=self.groups[s.group].opt_group if s.group >= 0 else -1)
+            for s in self.slots
+        ]
+        return _pack(unpacked, self.spec, world_size, self.alignment)
+
+
+def _fingerprint(rows: tuple[tuple[Any, ...], ...]) -> str:
+    return hashlib.sha256(repr(rows).encode()).hexdigest()[:32]
+
+
+def first_difference(
+    mine: Sequence[tuple[Any, ...]], theirs: Sequence[tuple[Any, ...]]
+) -> Optional[str]:
+    """Name the first differing row of two :meth:`Layout.describe` tables."""
+    if mine[0] != theirs[0]:
+        a, b = mine[0], theirs[0]
+        for i in range(0, 4, 2):
+            if a[i + 1] != b[i + 1]:
+                return f"{a[i]} differs: {a[i + 1]} vs {b[i + 1]}"
+        if a[4] != b[4]:
+            return "the parameter tree structure differs"
+    for i, (x, y) in enumerate(zip(mine[1:], theirs[1:])):
+        if x != y:
+            if x[0] != y[0]:
+                return f"parameter #{i} is {x[0]!r} vs {y[0]!r}"
+            for field, u, v in zip(("path", "shape", "dtype", "group"), x, y):
+                if u != v:
+                    return f"parameter {x[0]!r}: {field} {u} vs {v}"
+    if len(mine) != len(theirs):
+        longer = mine if len(mine) > len(theirs) else theirs
+        extra = longer[min(len(mine), len(theirs))][0]
+        return f"parameter count differs ({len(mine) - 1} vs {len(theirs) - 1}); first extra: {extra!r}"
+    return None
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _pack(
+    slots: Iterable[ParamSlot], spec: tp.TreeSpec, world_size: int, alignment: int
+) -> Layout:
+    """Assign flat groups and offsets to slots whose ``group`` is an opt-group index (-1: frozen)."""
+    keys: dict[tuple[int, torch.dtype], list[int]] = {}
+    slots = list(slots)
+    for i, s in enumerate(slots):
+        if s.group >= 0:
+            keys.setdefault((s.group, s.dtype), []).append(i)
+    groups = []
+    new_slots = list(slots)
+    for gi, ((opt_group, dtype), members) in enumerate(keys.items()):
+        offset = 0
+        for i in members:
+            s = slots[i]
+            new_slots[i] = dataclasses.replace(s, group=gi, offset=offset)
+            offset += s.numel
+        shard = max(_round_up(-(-offset // world_size), alignment), alignment)
+        groups.append(
+            FlatGroup(gi, opt_group, dtype, tuple(members), offset, shard * world_size, shard)
+        )
+    return Layout(tuple(new_slots), tuple(groups), spec, world_size, alignment)
+
+
+def build_layout(
+    params: Any,
+    world_size: int,
+    *,
+    trainable: Optional[Callable[[str], bool]] = None,
+    group_of: Optional[Callable[[str], int]] = None,
+    alignment: int = 16,
+) -> Layout:
+    """Lay out ``params`` (an ``nn.Module`` or a pytree of tensors) for ``world_size`` ranks.
+
+    ``trainable(path)``: which leaves the optimizer updates; default: every
+    leaf of a pytree, ``requires_grad`` parameters of a module. ``group_of(path)``:
+    the optimizer parameter group of a trainable leaf (default 0).
+    ``alignment``: every shard's length is a multiple of it (elements).
+
+    Raises ``TypeError`` for a non-tensor, sparse or non-floating leaf (naming
+    it) and ``ValueError`` when nothing is trainable.
+    """
+    if not (isinstance(world_size, int) and world_size >= 1):
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not (isinstance(alignment, int) and alignment >= 1):
+        raise ValueError(f"alignment must be a positive int, got {alignment!r}")
+    is_module = isinstance(params, torch.nn.Module)
+    leaves, spec = named_leaves(params)
+    slots = []
+    for path, x in leaves:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"parameter {path!r}: expected a tensor, got {type(x).__name__}")
+        if x.layout != torch.strided:
+            raise TypeError(f"parameter {path!r}: sparse parameters are not supported ({x.layout})")
+        if not x.is_floating_point():
+            raise TypeError(f"parameter {path!r}: expected a floating-point dtype, got {x.dtype}")
+        train = (x.requires_grad if is_module else True) if trainable is None else bool(trainable(path))
+        group = (group_of(path) if group_of is not None else 0) if train else -1
+        slots.append(ParamSlot(path, tuple(x.shape), x.dtype, group, 0, x.numel()))
+    if not any(s.group >= 0 for s in slots):
+        raise ValueError(
+            "no trainable parameters: every parameter is frozen (requires_grad=False or "
+            "excluded by `trainable`)" if slots else "no trainable parameters: the parameter tree is empty"
+        )
+    return _pack(slots, spec, world_size, alignment)
+
+
+def flat_shard(layout: Layout, group: FlatGroup, leaves: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``group``'s flat buffer built from full parameter ``leaves``.
+
+    ``leaves``: every leaf in layout order (no local-rank axis). Returns
+    ``[shard_numel]`` in the group's master dtype; only the owned slice is
+    ever materialised (no full flat copy). Padding is zero.
+    """
+    n = group.shard_numel
+    lo, hi = rank * n, (rank + 1) * n
+    out = torch.zeros(n, dtype=group.master_dtype, device=leaves[group.slots[0]].device)
+    for i in group.slots:
+        s = layout.slots[i]
+        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+        if a < b:
+            src = leaves[i].detach().reshape(-1)[a - s.offset : b - s.offset]
+            out[a - lo : b - lo].copy_(src)
+    return out
+
+
+def flatten_group(layout: Layout, group: FlatGroup, leaves: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Concatenate ``group``'s leaves (each ``[R, *shape]``) into ``[R, padded_numel]``, zero padded."""
+    rows = leaves[group.slots[0]].shape[0]
+    parts = [leaves[i].reshape(rows, -1) for i in group.slots]
+    if group.padding:
+        parts.append(parts[0].new_zeros(rows, group.padding))
+    return torch.cat(parts, dim=1)
+
+
+def group_views(layout: Layout, group: FlatGroup, flat: torch.Tensor) -> list[torch.Tensor]:
+    """Views of ``flat`` (``[padded_numel]``, one rank's buffer) shaped as ``group``'s parameters."""
+    out = []
+    for i in group.slots:
+        s = layout.slots[i]
+        out.append(flat[s.offset : s.offset + s.numel].view(s.shape))
+    return out
+
+
+def flatten_one(layout: Layout, group: FlatGroup, leaves: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Concatenate one rank's ``group`` leaves (each ``[*shape]``) into ``[padded_numel]``, zero padded."""
+    parts = [leaves[i].reshape(-1) for i in group.slots]
+    if group.padding:
+        parts.append(parts[0].new_zeros(group.padding))
+    return torch.cat(parts)

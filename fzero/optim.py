@@ -1,0 +1,306 @@
+"""Optimizers as static specs plus pure update rules on flat fp32 shards.
+
+An :class:`Optimizer` is hashable static configuration (its kind, the flags
+that change the computation graph, default hyperparameters and parameter
+groups chosen by path predicate). :class:`OptState` holds what changes: the
+moments of every flat group (``[R, shard_numel]``, master dtype), the step
+count, and every hyperparameter of every group as a 0-d float64 tensor, so
+changing a learning rate never recompiles a step.
+
+The update rules follow ``torch.optim``'s single-tensor implementations
+operation by operation (SGD with momentum/dampening/nesterov/weight decay/
+maximize; Adam and AdamW with amsgrad/maximize), written out of place.
+
+Imports: ``fzero.pytree``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import torch
+
+from .pytree import pytree_dataclass, replace, static_field
+
+__all__ = [
+    "ParamGroup",
+    "Optimizer",
+    "OptState",
+    "sgd",
+    "adam",
+    "adamw",
+    "init_opt_state",
+    "set_hyperparams",
+    "no_weight_decay",
+]
+
+Predicate = Callable[[str], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamGroup:
+    """Parameters whose dotted path satisfies ``match`` get ``overrides`` of the defaults."""
+
+    match: Predicate
+    overrides: tuple[tuple[str, float], ...]
+    name: str = ""
+
+
+def no_weight_decay(path: str) -> bool:
+    """Predicate for the usual no-decay group: biases and normalisation weights."""
+    leaf = path.rsplit(".", 1)[-1]
+    parent = path.rsplit(".", 2)[-2] if path.count(".") else ""
+    return leaf == "bias" or "norm" in parent.lower() or parent.lower().startswith(("ln", "bn"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """Static description of an optimizer (see :func:`sgd`, :func:`adam`, :func:`adamw`).
+
+    ``defaults``: ``(name, value)`` hyperparameters of group 0; ``groups``:
+    further groups, the first matching predicate wins. Flags (``nesterov``,
+    ``maximize``, ``amsgrad``, ``momentum_buffer``) are static because they
+    change which tensors exist or which operations run.
+    """
+
+    kind: str
+    defaults: tuple[tuple[str, float], ...]
+    groups: tuple[ParamGroup, ...] = ()
+    nesterov: bool = False
+    maximize: bool = False
+    amsgrad: bool = False
+    momentum_buffer: bool = False
+
+    @property
+    def num_groups(self) -> int:
+        return 1 + len(self.groups)
+
+    def group_of(self, path: str) -> int:
+        for i, g in enumerate(self.groups):
+            if g.match(path):
+                return i + 1
+        return 0
+
+    def group_name(self, index: int) -> str:
+        return "default" if index == 0 else (self.groups[index - 1].name or f"group{index}")
+
+    def hyperparams(self, index: int) -> dict[str, float]:
+        h = dict(self.defaults)
+        if index:
+            h.update(self.groups[index - 1].overrides)
+        return h
+
+    @property
+    def moment_names(self) -> tuple[str, ...]:
+        if self.kind == "sgd":
+            return ("momentum_buffer",) if self.momentum_buffer else ()
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
+
+    def update(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        moments: tuple[torch.Tensor, ...],
+        hyper: Mapping[str, torch.Tensor],
+        step: torch.Tensor,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """One update of a shard. ``param``, ``grad``, moments: ``[R, n]``, same dtype.
+
+        ``step``: 0-d int64, updates applied before this one. Returns new
+        ``(param, moments)``; inputs are not modified. No collective.
+        """
+        if self.kind == "sgd":
+            return _sgd_update(self, param, grad, moments, hyper, step)
+        return _adam_update(self, param, grad, moments, hyper, step)
+
+
+GroupSpec = Union[ParamGroup, tuple[Predicate, Mapping[str, float]]]
+
+
+def _groups(groups: Sequence[GroupSpec], allowed: Sequence[str]) -> tuple[ParamGroup, ...]:
+    out = []
+    for i, g in enumerate(groups):
+        if not isinstance(g, ParamGroup):
+            match, overrides = g
+            g = ParamGroup(match, tuple(sorted((k, float(v)) for k, v in dict(overrides).items())))
+        for k, v in g.overrides:
+            if k not in allowed:
+                raise ValueError(
+                    f"param group {i + 1}: unknown hyperparameter {k!r}; expected one of {sorted(allowed)}"
+                )
+            _check_hyper(k, v, f"param group {i + 1}")
+        out.append(g)
+    return tuple(out)
+
+
+def _check_hyper(name: str, value: float, where: str) -> None:
+    ok = {
+        "lr": value >= 0,
+        "momentum": value >= 0,
+        "dampening": True,
+        "weight_decay": value >= 0,
+        "beta1": 0 <= value < 1,
+        "beta2": 0 <= value < 1,
+        "eps": value >= 0,
+    }[name]
+    if not ok:
+        raise ValueError(f"{where}: invalid {name} {value}")
+
+
+def _defaults(where: str, **values: float) -> tuple[tuple[str, float], ...]:
+    for k, v in values.items():
+        _check_hyper(k, float(v), where)
+    return tuple((k, float(v)) for k, v in values.items())
+
+
+def sgd(
+    lr: float = 1e-3,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    *,
+    nesterov: bool = False,
+    maximize: bool = False,
+    groups: Sequence[GroupSpec] = (),
+) -> Optimizer:
+    """``torch.optim.SGD``. A momentum buffer exists iff ``momentum != 0`` here."""
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("nesterov momentum requires a momentum and zero dampening")
+    d = _defaults("sgd", lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay)
+    return Optimizer(
+        "sgd", d, _groups(groups, [k for k, _ in d]),
+        nesterov=nesterov, maximize=maximize, momentum_buffer=momentum != 0,
+    )
+
+
+def adam(
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    groups: Sequence[GroupSpec] = (),
+) -> Optimizer:
+    """``torch.optim.Adam`` (L2 weight decay added to the gradient)."""
+    d = _defaults("adam", lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
+    return Optimizer("adam", d, _groups(groups, [k for k, _ in d]), maximize=maximize, amsgrad=amsgrad)
+
+
+def adamw(
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    *,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    groups: Sequence[GroupSpec] = (),
+) -> Optimizer:
+    """``torch.optim.AdamW`` (decoupled weight decay)."""
+    d = _defaults("adamw", lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
+    return Optimizer("adamw", d, _groups(groups, [k for k, _ in d]), maximize=maximize, amsgrad=amsgrad)
+
+
+@pytree_dataclass
+class OptState:
+    """Optimizer state of this process's shards.
+
+    Leaves: ``step`` (0-d int64, updates applied); ``hyper`` (per optimizer
+    group, ``{name: 0-d float64}``); ``moments`` (per flat group, one
+    ``[R, shard_numel]`` tensor per :attr:`Optimizer.moment_names`).
+    Static: the :class:`Optimizer`.
+    """
+
+    step: torch.Tensor
+    hyper: tuple[dict[str, torch.Tensor], ...]
+    moments: tuple[tuple[torch.Tensor, ...], ...]
+    optimizer: Optimizer = static_field()
+
+
+def init_opt_state(optimizer: Optimizer, master: Sequence[torch.Tensor]) -> OptState:
+    """Zero moments shaped like each master shard ``[R, shard_numel]``; hyperparameters as tensors."""
+    device = master[0].device
+    hyper = tuple(
+        {k: torch.tensor(v, dtype=torch.float64, device=device) for k, v in optimizer.hyperparams(i).items()}
+        for i in range(optimizer.num_groups)
+    )
+    moments = tuple(tuple(torch.zeros_like(m) for _ in optimizer.moment_names) for m in master)
+    return OptState(torch.zeros((), dtype=torch.int64, device=device), hyper, moments, optimizer)
+
+
+def set_hyperparams(
+    state: OptState, group: Optional[int] = None, **values: Union[float, torch.Tensor]
+) -> OptState:
+    """A new state with hyperparameters replaced, in one group or (``group=None``) all.
+
+    Values may be floats or 0-d tensors (e.g. a schedule's output inside a
+    compiled step); nothing recompiles.
+    """
+    groups = range(len(state.hyper)) if group is None else [group]
+    hyper = [dict(h) for h in state.hyper]
+    for g in groups:
+        if not 0 <= g < len(hyper):
+            raise ValueError(f"set_hyperparams: no param group {g} (the optimizer has {len(hyper)})")
+        for k, v in values.items():
+            if k not in hyper[g]:
+                raise ValueError(
+                    f"set_hyperparams: {state.optimizer.kind} has no hyperparameter {k!r}; "
+                    f"expected one of {sorted(hyper[g])}"
+                )
+            old = hyper[g][k]
+            hyper[g][k] = torch.as_tensor(v, dtype=old.dtype, device=old.device).reshape(())
+    return replace(state, hyper=tuple(hyper))
+
+
+def _sgd_update(
+    opt: Optimizer,
+    p: torch.Tensor,
+    g: torch.Tensor,
+    moments: tuple[torch.Tensor, ...],
+    h: Mapping[str, torch.Tensor],
+    step: torch.Tensor,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    if opt.maximize:
+        g = -g
+    g = g + h["weight_decay"] * p
+    new_moments: tuple[torch.Tensor, ...] = ()
+    if opt.momentum_buffer:
+        (buf,) = moments
+        # torch starts the buffer as a copy of the first gradient (no dampening).
+        buf = torch.where(step == 0, g, buf * h["momentum"] + (1 - h["dampening"]) * g)
+        g = g + h["momentum"] * buf if opt.nesterov else buf
+        new_moments = (buf,)
+    return p + (-h["lr"]) * g, new_moments
+
+
+def _adam_update(
+    opt: Optimizer,
+    p: torch.Tensor,
+    g: torch.Tensor,
+    moments: tuple[torch.Tensor, ...],
+    h: Mapping[str, torch.Tensor],
+    step: torch.Tensor,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    if opt.maximize:
+        g = -g
+    t = step + 1
+    lr, wd, beta1, beta2 = h["lr"], h["weight_decay"], h["beta1"], h["beta2"]
+    if opt.kind == "adamw":
+        p = p * (1 - lr * wd)
+    else:
+        g = g + wd * p
+    exp_avg = torch.lerp(moments[0], g, (1 - beta1).to(g.dtype))
+    exp_avg_sq = moments[1] * beta2 + (1 - beta2) * g * g
+    # Scalars in float64, as torch computes them from Python floats.
+    step_size = lr / (1 - beta1**t)
+    bias_correction2_sqrt = torch.sqrt(1 - beta2**t)
+    second = exp_avg_sq
+    new_moments = (exp_avg, exp_avg_sq)
+    if opt.amsgrad:
+        second = torch.maximum(moments[2], exp_avg_sq)
+        new_moments = new_moments + (second,)
+    denom = second.sqrt() / bias_correction2_sqrt + h["eps"]
+    return p + (-step_size) * (exp_avg / denom), new_moments

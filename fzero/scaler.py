@@ -1,0 +1,216 @@
+"""Dynamic loss scaling as pure functions on an immutable :class:`ScalerState`.
+
+The rule is ``torch.amp.GradScaler``'s (CPU kernel ``_amp_update_scale_``),
+bit for bit, extended with two options users of DeepSpeed know: a floor
+(``min_scale``) and hysteresis (tolerate ``hysteresis - 1`` overflows before
+backing off). Every value that changes between steps is a 0-d tensor, so a
+compiled step never recompiles and never syncs with the host.
+
+Imports: ``fzero.pytree`` and ``fzero.comm`` (protocol only).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.utils._pytree as tp
+
+from .comm import Communicator
+from .pytree import pytree_dataclass, replace, static_field
+
+__all__ = [
+    "ScalerState",
+    "init_scaler",
+    "static_scaler",
+    "scale",
+    "unscale_and_check",
+    "update_scale",
+]
+
+
+@pytree_dataclass
+class ScalerState:
+    """Loss-scale state.
+
+    Leaves (0-d tensors, identical on every rank):
+      * ``scale``: float32, the current loss scale.
+      * ``growth_tracker``: int32, consecutive clean steps since the last
+        growth or overflow (``GradScaler._growth_tracker``).
+      * ``hysteresis_left``: int32, overflows still tolerated before backing
+        off (always 1 when hysteresis is off).
+
+    Static metadata: the update rule's configuration. ``dynamic=False`` is the
+    static mode (bf16/fp32 training, or a fixed fp16 scale): the scale never
+    changes, but non-finite gradients are still detected and the step skipped.
+    """
+
+    scale: torch.Tensor
+    growth_tracker: torch.Tensor
+    hysteresis_left: torch.Tensor
+    growth_factor: float = static_field(default=2.0)
+    backoff_factor: float = static_field(default=0.5)
+    growth_interval: int = static_field(default=2000)
+    min_scale: Optional[float] = static_field(default=None)
+    hysteresis: Optional[int] = static_field(default=None)
+    dynamic: bool = static_field(default=True)
+
+
+def init_scaler(
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    *,
+    min_scale: Optional[float] = None,
+    hysteresis: Optional[int] = None,
+    device: torch.device | str | None = None,
+) -> ScalerState:
+    """A dynamic scaler with ``torch.amp.GradScaler``'s defaults.
+
+    ``min_scale``: the scale never backs off below it. ``hysteresis``: back
+    off only on the ``hysteresis``-th overflow since the last growth (DeepSpeed's
+    ``delayed_shift``); ``None`` is torch's rule (back off on every overflow).
+    """
+    if not init_scale > 0:
+        raise ValueError(f"init_scale must be positive, got {init_scale}")
+    if not growth_factor > 1.0:
+        raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+    if not 0.0 < backoff_factor < 1.0:
+        raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
+    if not (isinstance(growth_interval, int) and growth_interval > 0):
+        raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
+    if min_scale is not None and not 0 < min_scale <= init_scale:
+        raise ValueError(f"min_scale must be in (0, init_scale], got {min_scale}")
+    if hysteresis is not None and not (isinstance(hysteresis, int) and hysteresis >= 1):
+        raise ValueError(f"hysteresis must be an int >= 1 or None, got {hysteresis!r}")
+    return ScalerState(
+        scale=torch.tensor(init_scale, dtype=torch.float32, device=device),
+        growth_tracker=torch.tensor(0, dtype=torch.int32, device=device),
+        hysteresis_left=torch.tensor(hysteresis or 1, dtype=torch.int32, device=device),
+        growth_factor=float(growth_factor),
+        backoff_factor=float(backoff_factor),
+        growth_interval=growth_interval,
+        min_scale=None if min_scale is None else float(min_scale),
+        hysteresis=hysteresis,
+        dynamic=True,
+    )
+
+
+def static_scaler(value: float = 1.0, *, device: torch.device | str | None = None) -> ScalerState:
+    """A scaler whose scale never changes (1.0: no scaling, for bf16/fp32)."""
+    if not value > 0:
+        raise ValueError(f"static scale must be positive, got {value}")
+    return ScalerState(
+        scale=torch.tensor(value, dtype=torch.float32, device=device),
+        growth_tracker=torch.tensor(0, dtype=torch.int32, device=device),
+        hysteresis_left=torch.tensor(1, dtype=torch.int32, device=device),
+        dynamic=False,
+    )
+
+
+def _opmath(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_floating(path: str, x: Any) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{path}: expected a tensor, got {type(x).__name__}")
+    if x.is_sparse or x.layout != torch.strided:
+        raise TypeError(f"{path}: sparse tensors are not supported (layout {x.layout})")
+    if not x.is_floating_point():
+        raise TypeError(f"{path}: expected a floating-point tensor, got {x.dtype}")
+    return x
+
+
+def scale(scaler: ScalerState, tree: Any) -> Any:
+    """Multiply every tensor of ``tree`` (a tensor or nested list/tuple/dict) by the scale.
+
+    Each output keeps its input's dtype and the tree's structure. No collective.
+    """
+    def one(path: Any, x: Any) -> torch.Tensor:
+        x = _check_floating(f"scale: output{tp.keystr(path)}", x)
+        return (x * scaler.scale.to(x.device)).to(x.dtype)
+
+    return tp.tree_map_with_path(one, tree)
+
+
+def unscale_and_check(
+    scaler: ScalerState, grads: Any, comm: Communicator
+) -> tuple[Any, torch.Tensor]:
+    """Unscale gradients and find non-finite values on any rank.
+
+    ``grads``: a tree of floating tensors (fp32, fp16, bf16 or fp64), each with
+    the communicator's leading local-rank axis ``[R, ...]``. Each is multiplied
+    by ``1/scale`` (computed in float64 and rounded to float32, as torch does)
+    in float32 (float64 for fp64 grads) and rounded back to its own dtype.
+
+    Returns ``(grads, found_inf)``; ``found_inf`` is a 0-d float32 tensor, 1.0
+    if any rank saw a non-finite gradient. It is agreed through one
+    ``all_reduce(max)`` of ``R`` elements, so every rank skips together.
+    """
+    leaves_with_path, spec = tp.tree_flatten_with_path(grads)
+    if not leaves_with_path:
+        raise ValueError("unscale_and_check: the gradient tree has no tensors")
+    inv = scaler.scale.double().reciprocal().float()
+    local_found = None
+    out = []
+    for path, g in leaves_with_path:
+        g = _check_floating(f"unscale_and_check: grads{tp.keystr(path)}", g)
+        if g.dim() == 0 or g.shape[0] != comm.local_ranks:
+            raise ValueError(
+                f"unscale_and_check: grads{tp.keystr(path)} has shape {tuple(g.shape)}; "
+                f"expected a leading local-rank axis of size {comm.local_ranks}"
+            )
+        bad = (~torch.isfinite(g)).reshape(g.shape[0], -1).any(dim=1)
+        local_found = bad if local_found is None else local_found | bad
+        op = _opmath(g.dtype)
+        out.append((g.to(op) * inv.to(device=g.device, dtype=op)).to(g.dtype))
+    found = comm.all_reduce(local_found.to(torch.float32), "max")[0]
+    return tp.tree_unflatten(out, spec), found
+
+
+def update_scale(scaler: ScalerState, found_inf: torch.Tensor) -> ScalerState:
+    """The next scaler state after a step with ``found_inf`` (0-d, agreed across ranks).
+
+    Without hysteresis and floor this is ``torch.amp.GradScaler.update``:
+    on overflow ``scale *= backoff_factor`` and the tracker resets; otherwise
+    the tracker counts up and, on reaching ``growth_interval``, the scale is
+    multiplied by ``growth_factor`` (kept only if finite) and the tracker
+    resets. Products are taken in float64 and rounded to float32, as the CPU
+    kernel does. Then the scale is floored at ``min_scale``. With hysteresis
+    ``h``, an overflow first spends one of ``h - 1`` tolerated overflows
+    (the scale holds) and backs off only when none is left; growth refills them.
+    Branch-free (``torch.where``); no host sync; no collective.
+    """
+    if not scaler.dynamic:
+        return scaler
+    found = found_inf.to(torch.bool)
+    s64 = scaler.scale.double()
+    successful = scaler.growth_tracker + 1
+    grows = (~found) & (successful == scaler.growth_interval)
+    grown = (s64 * scaler.growth_factor).float()
+    grown = torch.where(torch.isfinite(grown), grown, scaler.scale)
+
+    if scaler.hysteresis is None:
+        backs_off = found
+        hysteresis_left = scaler.hysteresis_left
+    else:
+        backs_off = found & (scaler.hysteresis_left <= 1)
+        hysteresis_left = torch.where(
+            grows,
+            torch.full_like(scaler.hysteresis_left, scaler.hysteresis),
+            torch.where(found & ~backs_off, scaler.hysteresis_left - 1, scaler.hysteresis_left),
+        )
+    backed_off = (s64 * scaler.backoff_factor).float()
+    if scaler.min_scale is not None:
+        backed_off = torch.clamp(backed_off, min=scaler.min_scale)
+
+    new_scale = torch.where(backs_off, backed_off, torch.where(grows, grown, scaler.scale))
+    new_tracker = torch.where(found | grows, torch.zeros_like(successful), successful)
+    return replace(
+        scaler,
+        scale=new_scale,
+        growth_tracker=new_tracker.to(torch.int32),
+        hysteresis_left=hysteresis_left.to(torch.int32),
+    )

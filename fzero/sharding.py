@@ -1,0 +1,306 @@
+"""This rank's shard of the flat layout and the pure functions that move data
+between full parameters/gradients and shards.
+
+Imports: ``fzero.layout``, ``fzero.comm``, ``fzero.optim``, ``fzero.pytree``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+import torch.utils._pytree as tp
+
+from .comm import Communicator, gradient_divide_factors
+from .layout import Layout, build_layout, flat_shard, flatten_group, group_views, named_leaves
+from .optim import OptState, Optimizer
+from .pytree import pytree_dataclass, replace, static_field
+
+__all__ = [
+    "ShardState",
+    "init_shard",
+    "check_world",
+    "reduce_scatter_grads",
+    "gather_flat_params",
+    "all_gather_params",
+    "trainable_views",
+    "merge_params",
+    "average_flat_grads",
+    "local_sq_norm",
+    "shard_step",
+    "global_norm",
+    "LOW_PRECISION",
+]
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@pytree_dataclass
+class ShardState:
+    """This process's shards of the flat layout.
+
+    Leaves: ``master``, one ``[R, shard_numel]`` tensor per flat group in the
+    group's master dtype (float32; float64 for float64 parameters);
+    ``frozen``, the frozen parameters in full (replicated, no rank axis).
+    Static: the :class:`~fzero.layout.Layout`.
+    """
+
+    master: tuple[torch.Tensor, ...]
+    frozen: tuple[torch.Tensor, ...]
+    layout: Layout = static_field()
+
+
+def init_shard(
+    params: Any,
+    comm: Communicator,
+    *,
+    trainable: Optional[Any] = None,
+    optimizer: Optional[Optimizer] = None,
+    alignment: int = 16,
+) -> ShardState:
+    """Lay out ``params`` (``nn.Module`` or pytree) for ``comm`` and build this process's shards.
+
+    Each local rank materialises only the slice it owns. ``optimizer`` assigns
+    parameter groups by path. No collective.
+    """
+    layout = build_layout(
+        params,
+        comm.world_size,
+        trainable=trainable,
+        group_of=optimizer.group_of if optimizer is not None else None,
+        alignment=alignment,
+    )
+    leaves = [x for _, x in named_leaves(params)[0]]
+    master = tuple(
+        torch.stack([flat_shard(layout, g, leaves, r) for r in comm.ranks]) for g in layout.groups
+    )
+    frozen = tuple(leaves[i].detach().clone() for i, s in enumerate(layout.slots) if s.group < 0)
+    return ShardState(master, frozen, layout)
+
+
+def check_world(shard: ShardState, comm: Communicator) -> None:
+    """Raise ``ValueError`` if ``shard`` was built for another world than ``comm``'s."""
+    lay = shard.layout
+    if lay.world_size != comm.world_size:
+        raise ValueError(
+            f"ShardState.layout.world_size is {lay.world_size} but the communicator's world size is "
+            f"{comm.world_size}: this state was built for another world (reshard it first)"
+        )
+    for g, m in zip(lay.groups, shard.master):
+        if tuple(m.shape) != (comm.local_ranks, g.shard_numel):
+            raise ValueError(
+                f"ShardState.master[{g.index}] has shape {tuple(m.shape)}, expected "
+                f"({comm.local_ranks}, {g.shard_numel}) for this communicator"
+            )
+
+
+def _grad_leaves(layout: Layout, grads: Any, rows: int) -> list[Optional[torch.Tensor]]:
+    """Gradients in layout order (None for frozen slots), validated against the layout."""
+    named, _ = named_leaves(grads)
+    by_path = dict(named)
+    known = set(layout.paths)
+    for path in by_path:
+        if path not in known:
+            raise ValueError(f"grads has an entry {path!r} that is not a parameter of the layout")
+    out: list[Optional[torch.Tensor]] = []
+    for s in layout.slots:
+        g = by_path.get(s.path)
+        if s.group < 0:
+            out.append(None)
+            continue
+        if g is None:
+            raise ValueError(f"grads is missing trainable parameter {s.path!r}")
+        if not isinstance(g, torch.Tensor):
+            raise TypeError(f"grads[{s.path!r}]: expected a tensor, got {type(g).__name__}")
+        if g.layout != torch.strided:
+            raise TypeError(f"grads[{s.path!r}]: sparse gradients are not supported ({g.layout})")
+        if not g.is_floating_point():
+            raise TypeError(f"grads[{s.path!r}]: expected a floating-point gradient, got {g.dtype}")
+        if tuple(g.shape) != (rows, *s.shape):
+            raise ValueError(
+                f"grads[{s.path!r}] has shape {tuple(g.shape)}; parameter {s.path!r} needs "
+                f"{(rows, *s.shape)} (leading local-rank axis {rows})"
+            )
+        out.append(g)
+    return out
+
+
+def reduce_scatter_grads(
+    shard: ShardState,
+    grads: Any,
+    comm: Communicator,
+    *,
+    reduce_dtype: Optional[torch.dtype] = None,
+    via_all_reduce: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Average gradients over ranks and keep this rank's shard of each flat group.
+
+    ``grads``: a tree shaped like the parameters (``{path: tensor}`` or the
+    model's own structure), each leaf ``[R, *shape]`` in any floating dtype;
+    frozen parameters may be absent or None. Returns one ``[R, shard_numel]``
+    tensor per flat group in the master dtype, padding zero.
+
+    Communication: one ``reduce_scatter`` per flat group (``via_all_reduce``:
+    one ``all_reduce`` and a local slice, ZeRO stage 1) in ``reduce_dtype``
+    (default: the master dtype). In fp16/bf16 the gradients are divided by
+    FSDP's pre-factor before the sum and by the post-factor after it, in that
+    dtype, then cast to the master dtype; otherwise the sum is divided by W.
+    """
+    check_world(shard, comm)
+    lay = shard.layout
+    leaves = _grad_leaves(lay, grads, comm.local_ranks)
+    out = []
+    for g in lay.groups:
+        flat = flatten_group(lay, g, leaves)
+        out.append(average_flat_grads(flat, comm, reduce_dtype or g.master_dtype, g.master_dtype, via_all_reduce))
+    return tuple(out)
+
+
+def average_flat_grads(
+    flat: torch.Tensor,
+    comm: Communicator,
+    reduce_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    via_all_reduce: bool = False,
+) -> torch.Tensor:
+    """Average one flat gradient buffer ``[R, padded]`` over ranks, keep this rank's shard.
+
+    The communication of :func:`reduce_scatter_grads`, for an already flat buffer.
+    """
+    x = flat.to(reduce_dtype)
+    if reduce_dtype in LOW_PRECISION:
+        pre, post = gradient_divide_factors(comm.world_size)
+        if pre > 1:
+            x = x / pre
+        x = comm.take_shard(comm.all_reduce(x, "sum")) if via_all_reduce else comm.reduce_scatter(x, "sum")
+        if post > 1:
+            x = x / post
+        return x.to(out_dtype)
+    x = comm.take_shard(comm.all_reduce(x, "avg")) if via_all_reduce else comm.reduce_scatter(x, "avg")
+    return x.to(out_dtype)
+
+
+def gather_flat_params(
+    shard: ShardState, comm: Communicator, dtype: Optional[torch.dtype] = None
+) -> tuple[torch.Tensor, ...]:
+    """Full flat parameter buffers ``[R, padded_numel]`` per flat group, in ``dtype``.
+
+    ``dtype``: the compute dtype (default: each group's parameter dtype). The
+    master shard is cast *before* the ``all_gather`` (one per flat group), so
+    16-bit compute moves 16-bit data.
+    """
+    check_world(shard, comm)
+    return tuple(
+        comm.all_gather(m.to(dtype or g.dtype)) for g, m in zip(shard.layout.groups, shard.master)
+    )
+
+
+def trainable_views(layout: Layout, flat: Sequence[torch.Tensor], row: int) -> dict[str, torch.Tensor]:
+    """One rank's trainable parameters ``{path: view of flat[g][row]}`` (what a step differentiates)."""
+    out = {}
+    for g in layout.groups:
+        for i, v in zip(g.slots, group_views(layout, g, flat[g.index][row])):
+            out[layout.slots[i].path] = v
+    return out
+
+
+def merge_params(
+    layout: Layout,
+    trainable: Mapping[str, torch.Tensor],
+    frozen: Sequence[torch.Tensor],
+    dtype: Optional[torch.dtype] = None,
+) -> Any:
+    """The full parameter tree in the user's structure: trainable leaves from
+    ``trainable`` (by path), frozen leaves from ``frozen`` cast to ``dtype`` if given."""
+    frozen_iter = iter(frozen)
+    leaves = []
+    for s in layout.slots:
+        if s.group >= 0:
+            leaves.append(trainable[s.path])
+        else:
+            f = next(frozen_iter)
+            leaves.append(f.to(dtype) if dtype is not None else f)
+    return tp.tree_unflatten(leaves, layout.spec)
+
+
+def all_gather_params(
+    shard: ShardState, comm: Communicator, dtype: Optional[torch.dtype] = None
+) -> Any:
+    """The full parameters in the model's structure, each leaf ``[R, *shape]`` in ``dtype``.
+
+    One ``all_gather`` per flat group (see :func:`gather_flat_params`);
+    frozen leaves are broadcast views of the replicated copy.
+    """
+    flat = gather_flat_params(shard, comm, dtype)
+    lay = shard.layout
+    leaves: list[Optional[torch.Tensor]] = [None] * len(lay.slots)
+    for g in lay.groups:
+        for i in g.slots:
+            s = lay.slots[i]
+            leaves[i] = flat[g.index][:, s.offset : s.offset + s.numel].reshape(comm.local_ranks, *s.shape)
+    frozen_iter = iter(shard.frozen)
+    for i, s in enumerate(lay.slots):
+        if s.group < 0:
+            f = next(frozen_iter)
+            f = f.to(dtype) if dtype is not None else f
+            leaves[i] = f.unsqueeze(0).expand(comm.local_ranks, *f.shape)
+    return tp.tree_unflatten(leaves, lay.spec)
+
+
+def local_sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-rank sum of squares of ``[R, shard_numel]`` shards: ``[R]`` float64. No collective."""
+    return sum(g.double().square().sum(dim=1) for g in grads)
+
+
+def global_norm(grads: Sequence[torch.Tensor], comm: Communicator) -> torch.Tensor:
+    """L2 norm of gradients sharded as ``[R, shard_numel]`` tensors (0-d, float32).
+
+    Each element is counted once (shards are disjoint, padding is zero).
+    One ``all_reduce(sum)`` of ``R`` elements. Non-finite gradients give a
+    non-finite norm.
+    """
+    return comm.all_reduce(local_sq_norm(grads), "sum")[0].sqrt().float()
+
+
+def shard_step(
+    shard: ShardState,
+    opt_state: OptState,
+    grads: Sequence[torch.Tensor],
+    found_inf: Optional[torch.Tensor] = None,
+) -> tuple[ShardState, OptState]:
+    """Apply the optimizer to every flat group's master shard.
+
+    ``grads``: per flat group ``[R, shard_numel]`` (from :func:`reduce_scatter_grads`,
+    unscaled). ``found_inf``: 0-d, agreed across ranks; when it is nonzero the
+    returned states are bitwise the inputs, chosen by ``torch.where`` (no
+    Python branch on a tensor, no host sync), and the step count holds.
+    No collective.
+    """
+    lay = shard.layout
+    if len(grads) != len(lay.groups):
+        raise ValueError(f"shard_step: got {len(grads)} gradient shards for {len(lay.groups)} flat groups")
+    if len(opt_state.moments) != len(lay.groups):
+        raise ValueError(
+            f"shard_step: OptState.moments has {len(opt_state.moments)} flat groups, the layout "
+            f"{len(lay.groups)}: the optimizer state belongs to another layout"
+        )
+    opt = opt_state.optimizer
+    skip = None if found_inf is None else found_inf.to(torch.bool)
+    new_master, new_moments = [], []
+    for g, p, grad, moments in zip(lay.groups, shard.master, grads, opt_state.moments):
+        if tuple(grad.shape) != tuple(p.shape):
+            raise ValueError(
+                f"shard_step: gradient shard of flat group {g.index} has shape {tuple(grad.shape)}, "
+                f"the master shard {tuple(p.shape)}"
+            )
+        p2, m2 = opt.update(p, grad.to(p.dtype), moments, opt_state.hyper[g.opt_group], opt_state.step)
+        if skip is not None:
+            p2 = torch.where(skip, p, p2)
+            m2 = tuple(torch.where(skip, a, b) for a, b in zip(moments, m2))
+        new_master.append(p2)
+        new_moments.append(m2)
+    step = opt_state.step + 1 if skip is None else opt_state.step + (~skip).to(opt_state.step.dtype)
+    return (
+        replace(shard, master=tuple(new_master)),
+        replace(opt_state, step=step, moments=tuple(new_moments)),
+    )

@@ -1,0 +1,200 @@
+"""Composition of the pure pieces into one training step (ZeRO stage 1 and 2).
+
+A step, for every local rank ``r`` (one on a real rank, W in the simulated world):
+
+1. forward and backward of ``loss_fn(params_r, batch_r)`` with the loss
+   multiplied by the loss scale (``torch.func.grad`` over views of the
+   gathered compute-dtype buffers, then concatenated per flat group);
+2. gradients averaged over ranks: ``reduce_scatter`` (stage 2) or
+   ``all_reduce`` and a local slice (stage 1), fp32 out;
+3. ``unscale_and_check`` (``found_inf`` agreed by ``all_reduce(max)``), the
+   global gradient norm and the mean loss (one ``all_reduce(sum)`` of two
+   scalars), optional clipping;
+4. ``shard_step`` (skipped bitwise by selection when ``found_inf``),
+   ``update_scale``, and ``all_gather`` of the new parameters in the
+   compute dtype for the next step.
+
+Imports: every other fzero module but ``fzero.dist``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+import torch.utils._pytree as tp
+from torch.func import functional_call, grad as func_grad
+
+from .comm import Communicator
+from .layout import flatten_one
+from .optim import OptState, Optimizer, init_opt_state
+from .precision import MixedPrecision
+from .pytree import pytree_dataclass, replace, static_field
+from .scaler import ScalerState, init_scaler, scale, static_scaler, unscale_and_check, update_scale
+from .sharding import (
+    ShardState,
+    average_flat_grads,
+    check_world,
+    gather_flat_params,
+    init_shard,
+    local_sq_norm,
+    merge_params,
+    shard_step,
+    trainable_views,
+)
+
+__all__ = ["TrainState", "init_train_state", "make_train_step", "module_loss", "LossFn"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@pytree_dataclass
+class TrainState:
+    """Everything a training step carries from one step to the next.
+
+    ``params``: the gathered compute-dtype flat buffers ``[R, padded_numel]``,
+    one per flat group (stages 1 and 2 keep full parameters between steps).
+    Static: the :class:`MixedPrecision` policy.
+    """
+
+    shard: ShardState
+    opt: OptState
+    scaler: ScalerState
+    params: tuple[torch.Tensor, ...]
+    precision: MixedPrecision = static_field(default=MixedPrecision())
+
+    @property
+    def layout(self):  # noqa: ANN201 - Layout, re-exported for convenience
+        return self.shard.layout
+
+
+def init_train_state(
+    params: Any,
+    optimizer: Optimizer,
+    comm: Communicator,
+    *,
+    precision: MixedPrecision = MixedPrecision(),
+    scaler: Optional[ScalerState] = None,
+    trainable: Optional[Callable[[str], bool]] = None,
+    alignment: int = 16,
+) -> TrainState:
+    """The initial state for ``params`` (an ``nn.Module`` or a pytree of tensors).
+
+    Each local rank builds only its own shards. ``scaler`` defaults to a dynamic
+    :func:`~fzero.scaler.init_scaler` when computing in fp16 and to a static
+    scale of 1 otherwise. Collectives: one ``all_gather`` per flat group (the
+    compute-dtype parameters).
+    """
+    shard = init_shard(params, comm, trainable=trainable, optimizer=optimizer, alignment=alignment)
+    opt = init_opt_state(optimizer, shard.master)
+    if scaler is None:
+        scaler = init_scaler() if precision.param_dtype == torch.float16 else static_scaler(1.0)
+    gathered = gather_flat_params(shard, comm, precision.param_dtype)
+    return TrainState(shard, opt, scaler, gathered, precision)
+
+
+def module_loss(
+    module: torch.nn.Module,
+    criterion: Callable[..., torch.Tensor],
+) -> LossFn:
+    """``loss_fn(params, (inputs, target)) = criterion(module(inputs) with params, target)``.
+
+    ``params`` is the mapping of the module's parameter names to tensors; the
+    module's buffers are used as they are. ``inputs`` may be a tuple of
+    positional arguments.
+    """
+    def loss_fn(params: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:
+        inputs, target = batch
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        return criterion(functional_call(module, dict(params), args), target)
+
+    return loss_fn
+
+
+def _index_row(tree: Any, r: int) -> Any:
+    return tp.tree_map(lambda x: x[r], tree)
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    comm: Communicator,
+    *,
+    stage: int = 2,
+    clip_norm: Optional[float] = None,
+) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]:
+    """A pure step ``(state, batch) -> (state, metrics)`` for ZeRO stage 1 or 2.
+
+    ``loss_fn(params, batch)``: a 0-d loss for one rank's micro-batch, where
+    ``params`` has the structure of the parameters given to
+    :func:`init_train_state`. ``batch``: any tree whose leaves carry the
+    local-rank axis ``[R, ...]`` (see ``comm.split_batch``).
+    ``clip_norm``: clip the global gradient norm as
+    ``torch.nn.utils.clip_grad_norm_`` does.
+
+    Metrics (0-d): ``loss`` (mean over ranks, unscaled), ``found_inf``,
+    ``scale`` (the scale used in this step), ``grad_norm`` (unscaled, before
+    clipping). Runs eagerly or under ``torch.compile(fullgraph=True)``.
+    """
+    if stage not in (1, 2):
+        raise ValueError(f"make_train_step: stage must be 1 or 2, got {stage!r}")
+    if clip_norm is not None and not clip_norm > 0:
+        raise ValueError(f"make_train_step: clip_norm must be positive, got {clip_norm}")
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        shard, scaler = state.shard, state.scaler
+        check_world(shard, comm)
+        lay = shard.layout
+        dtype = state.precision.param_dtype
+        flat_grads: list[list[torch.Tensor]] = [[] for _ in lay.groups]
+        losses = []
+        for r in range(comm.local_ranks):
+            trainable = trainable_views(lay, state.params, r)
+            batch_r = _index_row(batch, r)
+
+            def scaled_loss(train: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                loss = loss_fn(merge_params(lay, train, shard.frozen, dtype), batch_r)
+                if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                    raise ValueError(f"loss_fn must return a 0-d tensor, got {loss!r:.80}")
+                loss = loss.float()
+                return scale(scaler, loss), loss.detach()
+
+            grads, loss = func_grad(scaled_loss, has_aux=True)(trainable)
+            leaves = [grads.get(s.path) for s in lay.slots]
+            for g in lay.groups:
+                flat_grads[g.index].append(flatten_one(lay, g, leaves))
+            losses.append(loss)
+
+        reduce_dtype = state.precision.reduce_dtype
+        shards = tuple(
+            average_flat_grads(
+                _stack_rows(fl), comm, reduce_dtype or g.master_dtype, g.master_dtype, stage == 1
+            )
+            for g, fl in zip(lay.groups, flat_grads)
+        )
+        shards, found_inf = unscale_and_check(scaler, shards, comm)
+        sums = comm.all_reduce(
+            torch.stack([local_sq_norm(shards), torch.stack(losses).double()], dim=1), "sum"
+        )[0]
+        grad_norm = sums[0].sqrt().float()
+        loss = (sums[1] / comm.world_size).float()
+        found_inf = torch.maximum(found_inf, (~torch.isfinite(grad_norm)).float())
+        if clip_norm is not None:
+            coef = torch.clamp(clip_norm / (grad_norm + 1e-6), max=1.0)
+            shards = tuple(s * coef.to(s.dtype) for s in shards)
+        new_shard, new_opt = shard_step(shard, state.opt, shards, found_inf)
+        new_state = replace(
+            state,
+            shard=new_shard,
+            opt=new_opt,
+            scaler=update_scale(scaler, found_inf),
+            params=gather_flat_params(new_shard, comm, dtype),
+        )
+        metrics = {"loss": loss, "found_inf": found_inf, "scale": scaler.scale, "grad_norm": grad_norm}
+        return new_state, metrics
+
+    return step
+
+
+def _stack_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    # One local rank (a real process): a view, not a copy.
+    return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)
