@@ -99,14 +99,21 @@ def module_loss(
 ) -> LossFn:
     """``loss_fn(params, (inputs, target)) = criterion(module(inputs) with params, target)``.
 
-    ``params`` is the mapping of the module's parameter names to tensors; the
-    module's buffers are used as they are. ``inputs`` may be a tuple of
-    positional arguments.
+    ``params`` maps the module's parameter names to tensors; the module's
+    buffers are used as they are. ``inputs`` may be a tuple of positional
+    arguments. As FSDP2's ``cast_forward_inputs``, floating inputs are cast to
+    the dtype of the parameters given (the compute dtype), and a 16-bit output
+    is upcast to float32 before the criterion, so the loss is computed in fp32.
     """
     def loss_fn(params: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:
         inputs, target = batch
         args = inputs if isinstance(inputs, tuple) else (inputs,)
-        return criterion(functional_call(module, dict(params), args), target)
+        dtype = next(iter(params.values())).dtype
+        args = tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+        out = functional_call(module, dict(params), args)
+        if out.dtype in (torch.float16, torch.bfloat16):
+            out = out.float()
+        return criterion(out, target)
 
     return loss_fn
 
@@ -175,11 +182,12 @@ def make_train_step(
         sums = comm.all_reduce(
             torch.stack([local_sq_norm(shards), torch.stack(losses).double()], dim=1), "sum"
         )[0]
-        grad_norm = sums[0].sqrt().float()
+        norm64 = sums[0].sqrt()
         loss = (sums[1] / comm.world_size).float()
-        found_inf = torch.maximum(found_inf, (~torch.isfinite(grad_norm)).float())
+        found_inf = torch.maximum(found_inf, (~torch.isfinite(norm64)).float())
         if clip_norm is not None:
-            coef = torch.clamp(clip_norm / (grad_norm + 1e-6), max=1.0)
+            # torch.nn.utils.clip_grad_norm_'s coefficient, from the float64 norm.
+            coef = torch.clamp(clip_norm / (norm64 + 1e-6), max=1.0)
             shards = tuple(s * coef.to(s.dtype) for s in shards)
         new_shard, new_opt = shard_step(shard, state.opt, shards, found_inf)
         new_state = replace(
@@ -189,7 +197,7 @@ def make_train_step(
             scaler=update_scale(scaler, found_inf),
             params=gather_flat_params(new_shard, comm, dtype),
         )
-        metrics = {"loss": loss, "found_inf": found_inf, "scale": scaler.scale, "grad_norm": grad_norm}
+        metrics = {"loss": loss, "found_inf": found_inf, "scale": scaler.scale, "grad_norm": norm64.float()}
         return new_state, metrics
 
     return step
