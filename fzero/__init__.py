@@ -25,6 +25,7 @@ from .optim import (
     adamw,
     init_opt_state,
     no_weight_decay,
+    no_weight_decay_for,
     set_hyperparams,
     sgd,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "make_train_step",
     "module_loss",
     "no_weight_decay",
+    "no_weight_decay_for",
     "reduce_scatter_grads",
     "scale",
     "set_hyperparams",

@@ -74,6 +74,13 @@ class Communicator:
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def check_layout(self, layout: Any) -> None:
+        """Verify that every rank built the same layout (raise otherwise).
+
+        In one process every rank is built from the same objects, so there is
+        nothing to compare; :class:`fzero.dist.TorchCommunicator` compares.
+        """
+
     # -- local helpers shared by every communicator -----------------------------------
     def take_shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a ``[R, W*n]`` tensor: ``[R, n]``. No communication."""
@@ -208,8 +215,14 @@ class CountingCommunicator(Communicator):
         return self.inner.all_reduce(x, op)
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        self._record("reduce_scatter", x, x[0].numel(), 1.0)
+        if getattr(self.inner, "reduce_scatter_via_all_reduce", False):
+            self._record("all_reduce", x, x[0].numel(), 2.0)  # what the backend really sends
+        else:
+            self._record("reduce_scatter", x, x[0].numel(), 1.0)
         return self.inner.reduce_scatter(x, op)
+
+    def check_layout(self, layout: Any) -> None:
+        self.inner.check_layout(layout)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         self._record("all_gather", x, x[0].numel() * self.world_size, 1.0)

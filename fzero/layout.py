@@ -138,9 +138,13 @@ class Layout:
         return sum(g.padded_numel for g in self.groups)
 
     def describe(self) -> tuple[tuple[Any, ...], ...]:
-        """Rows ``(path, shape, dtype, group)`` plus a header row: what the fingerprint hashes."""
+        """Rows ``(path, shape, dtype, flat group, optimizer group)`` after a header row
+        ``(world size, alignment, tree structure)``: what the fingerprint hashes."""
         head = ("world_size", self.world_size, "alignment", self.alignment, str(self.spec))
-        return (head,) + tuple((s.path, s.shape, str(s.dtype), s.group) for s in self.slots)
+        return (head,) + tuple(
+            (s.path, s.shape, str(s.dtype), s.group, self.groups[s.group].opt_group if s.group >= 0 else -1)
+            for s in self.slots
+        )
 
     @property
     def fingerprint(self) -> str:
@@ -172,25 +176,28 @@ def _fingerprint(rows: tuple[tuple[Any, ...], ...]) -> str:
 def first_difference(
     mine: Sequence[tuple[Any, ...]], theirs: Sequence[tuple[Any, ...]]
 ) -> Optional[str]:
-    """Name the first differing row of two :meth:`Layout.describe` tables."""
-    if mine[0] != theirs[0]:
-        a, b = mine[0], theirs[0]
-        for i in range(0, 4, 2):
-            if a[i + 1] != b[i + 1]:
-                return f"{a[i]} differs: {a[i + 1]} vs {b[i + 1]}"
-        if a[4] != b[4]:
-            return "the parameter tree structure differs"
+    """Name the first difference between two :meth:`Layout.describe` tables, or None.
+
+    World size and alignment first, then parameters in order (naming the
+    path), then the parameter count, and only then the tree structure.
+    """
+    a, b = mine[0], theirs[0]
+    for i in (0, 2):
+        if a[i + 1] != b[i + 1]:
+            return f"{a[i]} differs: {a[i + 1]} vs {b[i + 1]}"
+    fields = ("path", "shape", "dtype", "flat group", "optimizer group")
     for i, (x, y) in enumerate(zip(mine[1:], theirs[1:])):
-        if x != y:
-            if x[0] != y[0]:
-                return f"parameter #{i} is {x[0]!r} vs {y[0]!r}"
-            for field, u, v in zip(("path", "shape", "dtype", "group"), x, y):
-                if u != v:
-                    return f"parameter {x[0]!r}: {field} {u} vs {v}"
+        if x[0] != y[0]:
+            return f"parameter #{i} is {x[0]!r} vs {y[0]!r}"
+        for field, u, v in zip(fields[1:], x[1:], y[1:]):
+            if u != v:
+                return f"parameter {x[0]!r}: {field} {u} vs {v}"
     if len(mine) != len(theirs):
         longer = mine if len(mine) > len(theirs) else theirs
         extra = longer[min(len(mine), len(theirs))][0]
         return f"parameter count differs ({len(mine) - 1} vs {len(theirs) - 1}); first extra: {extra!r}"
+    if a[4] != b[4]:
+        return "the parameter tree structure differs (same paths, other container types)"
     return None
 
 

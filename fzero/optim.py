@@ -33,6 +33,7 @@ __all__ = [
     "init_opt_state",
     "set_hyperparams",
     "no_weight_decay",
+    "no_weight_decay_for",
 ]
 
 Predicate = Callable[[str], bool]
@@ -48,10 +49,36 @@ class ParamGroup:
 
 
 def no_weight_decay(path: str) -> bool:
-    """Predicate for the usual no-decay group: biases and normalisation weights."""
+    """Path predicate for the usual no-decay group, *by name*: biases, and parameters of
+    modules whose name contains ``norm`` or starts with ``ln``/``bn`` (``ln_f.weight``).
+
+    Names cannot tell a LayerNorm inside ``nn.Sequential`` (``1.weight``) from a
+    Linear; for a module use :func:`no_weight_decay_for`, which looks at types.
+    """
     leaf = path.rsplit(".", 1)[-1]
-    parent = path.rsplit(".", 2)[-2] if path.count(".") else ""
-    return leaf == "bias" or "norm" in parent.lower() or parent.lower().startswith(("ln", "bn"))
+    parent = path.rsplit(".", 2)[-2].lower() if path.count(".") else ""
+    return leaf == "bias" or "norm" in parent or parent.startswith(("ln", "bn"))
+
+
+_NORM_TYPES = (
+    torch.nn.LayerNorm,
+    torch.nn.GroupNorm,
+    torch.nn.LocalResponseNorm,
+    torch.nn.modules.batchnorm._NormBase,
+    torch.nn.RMSNorm,
+)
+
+
+def no_weight_decay_for(module: torch.nn.Module) -> Predicate:
+    """Predicate for ``module``'s no-decay group: every bias, and every parameter of a
+    normalisation module (LayerNorm, GroupNorm, BatchNorm/InstanceNorm, RMSNorm)."""
+    names = set()
+    for prefix, m in module.named_modules():
+        is_norm = isinstance(m, _NORM_TYPES)
+        for name, _ in m.named_parameters(recurse=False):
+            if is_norm or name == "bias":
+                names.add(f"{prefix}.{name}" if prefix else name)
+    return frozenset(names).__contains__
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,7 +61,9 @@ def init_shard(
     """Lay out ``params`` (``nn.Module`` or pytree) for ``comm`` and build this process's shards.
 
     Each local rank materialises only the slice it owns. ``optimizer`` assigns
-    parameter groups by path. No collective.
+    parameter groups by path. Collective: ``comm.check_layout`` (on a real
+    process group, one ``all_gather_object`` that makes every rank raise if
+    the ranks built different layouts).
     """
     layout = build_layout(
         params,
@@ -70,6 +72,7 @@ def init_shard(
         group_of=optimizer.group_of if optimizer is not None else None,
         alignment=alignment,
     )
+    comm.check_layout(layout)
     leaves = [x for _, x in named_leaves(params)[0]]
     master = tuple(
         torch.stack([flat_shard(layout, g, leaves, r) for r in comm.ranks]) for g in layout.groups

@@ -572,6 +572,7 @@ def test_unscale_empty_rows():
     assert_bitwise(out["x"], expected[0])
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 @pytest.mark.parametrize("layout", ["coo", "csr"])
 def test_unscale_sparse_grad_raises(layout):
     W = 2

@@ -1,0 +1,114 @@
+"""Training cases that run unchanged on any communicator (gloo ranks or the simulated world)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+import fzero
+from helpers import batches, mlp
+
+mse = torch.nn.functional.mse_loss
+
+
+def train(
+    comm: fzero.Communicator,
+    *,
+    steps: int = 10,
+    stage: int = 2,
+    compiled: bool = False,
+    optimizer: fzero.Optimizer | None = None,
+    scaler: fzero.ScalerState | None = None,
+    precision: fzero.MixedPrecision = fzero.MixedPrecision(),
+    poison: Any = None,
+) -> tuple[fzero.TrainState, list[dict[str, float]], list[bool]]:
+    """Train the test MLP; returns the state, per-step metrics and whether the master changed.
+
+    ``poison(step, rank) -> bool``: that rank puts an inf in its micro-batch.
+    """
+    model = mlp(torch.float32)
+    state = fzero.init_train_state(
+        model, optimizer or fzero.adamw(lr=1e-2), comm, scaler=scaler, precision=precision, alignment=4
+    )
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage)
+    if compiled:
+        step = torch.compile(step, fullgraph=True)
+    history, changed = [], []
+    for i, batch in enumerate(batches(steps, comm.world_size, 2, torch.float32)):
+        x, y = comm.split_batch(batch)
+        if poison is not None:
+            x = x.clone()
+            for row, r in enumerate(comm.ranks):
+                if poison(i, r):
+                    x[row, 0, 0] = float("inf")
+        before = state.shard.master
+        state, m = step(state, (x, y))
+        history.append({k: float(v) for k, v in m.items()})
+        changed.append(any(not torch.equal(a, b) for a, b in zip(before, state.shard.master)))
+    return state, history, changed
+
+
+def masters(state: fzero.TrainState) -> list[torch.Tensor]:
+    return [m.detach().clone() for m in state.shard.master]
+
+
+def one_step_volume(comm: fzero.Communicator, stage: int, precision=fzero.MixedPrecision()) -> dict:
+    """Collectives of one eager step (after creation), as counted by CountingCommunicator."""
+    counting = fzero.CountingCommunicator(comm)
+    model = mlp(torch.float32)
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), counting, precision=precision, alignment=4)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), counting, stage=stage)
+    counting.reset()
+    batch = batches(1, comm.world_size, 2, torch.float32)[0]
+    step(state, counting.split_batch(batch))
+    psi = state.layout.num_padded
+    big = counting.totals(min_elements=psi)
+    return {
+        "psi_padded": psi,
+        "big": big,
+        "ops": [(r.op, str(r.dtype), r.elements) for r in counting.records],
+        "all": counting.totals(),
+    }
+
+
+def mismatched_models(comm: fzero.Communicator) -> dict:
+    """Each rank builds a different model; every rank must get the clear error."""
+    sizes = (6, 9, 5, 3) if comm.ranks[0] == 0 else (6, 9, 4, 3)
+    model = mlp(torch.float32, sizes=sizes)
+    t0 = time.monotonic()
+    try:
+        fzero.init_train_state(model, fzero.adamw(), comm)
+    except ValueError as e:
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
+    return {"error": None, "seconds": time.monotonic() - t0}
+
+
+def padding_only_rank(comm: fzero.Communicator, steps: int = 5) -> list[torch.Tensor]:
+    """2 parameter elements on W ranks with alignment 1: ranks >= 2 own only padding."""
+    params = {"w": torch.tensor([0.5, -1.5])}
+    state = fzero.init_train_state(params, fzero.sgd(lr=0.1, momentum=0.9), comm, alignment=1)
+
+    def loss_fn(p, batch):
+        return ((p["w"] * batch).sum() - 1.0) ** 2
+
+    step = fzero.make_train_step(loss_fn, comm)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        state, _ = step(state, comm.split_batch(torch.randn(comm.world_size, 2, generator=g)))
+    return masters(state) + [fzero.all_gather_params(state.shard, comm)["w"].clone()]
+
+
+def fp16_large_value(world: int) -> float:
+    """A gradient value whose plain fp16 sum over ``world`` ranks overflows but whose
+    pre-divided sum does not: 40000 at W=2 (FSDP factors (2, 1)); 30000 at W=4 (factors
+    (2, 2): 4 * 30000 / 2 = 60000 < 65504, while 4 * 40000 / 2 would overflow, in FSDP too)."""
+    return 40000.0 if world <= 2 else 30000.0
+
+
+def fp16_40000(comm: fzero.Communicator) -> torch.Tensor:
+    shard = fzero.init_shard({"w": torch.zeros(8)}, comm, alignment=1)
+    value = fp16_large_value(comm.world_size)
+    grads = {"w": torch.full((comm.local_ranks, 8), value, dtype=torch.float16)}
+    return torch.cat(fzero.reduce_scatter_grads(shard, grads, comm, reduce_dtype=torch.float16), dim=1)

@@ -1,0 +1,64 @@
+"""Run a worker script under torchrun (gloo, localhost) with a hard time limit.
+
+The launcher is PyTorch's own (``python -m torch.distributed.run``), started in
+a new session so that on timeout or failure the whole process group (torchrun
+and every rank) is killed. Each rank saves its results to ``out_dir/rank{r}.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def run_torchrun_script(nproc: int, script: str, args: list[str], timeout: float = 300.0) -> str:
+    """Run ``script`` under torchrun on ``nproc`` local ranks; return its output.
+
+    Raises ``TimeoutError`` (after killing torchrun and every rank) past
+    ``timeout`` seconds, ``RuntimeError`` with the output on a non-zero exit.
+    """
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc),
+        script, *args,
+    ]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fzero-inductor"))
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        log.seek(0)
+        text = log.read()
+    if rc is None:
+        raise TimeoutError(f"torchrun with {nproc} ranks exceeded {timeout}s and was killed:\n{text[-4000:]}")
+    if rc != 0:
+        raise RuntimeError(f"torchrun with {nproc} ranks failed (exit {rc}):\n{text[-6000:]}")
+    return text
+
+
+def run_torchrun(nproc: int, script: str, args: list[str], timeout: float = 300.0) -> list[dict[str, Any]]:
+    """Run a worker from this folder that saves ``OUT_DIR/rank{r}.pt``; return every rank's results."""
+    out_dir = tempfile.mkdtemp(prefix=f"fzero-dist{nproc}-")
+    run_torchrun_script(nproc, str(HERE / script), [out_dir, *args], timeout)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(nproc)]

@@ -1,0 +1,176 @@
+"""Worker run by torchrun in the multi-process tests: runs named cases, saves per-case results.
+
+Usage: dist_worker.py OUT_DIR CASE [CASE ...]. A case that raises records the
+error text instead of a result, so one failure does not hide the others.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import fzero
+from fzero.dist import TorchCommunicator
+import dist_cases as cases
+from helpers import batches, mlp
+
+mse = torch.nn.functional.mse_loss
+
+
+def _my_chunk(batch, comm):
+    x, y = comm.split_batch(batch)
+    return x[0], y[0]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _fzero_full_params(state, comm) -> dict:
+    return {k: v[0] for k, v in fzero.all_gather_params(state.shard, comm).items()}
+
+
+def case_ddp_adamw(comm):
+    steps = 20
+    model = mlp(torch.float32)
+    ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    for batch in batches(steps, comm.world_size, 2, torch.float32):
+        x, y = _my_chunk(batch, comm)
+        opt.zero_grad()
+        mse(ddp(x), y).backward()
+        opt.step()
+    state, _, _ = cases.train(comm, steps=steps, stage=2, optimizer=fzero.adamw(lr=1e-2, weight_decay=0.1))
+    mine = _fzero_full_params(state, comm)
+    return {n: _rel(mine[n], p.detach()) for n, p in ddp.module.named_parameters()}
+
+
+def _zero(comm, torch_cls, torch_kw, ours):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    steps = 20
+    ddp = torch.nn.parallel.DistributedDataParallel(mlp(torch.float32))
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch_cls, **torch_kw)
+    for batch in batches(steps, comm.world_size, 2, torch.float32):
+        x, y = _my_chunk(batch, comm)
+        opt.zero_grad()
+        mse(ddp(x), y).backward()
+        opt.step()
+    state, _, _ = cases.train(comm, steps=steps, stage=1, optimizer=ours)
+    mine = _fzero_full_params(state, comm)
+    return {n: _rel(mine[n], p.detach()) for n, p in ddp.module.named_parameters()}
+
+
+def case_zero_sgd(comm):
+    return _zero(comm, torch.optim.SGD, dict(lr=0.05, momentum=0.9), fzero.sgd(lr=0.05, momentum=0.9))
+
+
+def case_zero_adam(comm):
+    return _zero(comm, torch.optim.Adam, dict(lr=1e-2), fzero.adam(lr=1e-2))
+
+
+def case_fsdp(comm):
+    """FSDP2 (fully_shard) on CPU/gloo with torch.amp.GradScaler vs fzero stage 2 with a dynamic scaler."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    steps = 20
+    kw = dict(init_scale=2.0**8, growth_interval=4)
+    mesh = init_device_mesh("cpu", (comm.world_size,))
+    model = mlp(torch.float32)
+    for m in model:
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gs = torch.amp.GradScaler("cpu", **kw)
+    scales = []
+    for batch in batches(steps, comm.world_size, 2, torch.float32):
+        x, y = _my_chunk(batch, comm)
+        opt.zero_grad()
+        gs.scale(mse(model(x), y)).backward()
+        gs.step(opt)
+        gs.update()
+        scales.append(gs.get_scale())
+    state, hist, _ = cases.train(comm, steps=steps, stage=2, optimizer=fzero.adamw(lr=1e-2), scaler=fzero.init_scaler(**kw))
+    mine = _fzero_full_params(state, comm)
+    errs = {n: _rel(mine[n], p.full_tensor().detach()) for n, p in model.named_parameters()}
+    return {"errors": errs, "torch_scales": scales, "fzero_scales": [h["scale"] for h in hist]}
+
+
+def _sim_compare(comm, **kw):
+    state, hist, changed = cases.train(comm, **kw)
+    return {"masters": cases.masters(state), "history": hist, "changed": changed}
+
+
+def case_eager_s2(comm):
+    return _sim_compare(comm, stage=2)
+
+
+def case_eager_s1(comm):
+    return _sim_compare(comm, stage=1)
+
+
+def case_compiled_s2(comm):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    out = _sim_compare(comm, stage=2, compiled=True)
+    out["graph_breaks"] = sum(counters["graph_break"].values())
+    out["unique_graphs"] = counters["stats"]["unique_graphs"]
+    out["recompiles"] = sum(counters["recompiles"].values())
+    return out
+
+
+def case_inf_even(comm):
+    scaler = fzero.init_scaler(2.0**10, growth_interval=1000)
+    return _sim_compare(comm, steps=10, stage=2, scaler=scaler, poison=lambda i, r: r == 0 and i % 2 == 0)
+
+
+def case_volume(comm):
+    native = TorchCommunicator(reduce_scatter_via_all_reduce=False)
+    return {
+        "s1": cases.one_step_volume(comm, 1),
+        "s2": cases.one_step_volume(comm, 2),
+        "s2_native": cases.one_step_volume(native, 2),
+        "s2_bf16": cases.one_step_volume(
+            native, 2, fzero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        ),
+    }
+
+
+def case_mismatch(comm):
+    return cases.mismatched_models(comm)
+
+
+def case_padding_only(comm):
+    return cases.padding_only_rank(comm)
+
+
+def case_fp16_40000(comm):
+    return cases.fp16_40000(comm)
+
+
+def main() -> None:
+    out_dir, names = sys.argv[1], sys.argv[2:]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    comm = TorchCommunicator()
+    results = {}
+    for name in names:
+        try:
+            results[name] = globals()[f"case_{name}"](comm)
+        except Exception:  # noqa: BLE001 - recorded and reported by the test
+            results[name] = {"exception": traceback.format_exc()}
+        dist.barrier()
+    torch.save(results, os.path.join(out_dir, f"rank{comm.rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

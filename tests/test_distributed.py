@@ -1,0 +1,160 @@
+"""Multi-process tests on gloo (localhost): the same step as the simulated world,
+and parity with DDP, ZeroRedundancyOptimizer and FSDP.
+
+Each world size runs once under torchrun (a module fixture) with every case;
+each test reads its case. torchrun runs in its own session with a time limit
+and is killed with all its ranks on timeout or failure.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fzero
+import dist_cases as cases
+from dist_harness import run_torchrun
+
+pytestmark = pytest.mark.distributed
+
+W2_CASES = [
+    "eager_s2", "eager_s1", "compiled_s2", "ddp_adamw", "zero_sgd", "zero_adam", "fsdp",
+    "inf_even", "volume", "mismatch", "padding_only", "fp16_40000",
+]
+W4_CASES = ["eager_s2", "compiled_s2", "inf_even", "volume", "padding_only", "fp16_40000", "ddp_adamw"]
+
+
+@pytest.fixture(scope="module")
+def w2():
+    return run_torchrun(2, "dist_worker.py", W2_CASES, timeout=420)
+
+
+@pytest.fixture(scope="module")
+def w4():
+    return run_torchrun(4, "dist_worker.py", W4_CASES, timeout=420)
+
+
+def _case(results, name):
+    for r, res in enumerate(results):
+        v = res[name]
+        if isinstance(v, dict) and "exception" in v:
+            pytest.fail(f"rank {r} raised in case {name!r}:\n{v['exception']}")
+    return [res[name] for res in results]
+
+
+def _sim(world, **kw):
+    """The same case on the simulated world, with the workers' intra-op thread count
+    (CPU kernels split work by thread, so a different count rounds differently)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        comm = fzero.SimulatedWorld(world)
+        state, hist, changed = cases.train(comm, **kw)
+    finally:
+        torch.set_num_threads(threads)
+    return cases.masters(state), hist, changed
+
+
+def _compare(per_rank, sim_masters, exact, tol=1e-6):
+    for r, res in enumerate(per_rank):
+        for g, (mine, sim) in enumerate(zip(res["masters"], sim_masters)):
+            assert mine.shape == (1, sim.shape[1])
+            if exact:
+                assert torch.equal(mine[0], sim[r]), f"rank {r}, flat group {g} differs from the simulated world"
+            else:
+                err = ((mine[0] - sim[r]).abs().max() / sim.abs().max()).item()
+                assert err <= tol, (r, g, err)
+
+
+@pytest.mark.parametrize("case,stage,compiled", [("eager_s2", 2, False), ("eager_s1", 1, False), ("compiled_s2", 2, True)])
+def test_gloo_equals_simulated_world_w2_bitwise(w2, case, stage, compiled):
+    sim, _, _ = _sim(2, stage=stage, compiled=compiled)
+    _compare(_case(w2, case), sim, exact=True)
+
+
+@pytest.mark.parametrize("case,compiled", [("eager_s2", False), ("compiled_s2", True)])
+def test_gloo_equals_simulated_world_w4(w4, case, compiled):
+    sim, _, _ = _sim(4, stage=2, compiled=compiled)
+    _compare(_case(w4, case), sim, exact=False, tol=1e-6)
+
+
+@pytest.mark.parametrize("fixture", ["w2", "w4"])
+def test_compiled_on_gloo_has_no_graph_breaks_or_recompiles(fixture, request):
+    for res in _case(request.getfixturevalue(fixture), "compiled_s2"):
+        assert res["graph_breaks"] == 0
+        assert res["recompiles"] == 0
+        assert res["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("case", ["ddp_adamw", "zero_sgd", "zero_adam"])
+def test_parity_with_pytorch_distributed(w2, case):
+    for errs in _case(w2, case):
+        assert len(errs) == 8 and max(errs.values()) <= 1e-5, errs
+
+
+def test_parity_with_ddp_w4(w4):
+    for errs in _case(w4, "ddp_adamw"):
+        assert max(errs.values()) <= 1e-5, errs
+
+
+def test_parity_with_fsdp2_and_grad_scaler(w2):
+    for res in _case(w2, "fsdp"):
+        assert max(res["errors"].values()) <= 1e-5, res["errors"]
+        # fzero reports the scale used by a step; torch's get_scale() is the scale after it.
+        assert res["fzero_scales"][1:] == res["torch_scales"][:-1]
+        assert len(set(res["torch_scales"])) > 1  # the scale really changed
+
+
+@pytest.mark.parametrize("fixture", ["w2", "w4"])
+def test_rank0_inf_on_even_iterations(fixture, request):
+    for res in _case(request.getfixturevalue(fixture), "inf_even"):
+        scales = [h["scale"] for h in res["history"]]
+        skipped = [h["found_inf"] for h in res["history"]]
+        assert skipped == [1.0, 0.0] * 5
+        # the scale used at step i: halves after every even step, holds after odd ones
+        assert scales == [1024.0 / 2 ** ((i + 1) // 2) for i in range(10)]
+        assert res["changed"] == [False, True] * 5  # bitwise unchanged on skipped steps
+
+
+def test_rank_owning_only_padding_trains(w4):
+    per_rank = _case(w4, "padding_only")
+    sim = cases.padding_only_rank(fzero.SimulatedWorld(4))
+    for r, res in enumerate(per_rank):
+        assert torch.allclose(res[-1][0], sim[-1][0], rtol=1e-6)
+        assert torch.equal(res[0][0], sim[0][r])
+    assert torch.all(per_rank[2][0] == 0) and torch.all(per_rank[3][0] == 0)
+
+
+def test_mismatched_models_fail_clearly_on_every_rank(w2):
+    for r, res in enumerate(_case(w2, "mismatch")):
+        assert res["error"] is not None
+        assert "LayoutMismatchError" in res["error"] and "3.weight" in res["error"], res["error"]
+        assert f"rank {r}" in res["error"]
+        assert res["seconds"] < 30
+
+
+@pytest.mark.parametrize("fixture,world", [("w2", 2), ("w4", 4)])
+def test_counted_volume_equals_theory(fixture, world, request):
+    for res in _case(request.getfixturevalue(fixture), "volume"):
+        psi = res["s2"]["psi_padded"]
+        frac = (world - 1) / world
+        # gloo: the reduce-scatter is an all-reduce and a slice; stage 1 all-reduces by definition:
+        # all-reduce 2Ψ(W-1)/W + all-gather Ψ(W-1)/W.
+        for key in ("s1", "s2"):
+            big = res[key]["big"]
+            assert big["calls"] == 2 and big["moved"] == pytest.approx(3 * psi * frac), res[key]["ops"]
+        # a native reduce-scatter (NCCL's default): reduce-scatter + all-gather = 2Ψ(W-1)/W.
+        native = res["s2_native"]["big"]
+        assert native["moved"] == pytest.approx(2 * psi * frac), res["s2_native"]["ops"]
+        assert res["s2_bf16"]["big"]["bytes"] == native["bytes"] / 2
+        # beyond the two big collectives only scalars move: found_inf, and norm+loss.
+        small = res["s2_native"]["all"]["elements"] - res["s2_native"]["big"]["elements"]
+        assert small == 1 + 2
+
+
+@pytest.mark.parametrize("fixture,world", [("w2", 2), ("w4", 4)])
+def test_fp16_communication_of_large_gradients_does_not_overflow(fixture, world, request):
+    value = cases.fp16_large_value(world)
+    assert value * world > torch.finfo(torch.float16).max  # a plain fp16 sum would be inf
+    for res in _case(request.getfixturevalue(fixture), "fp16_40000"):
+        assert torch.all(res == value)

@@ -1,0 +1,44 @@
+"""The examples run and learn (shortened versions of the README's main job)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from dist_harness import run_torchrun_script
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("flags", [["--stage", "2"], ["--stage", "1", "--world-size", "3", "--dtype", "bf16"]])
+def test_train_example_learns_on_simulated_world(flags):
+    out = _load("train").main(["--steps", "80", "--width", "64", *flags])
+    assert out["last_loss"] < 0.5 * out["first_loss"], out
+
+
+def test_train_example_fp16_dynamic_scaling():
+    out = _load("train").main(["--steps", "80", "--width", "64", "--dtype", "fp16"])
+    assert out["last_loss"] < 0.5 * out["first_loss"], out
+
+
+def test_compose_by_hand_example_learns():
+    losses = _load("compose_by_hand").main(steps=40)
+    assert losses[-1] < 0.2 * losses[0]
+
+
+@pytest.mark.distributed
+def test_train_example_under_torchrun_gloo():
+    text = run_torchrun_script(2, str(EXAMPLES / "train.py"), ["--comm", "torch", "--steps", "60", "--width", "64"], timeout=240)
+    m = re.search(r"done: loss ([\d.]+) -> ([\d.]+)", text)
+    assert m, text[-2000:]
+    assert float(m.group(2)) < 0.5 * float(m.group(1)), text[-2000:]
