@@ -18,6 +18,7 @@ equal state (jmp's ``DynamicLossScale`` loses ``min_loss_scale`` this way).
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Callable, TypeVar
 
 import optree
@@ -71,12 +72,19 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
         children, metadata, _ = flatten(obj)
         return [(torch_pytree.GetAttrKey(n), c) for n, c in zip(data, children)], metadata
 
+    def to_dumpable(metadata: tuple[Any, ...]) -> str:
+        # Static fields that JSON can hold (numbers, None, bools) serialise; a state whose
+        # metadata holds richer objects (a Layout) raises here, at save time.
+        return json.dumps(list(metadata))
+
     torch_pytree.register_pytree_node(
         cls,
         torch_flatten,
         lambda children, metadata: unflatten(metadata, children),
         serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
         flatten_with_keys_fn=torch_flatten_with_keys,
+        to_dumpable_context=to_dumpable,
+        from_dumpable_context=lambda text: tuple(json.loads(text)),
     )
     return cls
 
