@@ -17,6 +17,7 @@ from .comm import (
     gradient_divide_factors,
 )
 from .layout import FlatGroup, Layout, ParamSlot, build_layout
+from .memory import MemoryReport, format_memory_table, memory_report, zero_paper_bytes
 from .optim import (
     OptState,
     Optimizer,
@@ -41,7 +42,7 @@ from .sharding import (
     reduce_scatter_grads,
     shard_step,
 )
-from .step import TrainState, init_train_state, make_train_step, module_loss
+from .step import TrainState, consume, ensure_live, init_train_state, make_train_step, module_loss
 
 __version__ = "0.1.0"
 
@@ -52,6 +53,7 @@ __all__ = [
     "CountingCommunicator",
     "FlatGroup",
     "Layout",
+    "MemoryReport",
     "MixedPrecision",
     "OptState",
     "Optimizer",
@@ -61,10 +63,13 @@ __all__ = [
     "ShardState",
     "SimulatedWorld",
     "TrainState",
+    "consume",
+    "ensure_live",
     "adam",
     "adamw",
     "all_gather_params",
     "build_layout",
+    "format_memory_table",
     "gather_flat_params",
     "global_norm",
     "gradient_divide_factors",
@@ -73,6 +78,7 @@ __all__ = [
     "init_shard",
     "init_train_state",
     "make_train_step",
+    "memory_report",
     "module_loss",
     "no_weight_decay",
     "no_weight_decay_for",
@@ -85,4 +91,5 @@ __all__ = [
     "tree_map",
     "unscale_and_check",
     "update_scale",
+    "zero_paper_bytes",
 ]

@@ -151,7 +151,7 @@ class SimulatedWorld(Communicator):
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         self._check_rows(x, "all_reduce")
-        return self._reduce0(x, op).unsqueeze(0).expand_as(x).contiguous()
+        return self._reduce0(x, op).unsqueeze(0).repeat(self.world_size, *([1] * (x.dim() - 1)))
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         self._check_rows(x, "reduce_scatter")
@@ -164,7 +164,9 @@ class SimulatedWorld(Communicator):
         self._check_rows(x, "all_gather")
         if x.dim() != 2:
             raise ValueError(f"all_gather: expected shape [R, n], got {tuple(x.shape)}")
-        return x.reshape(1, -1).expand(self.world_size, -1).contiguous()
+        # repeat always allocates, as a real all-gather does: the output must never alias
+        # its input (with W=1, expand().contiguous() would return the input itself).
+        return x.reshape(1, -1).repeat(self.world_size, 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -141,6 +141,40 @@ class Optimizer:
             return _sgd_update(self, param, grad, moments, hyper, step)
         return _adam_update(self, param, grad, moments, hyper, step)
 
+    def update_(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        moments: tuple[torch.Tensor, ...],
+        hyper: Mapping[str, torch.Tensor],
+        step: torch.Tensor,
+        found_inf: Optional[torch.Tensor] = None,
+    ) -> None:
+        """:meth:`update` in place on ``param`` and ``moments``; a no-op where ``found_inf``.
+
+        Eagerly, Adam and AdamW run torch's fused kernel (``torch._fused_adam(w)_``),
+        which reads the hyperparameters as Python floats from their CPU tensors
+        (no device sync) and skips the update itself when ``found_inf`` is set.
+        Under ``torch.compile`` (and for SGD) the update is written out and
+        copied back through ``torch.where``, which inductor fuses into one
+        read-modify-write pass.
+        """
+        if self.kind != "sgd" and not torch.compiler.is_compiling():
+            kernel = torch._fused_adamw_ if self.kind == "adamw" else torch._fused_adam_
+            kernel(
+                [param], [grad], [moments[0]], [moments[1]], [moments[2]] if self.amsgrad else [],
+                [(step + 1).to(torch.float32)],
+                lr=hyper["lr"].item(), beta1=hyper["beta1"].item(), beta2=hyper["beta2"].item(),
+                weight_decay=hyper["weight_decay"].item(), eps=hyper["eps"].item(),
+                amsgrad=self.amsgrad, maximize=self.maximize,
+                found_inf=None if found_inf is None else found_inf.to(device=param.device, dtype=torch.float32),
+            )
+            return
+        new_param, new_moments = self.update(param, grad, moments, hyper, step)
+        skip = None if found_inf is None else found_inf.to(torch.bool)
+        for old, new in zip((param, *moments), (new_param, *new_moments)):
+            old.copy_(new if skip is None else torch.where(skip, old, new))
+
 
 GroupSpec = Union[ParamGroup, tuple[Predicate, Mapping[str, float]]]
 
@@ -248,14 +282,18 @@ class OptState:
 
 
 def init_opt_state(optimizer: Optimizer, master: Sequence[torch.Tensor]) -> OptState:
-    """Zero moments shaped like each master shard ``[R, shard_numel]``; hyperparameters as tensors."""
-    device = master[0].device
+    """Zero moments shaped like each master shard ``[R, shard_numel]``; hyperparameters as tensors.
+
+    Hyperparameters live on the CPU whatever the device of the shards: a 0-d
+    CPU tensor combines with device tensors, and reading one (for torch's fused
+    kernels) does not synchronise a device. The step count lives with the shards.
+    """
     hyper = tuple(
-        {k: torch.tensor(v, dtype=torch.float64, device=device) for k, v in optimizer.hyperparams(i).items()}
+        {k: torch.tensor(v, dtype=torch.float64) for k, v in optimizer.hyperparams(i).items()}
         for i in range(optimizer.num_groups)
     )
     moments = tuple(tuple(torch.zeros_like(m) for _ in optimizer.moment_names) for m in master)
-    return OptState(torch.zeros((), dtype=torch.int64, device=device), hyper, moments, optimizer)
+    return OptState(torch.zeros((), dtype=torch.int64, device=master[0].device), hyper, moments, optimizer)
 
 
 def set_hyperparams(

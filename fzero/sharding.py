@@ -90,6 +90,11 @@ def check_world(shard: ShardState, comm: Communicator) -> None:
             f"{comm.world_size}: this state was built for another world (reshard it first)"
         )
     for g, m in zip(lay.groups, shard.master):
+        if m.numel() == 0 and g.shard_numel > 0:
+            raise ValueError(
+                f"ShardState.master[{g.index}] is empty: this state was donated to a step "
+                "(donate=True) and consumed; use the state that step returned"
+            )
         if tuple(m.shape) != (comm.local_ranks, g.shard_numel):
             raise ValueError(
                 f"ShardState.master[{g.index}] has shape {tuple(m.shape)}, expected "
@@ -270,13 +275,22 @@ def shard_step(
     opt_state: OptState,
     grads: Sequence[torch.Tensor],
     found_inf: Optional[torch.Tensor] = None,
+    *,
+    donate: bool = False,
 ) -> tuple[ShardState, OptState]:
     """Apply the optimizer to every flat group's master shard.
 
     ``grads``: per flat group ``[R, shard_numel]`` (from :func:`reduce_scatter_grads`,
     unscaled). ``found_inf``: 0-d, agreed across ranks; when it is nonzero the
-    returned states are bitwise the inputs, chosen by ``torch.where`` (no
-    Python branch on a tensor, no host sync), and the step count holds.
+    returned states hold bitwise the input values (selection, not a Python
+    branch on a tensor; no host sync) and the step count holds.
+
+    ``donate=False`` (pure): the inputs are untouched; the result is new
+    buffers. ``donate=True``: master shards and moments are updated in place
+    and the returned states hold the same tensors; the inputs are consumed
+    (see :func:`fzero.step.make_train_step` for the bookkeeping that makes a
+    consumed state raise). Eagerly both run torch's fused Adam(W) kernel (the
+    pure form on fresh copies), so they give bitwise the same numbers.
     No collective.
     """
     lay = shard.layout
@@ -288,6 +302,7 @@ def shard_step(
             f"{len(lay.groups)}: the optimizer state belongs to another layout"
         )
     opt = opt_state.optimizer
+    out_of_place = not donate and torch.compiler.is_compiling()
     skip = None if found_inf is None else found_inf.to(torch.bool)
     new_master, new_moments = [], []
     for g, p, grad, moments in zip(lay.groups, shard.master, grads, opt_state.moments):
@@ -296,12 +311,19 @@ def shard_step(
                 f"shard_step: gradient shard of flat group {g.index} has shape {tuple(grad.shape)}, "
                 f"the master shard {tuple(p.shape)}"
             )
-        p2, m2 = opt.update(p, grad.to(p.dtype), moments, opt_state.hyper[g.opt_group], opt_state.step)
-        if skip is not None:
-            p2 = torch.where(skip, p, p2)
-            m2 = tuple(torch.where(skip, a, b) for a, b in zip(moments, m2))
+        hyper = opt_state.hyper[g.opt_group]
+        grad = grad.to(p.dtype)
+        if out_of_place:
+            # Compiled and pure: inductor writes fresh outputs in one fused pass.
+            p2, m2 = opt.update(p, grad, moments, hyper, opt_state.step)
+            if skip is not None:
+                p2 = torch.where(skip, p, p2)
+                m2 = tuple(torch.where(skip, a, b) for a, b in zip(moments, m2))
+        else:
+            p2, m2 = (p, moments) if donate else (p.clone(), tuple(m.clone() for m in moments))
+            opt.update_(p2, grad, m2, hyper, opt_state.step, found_inf)
         new_master.append(p2)
-        new_moments.append(m2)
+        new_moments.append(tuple(m2))
     step = opt_state.step + 1 if skip is None else opt_state.step + (~skip).to(opt_state.step.dtype)
     return (
         replace(shard, master=tuple(new_master)),

@@ -43,7 +43,16 @@ from .sharding import (
     trainable_views,
 )
 
-__all__ = ["TrainState", "init_train_state", "make_train_step", "module_loss", "LossFn"]
+__all__ = [
+    "TrainState",
+    "init_train_state",
+    "make_train_step",
+    "module_loss",
+    "ensure_live",
+    "consume",
+    "LossFn",
+    "StepFn",
+]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -122,14 +131,19 @@ def _index_row(tree: Any, r: int) -> Any:
     return tp.tree_map(lambda x: x[r], tree)
 
 
+StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]
+
+
 def make_train_step(
     loss_fn: LossFn,
     comm: Communicator,
     *,
     stage: int = 2,
     clip_norm: Optional[float] = None,
-) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]:
-    """A pure step ``(state, batch) -> (state, metrics)`` for ZeRO stage 1 or 2.
+    donate: bool = False,
+    compile: bool = False,
+) -> StepFn:
+    """A step ``(state, batch) -> (state, metrics)`` for ZeRO stage 1 or 2.
 
     ``loss_fn(params, batch)``: a 0-d loss for one rank's micro-batch, where
     ``params`` has the structure of the parameters given to
@@ -141,6 +155,15 @@ def make_train_step(
     Metrics (0-d): ``loss`` (mean over ranks, unscaled), ``found_inf``,
     ``scale`` (the scale used in this step), ``grad_norm`` (unscaled, before
     clipping). Runs eagerly or under ``torch.compile(fullgraph=True)``.
+
+    ``donate=False``: pure; the input state is untouched and stays valid.
+    ``donate=True`` (JAX's ``donate_argnums``): the step updates the master
+    shards and optimizer moments in place and the returned state owns those
+    buffers; the input state is *consumed*: its tensors are emptied, and
+    passing it to a step or to fzero's functions raises ``ValueError``.
+    ``compile=True``: the step is ``torch.compile(fullgraph=True)``-ed inside
+    that bookkeeping (compile a donating step this way, not from outside).
+    Donated and pure steps give bitwise the same numbers.
     """
     if stage not in (1, 2):
         raise ValueError(f"make_train_step: stage must be 1 or 2, got {stage!r}")
@@ -189,7 +212,7 @@ def make_train_step(
             # torch.nn.utils.clip_grad_norm_'s coefficient, from the float64 norm.
             coef = torch.clamp(clip_norm / (norm64 + 1e-6), max=1.0)
             shards = tuple(s * coef.to(s.dtype) for s in shards)
-        new_shard, new_opt = shard_step(shard, state.opt, shards, found_inf)
+        new_shard, new_opt = shard_step(shard, state.opt, shards, found_inf, donate=donate)
         new_state = replace(
             state,
             shard=new_shard,
@@ -200,7 +223,54 @@ def make_train_step(
         metrics = {"loss": loss, "found_inf": found_inf, "scale": scaler.scale, "grad_norm": norm64.float()}
         return new_state, metrics
 
-    return step
+    core: StepFn = torch.compile(step, fullgraph=True) if compile else step
+    if not donate:
+        return core
+
+    def donating_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        ensure_live(state)
+        new_state, metrics = core(state, batch)
+        return consume(state, new_state), metrics
+
+    return donating_step
+
+
+_CONSUMED = "_fzero_consumed"
+
+
+def ensure_live(state: TrainState) -> None:
+    """Raise ``ValueError`` if ``state`` was donated to a step (and so consumed)."""
+    if getattr(state, _CONSUMED, False):
+        raise ValueError(
+            "this TrainState was donated to a step (donate=True) and consumed: its buffers now "
+            "belong to the state that step returned; use that one"
+        )
+
+
+def _donated(state: TrainState) -> list[torch.Tensor]:
+    return [*state.shard.master, *(m for ms in state.opt.moments for m in ms), *state.params]
+
+
+def consume(old: TrainState, new: TrainState) -> TrainState:
+    """Hand ``old``'s donated buffers to ``new`` and make ``old`` unusable.
+
+    Each donated tensor of ``old`` (master shards, moments, gathered
+    parameters) is emptied with ``set_()``. A tensor that ``new`` holds as the
+    very same object is first replaced in ``new`` by a fresh tensor sharing its
+    storage, so ``new`` keeps the data. No copy, no collective.
+    """
+    donated = {id(t): t for t in _donated(old)}
+
+    def keep(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and id(x) in donated:
+            return x.new_empty(0).set_(x)
+        return x
+
+    new = tp.tree_map(keep, new)
+    for t in donated.values():
+        t.set_()
+    object.__setattr__(old, _CONSUMED, True)
+    return new
 
 
 def _stack_rows(rows: list[torch.Tensor]) -> torch.Tensor:

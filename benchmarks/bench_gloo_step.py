@@ -1,0 +1,567 @@
+"""Training-step time on gloo at W=2: fzero vs DDP vs ZeroRedundancyOptimizer vs FSDP2.
+
+What it measures: wall time of one full data-parallel training step (forward,
+backward, gradient communication, optimizer update, and for the sharded
+systems the parameter exchange) of the same small GPT-style transformer
+(``benchmarks/models.py``, default ~0.87 M parameters) on 2 CPU processes over
+gloo, one intra-op thread per rank. Systems, all with AdamW and the same
+hyperparameters, the same initial weights and the same per-rank micro-batches:
+
+* ``ddp+adamw``          DDP(model) + torch.optim.AdamW (default implementation;
+                         on CPU that is the single-tensor for-loop)
+* ``ddp+adamw(fused)``   DDP(model) + torch.optim.AdamW(fused=True)
+* ``zero-redundancy``    ZeroRedundancyOptimizer(DDP params, optimizer_class=AdamW)
+* ``zero-red.(bucket)``  same with ``parameters_as_bucket_view=True``
+* ``fsdp2``              ``fully_shard`` on every block and the root, CPU mesh
+* ``fzero s1/s2 eager`` and ``fzero s1/s2 compiled`` (``torch.compile(step,
+                         fullgraph=True)``), ``fzero.adamw``, ``TorchCommunicator()``
+
+Every system runs ``warmup + steps`` steps from the same init on the same data
+(the Markov-chain random tokens of ``models.random_batch``). All systems are
+built and warmed up first (warm-up also compiles the compiled variants); then
+their ``steps`` timed steps run interleaved in ``--rounds`` chunks (the order
+rotates each round), so load from other processes on the machine hits every
+system alike. Each chunk starts after a ``dist.barrier()``; each step is
+bracketed by ``time.perf_counter`` on rank 0 and includes forward, backward,
+communication and the optimizer update (fzero: the whole ``step(state, batch)``
+call; metrics are read with ``.item()`` only after the timed steps).
+The table gives median and mean ms/step and ratios to DDP and to
+ZeroRedundancyOptimizer. Sanity check: the mean training loss of the last step,
+the loss on a held-out batch after training and the largest relative parameter
+difference to DDP; a system whose loss differs from DDP's by more than 1e-3
+relative is flagged. fzero stage 1 and 2 communication per step and rank is
+counted once with ``fzero.CountingCommunicator`` (one eager step).
+
+How to run (from the repository root; it launches itself under
+``python -m torch.distributed.run --standalone --nproc-per-node 2`` with
+``OMP_NUM_THREADS=1`` in a new session and kills the whole process group if it
+runs past ``--timeout`` seconds)::
+
+    python benchmarks/bench_gloo_step.py [--steps 40] [--warmup 5]
+        [--rounds 5] [--systems ddp,zero,fsdp,fzero-s2c,...] [--timeout 420]
+
+The table also reports reference floors (local forward+backward alone, one gloo
+all-reduce and all-gather of a parameter-sized buffer, one torch AdamW step).
+A full default run takes about 2 minutes on 2 cores, most of it compiling the
+two compiled fzero steps (``TORCHINDUCTOR_CACHE_DIR`` defaults to
+``$TMPDIR/fzero-bench-inductor``, so later runs compile faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Callable
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from models import DEFAULT_CONFIG, build_model, lm_loss, make_criterion, random_batch  # noqa: E402
+
+# Same hyperparameters for every system.
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.1
+WORLD = 2
+
+# name -> (key for --systems, description)
+SYSTEMS = [
+    ("ddp", "ddp+adamw"),
+    ("ddp-fused", "ddp+adamw(fused)"),
+    ("zero", "zero-redundancy"),
+    ("zero-bucket", "zero-red.(bucket)"),
+    ("fsdp", "fsdp2"),
+    ("fzero-s1", "fzero s1 eager"),
+    ("fzero-s2", "fzero s2 eager"),
+    ("fzero-s1c", "fzero s1 compiled"),
+    ("fzero-s2c", "fzero s2 compiled"),
+]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=40, help="timed steps per system")
+    p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps per system (compiles)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="the timed steps of all systems run interleaved in this many rounds")
+    p.add_argument("--systems", default=",".join(k for k, _ in SYSTEMS),
+                   help="comma-separated subset of: " + ", ".join(k for k, _ in SYSTEMS))
+    p.add_argument("--seed", type=int, default=0, help="model init seed (data seeds derive from it)")
+    p.add_argument("--timeout", type=float, default=420.0, help="kill torchrun and all ranks after this many s")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    keys = [k for k, _ in SYSTEMS]
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [s for s in args.systems if s not in keys]
+    if bad:
+        p.error(f"unknown systems {bad}; choose from {keys}")
+    if args.steps < 1 or args.warmup < 1:
+        p.error("--steps and --warmup must be >= 1 (compiled variants compile during warm-up)")
+    return args
+
+
+# ----------------------------------------------------------------------------- launcher
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run this file under torchrun (2 ranks, gloo) in a new session; kill the group on timeout."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", "--nnodes", "1", "--nproc-per-node", str(WORLD),
+        os.path.abspath(__file__), "--worker", *argv,
+    ]
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(x for x in [HERE, env.get("PYTHONPATH", "")] if x)
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fzero-bench-inductor"))
+    print("launching:", " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    rc = None
+    try:
+        rc = proc.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        print(f"\nbench: exceeded --timeout {args.timeout:.0f}s; killing torchrun and every rank", flush=True)
+    except KeyboardInterrupt:
+        print("\nbench: interrupted; killing torchrun and every rank", flush=True)
+    finally:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    return 124 if rc is None else rc
+
+
+# ----------------------------------------------------------------------------- systems
+class Runner:
+    """One system: ``step(i)`` runs training step ``i`` (no host sync beyond what the
+    system itself does); ``finish()`` -> (mean loss over ranks of the first and of the
+    last step, full parameters). ``finish`` runs collectives: every rank calls it."""
+
+    step: Callable[[int], None]
+    finish: Callable[[], tuple[float, float, dict[str, torch.Tensor]]]
+    note: str = ""
+
+
+def _torch_adamw(params, **extra):
+    return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, **extra)
+
+
+def _mean_over_ranks(x: torch.Tensor) -> float:
+    import torch.distributed as dist
+
+    t = x.detach().double().clone()
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).item()
+
+
+def make_torch_runner(kind: str, ctx: dict) -> Runner:
+    """DDP / ZeroRedundancyOptimizer / FSDP2 with the usual eager loop."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    cfg, micro = ctx["cfg"], ctx["micro"]
+    model = build_model(cfg, ctx["seed"])
+    r = Runner()
+    if kind in ("ddp", "ddp-fused"):
+        net = DDP(model)
+        opt = _torch_adamw(net.parameters(), **({"fused": True} if kind == "ddp-fused" else {}))
+        r.note = "fused=True" if kind == "ddp-fused" else f"foreach={opt.defaults.get('foreach')} (for-loop on CPU)"
+        params_of = lambda: {n: p.detach().clone() for n, p in net.module.named_parameters()}  # noqa: E731
+    elif kind in ("zero", "zero-bucket"):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        net = DDP(model)
+        bucket = kind == "zero-bucket"
+        opt = ZeroRedundancyOptimizer(
+            net.parameters(), optimizer_class=torch.optim.AdamW, parameters_as_bucket_view=bucket,
+            lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+        )
+        r.note = "parameters_as_bucket_view=True" if bucket else "defaults"
+        params_of = lambda: {n: p.detach().clone() for n, p in net.module.named_parameters()}  # noqa: E731
+    elif kind == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        net = model
+        opt = _torch_adamw(model.parameters())
+        r.note = "fully_shard(blocks, root)"
+        params_of = lambda: {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()}  # noqa: E731
+    else:
+        raise ValueError(kind)
+
+    losses: dict[str, torch.Tensor] = {}
+
+    def step(i: int) -> None:
+        x, y = micro[i]
+        opt.zero_grad(set_to_none=True)
+        loss = lm_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        losses.setdefault("first", loss.detach())
+        losses["last"] = loss.detach()
+
+    def finish():  # collectives: every rank calls it
+        return _mean_over_ranks(losses["first"]), _mean_over_ranks(losses["last"]), params_of()
+
+    r.step, r.finish = step, finish
+    return r
+
+
+def make_fzero_runner(stage: int, compiled: bool, ctx: dict) -> Runner:
+    import fzero
+    from fzero.dist import TorchCommunicator
+
+    cfg = ctx["cfg"]
+    comm = TorchCommunicator()
+    model = build_model(cfg, ctx["seed"])
+    opt = fzero.adamw(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    holder = {"state": fzero.init_train_state(model, opt, comm)}
+    step_fn = fzero.make_train_step(fzero.module_loss(model, make_criterion(cfg.vocab)), comm, stage=stage)
+    if compiled:
+        step_fn = torch.compile(step_fn, fullgraph=True)
+    batches = [comm.split_batch(b) for b in ctx["global_batches"]]  # [1, B/W, T] views
+    r = Runner()
+    r.note = f"stage {stage}" + (", fullgraph" if compiled else "")
+
+    def step(i: int) -> None:
+        holder["state"], holder["metrics"] = step_fn(holder["state"], batches[i])
+        holder.setdefault("first", holder["metrics"])
+
+    def finish():
+        # .item() only here, after the timed loop; metric "loss" is already the mean over ranks.
+        first, last = holder["first"]["loss"].item(), holder["metrics"]["loss"].item()
+        full = fzero.all_gather_params(holder["state"].shard, comm)
+        return first, last, {k: v[0].detach().clone() for k, v in full.items()}
+
+    r.step, r.finish = step, finish
+    return r
+
+
+def build_runner(key: str, ctx: dict) -> Runner:
+    if key.startswith("fzero-"):
+        tag = key[len("fzero-"):]
+        return make_fzero_runner(int(tag[1]), tag.endswith("c"), ctx)
+    return make_torch_runner(key, ctx)
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _agree_error(err: str | None) -> str | None:
+    """Every rank learns whether any rank failed (so all drop the system together)."""
+    import torch.distributed as dist
+
+    errs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errs, err)
+    return next((e for e in errs if e), None)
+
+
+def _describe(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}"[:300]
+
+
+def setup_and_warm_up(key: str, ctx: dict, warmup: int, log) -> dict:
+    """Build one system and run its ``warmup`` untimed steps (0..warmup-1; compiles)."""
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
+    t0 = time.perf_counter()
+    g0 = _graphs()
+    runner = build_runner(key, ctx)
+    for i in range(warmup):
+        runner.step(i)
+    t_warm = time.perf_counter() - t0
+    g1 = _graphs()
+    note = runner.note
+    if key.endswith("c"):
+        note += f"; setup+compile+warm-up {t_warm:.1f}s, {g1 - g0} graph(s)"
+    log(f"  {key}: set up and warmed up in {t_warm:.1f}s")
+    return {"runner": runner, "note": note, "times": [], "recompiles": 0}
+
+
+def timed_rounds(live: dict, order: list[str], warmup: int, steps: int, rounds: int, log) -> dict:
+    """Time ``steps`` steps of every live system in ``rounds`` interleaved chunks (the start
+    system rotates each round), so background load hits every system alike. Each chunk
+    starts after a ``dist.barrier()``; each step is bracketed by ``perf_counter``."""
+    import torch.distributed as dist
+
+    failed: dict[str, str] = {}
+    bounds = [warmup + steps * k // rounds for k in range(rounds + 1)]
+    for rnd in range(rounds):
+        rot = order[rnd % len(order):] + order[: rnd % len(order)]
+        for key in rot:
+            if key not in live:
+                continue
+            rec = live[key]
+            err = None
+            try:
+                g0 = _graphs()
+                dist.barrier()
+                for i in range(bounds[rnd], bounds[rnd + 1]):
+                    t = time.perf_counter()
+                    rec["runner"].step(i)
+                    rec["times"].append(time.perf_counter() - t)
+                rec["recompiles"] += _graphs() - g0
+            except Exception as e:  # noqa: BLE001
+                err = _describe(e)
+            err = _agree_error(err)
+            if err:
+                failed[key] = f"timed step failed: {err}"
+                del live[key]
+        log(f"  round {rnd + 1}/{rounds} done")
+    return failed
+
+
+def reference_timings(ctx: dict, n_params: int, reps: int = 15) -> dict:
+    """Floors for reading the table: local fwd+bwd without communication or optimizer
+    (both ranks at once, as in the systems), and gloo all_reduce / all_gather of a
+    parameter-sized fp32 buffer."""
+    import torch.distributed as dist
+
+    cfg, micro = ctx["cfg"], ctx["micro"]
+    model = build_model(cfg, ctx["seed"])
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+
+    def timeit(fn) -> float:
+        fn()
+        dist.barrier()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts) * 1e3
+
+    def fwd_bwd():
+        x, y = micro[0]
+        model.zero_grad(set_to_none=True)
+        lm_loss(model(x), y).backward()
+
+    out["fwd+bwd"] = timeit(fwd_bwd)
+    n = -(-n_params // (16 * world)) * 16 * world
+    buf = torch.randn(n)
+    out["all_reduce"] = timeit(lambda: dist.all_reduce(buf))
+    shard, full = buf[rank * (n // world):(rank + 1) * (n // world)].clone(), torch.empty(n)
+    out["all_gather"] = timeit(lambda: dist.all_gather_into_tensor(full, shard))
+    opt = _torch_adamw(model.parameters())
+    out["torch AdamW step (full model)"] = timeit(opt.step)
+    return out
+
+
+def count_fzero_volume(ctx: dict) -> dict:
+    """Collectives of one eager fzero step at stage 1 and 2 (CountingCommunicator)."""
+    import fzero
+    from fzero.dist import TorchCommunicator
+
+    cfg = ctx["cfg"]
+    out = {}
+    for stage in (1, 2):
+        counting = fzero.CountingCommunicator(TorchCommunicator())
+        model = build_model(cfg, ctx["seed"])
+        state = fzero.init_train_state(model, fzero.adamw(lr=LR, weight_decay=WEIGHT_DECAY), counting)
+        step = fzero.make_train_step(fzero.module_loss(model, make_criterion(cfg.vocab)), counting, stage=stage)
+        counting.reset()
+        step(state, counting.split_batch(ctx["global_batches"][0]))
+        out[stage] = {
+            "totals": counting.totals(),
+            "ops": [(r.op, str(r.dtype).replace("torch.", ""), r.elements, r.bytes) for r in counting.records],
+            "psi": state.layout.num_padded,
+        }
+    return out
+
+
+# ----------------------------------------------------------------------------- worker
+def worker(args: argparse.Namespace) -> None:
+    import warnings
+
+    import torch.distributed as dist
+
+    # fzero/dist.py calls the deprecated funcol.all_gather_tensor; one FutureWarning per
+    # process and compile would clutter the output (reported in the header instead).
+    warnings.filterwarnings("ignore", message=".*all_gather_tensor.*", category=FutureWarning)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lead = rank == 0
+
+    def log(msg: str) -> None:
+        if lead:
+            print(msg, flush=True)
+
+    cfg = DEFAULT_CONFIG
+    assert cfg.global_batch % world == 0
+    b = cfg.global_batch // world
+    total = args.warmup + args.steps
+    global_batches = [random_batch(cfg, seed=10_000 * (args.seed + 1) + i) for i in range(total)]
+    micro = [(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]) for x, y in global_batches]
+    ctx = {"cfg": cfg, "seed": args.seed, "global_batches": global_batches, "micro": micro}
+    n_params = sum(p.numel() for p in build_model(cfg, args.seed).parameters())
+    rounds = max(1, min(args.rounds, args.steps))
+    log(f"torch {torch.__version__}, gloo, world {world}, {torch.get_num_threads()} thread/rank; "
+        f"{args.warmup} warm-up + {args.steps} timed steps per system, timed in {rounds} interleaved rounds")
+
+    volume = None
+    try:
+        volume = count_fzero_volume(ctx)
+    except Exception:  # noqa: BLE001 - reported, the timings still run
+        log("CountingCommunicator measurement failed:\n" + traceback.format_exc())
+
+    results: dict[str, dict] = {}
+    live: dict[str, dict] = {}
+    log("setting up and warming up every system (compiled variants compile here) ...")
+    for key in args.systems:
+        err, rec = None, None
+        try:
+            rec = setup_and_warm_up(key, ctx, args.warmup, log)
+        except Exception as e:  # noqa: BLE001 - one failing system must not hide the others
+            err = _describe(e)
+            if lead:
+                traceback.print_exc(limit=3)
+        err = _agree_error(err)
+        if err:
+            results[key] = {"error": err}
+            log(f"  {key}: FAILED: {err}")
+        else:
+            live[key] = rec
+    log("timing ...")
+    for key, why in timed_rounds(live, [k for k in args.systems if k in live], args.warmup,
+                                 args.steps, rounds, log).items():
+        results[key] = {"error": why}
+    for key in list(live):
+        err = None
+        try:
+            first, last, params = live[key]["runner"].finish()
+        except Exception as e:  # noqa: BLE001
+            err = _describe(e)
+        err = _agree_error(err)
+        rec = live.pop(key)
+        if err:
+            results[key] = {"error": f"finish failed: {err}"}
+            continue
+        note = rec["note"] + (f"; {rec['recompiles']} RECOMPILE(S) IN TIMED LOOP" if rec["recompiles"] else "")
+        results[key] = {"times": rec["times"], "first": first, "loss": last, "params": params, "note": note}
+        del rec
+        gc.collect()
+    try:
+        refs = reference_timings(ctx, n_params)
+    except Exception as e:  # noqa: BLE001 - the table matters more than the floors
+        refs = {"reference timings failed": float("nan")}
+        log(f"reference timings failed: {_describe(e)}")
+
+    if lead:
+        report(args, cfg, n_params, {k: results[k] for k in args.systems}, volume, refs)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def report(args, cfg, n_params: int, results: dict, volume: dict | None, refs: dict) -> None:
+    names = dict(SYSTEMS)
+    ok = {k: v for k, v in results.items() if "error" not in v}
+    med = {k: statistics.median(v["times"]) * 1e3 for k, v in ok.items()}
+    mean = {k: statistics.fmean(v["times"]) * 1e3 for k, v in ok.items()}
+    ddp_ms, zero_ms = med.get("ddp"), med.get("zero")
+
+    print()
+    print(f"model: TinyGPT vocab={cfg.vocab} d_model={cfg.d_model} n_layers={cfg.n_layers} "
+          f"n_heads={cfg.n_heads} seq_len={cfg.seq_len}; global batch {cfg.global_batch} "
+          f"({cfg.global_batch // WORLD} sequences/rank); {n_params:,} parameters "
+          f"({n_params * 4 / 1e6:.2f} MB fp32)")
+    print(f"AdamW lr={LR} betas={BETAS} eps={EPS} weight_decay={WEIGHT_DECAY} (all params) for every system; "
+          f"gloo, W={WORLD}, 1 thread/rank; {args.warmup} warm-up + {args.steps} timed steps "
+          f"(interleaved in {max(1, min(args.rounds, args.steps))} rounds); times on rank 0")
+    if volume:
+        for stage in (1, 2):
+            v = volume[stage]
+            t = v["totals"]
+            ops = ", ".join(f"{op}({dt}, {el:,})" for op, dt, el, _ in v["ops"])
+            print(f"fzero stage {stage} comm/step/rank (CountingCommunicator, eager, one step): "
+                  f"{t['bytes'] / 1e6:.3f} MB in {t['calls']} collectives: {ops}")
+        ddp_bytes = 2 * n_params * (WORLD - 1) / WORLD * 4
+        print(f"  for reference, DDP's ring all-reduce of fp32 gradients: {ddp_bytes / 1e6:.3f} MB/step/rank")
+    print("reference medians on rank 0 (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in refs.items())
+          + "  [fwd+bwd: one micro-batch, no comm/optimizer; collectives: one parameter-sized fp32 buffer]")
+    print("note: fzero/dist.py's FutureWarning (funcol.all_gather_tensor is deprecated) is filtered out")
+
+    print()
+    head = (f"{'system':<20} | {'median ms/step':>14} | {'mean ms/step':>12} | {'x DDP (median)':>14} "
+            f"| {'x ZeRO':>6} | note")
+    print(head)
+    print("-" * len(head))
+    for key in args.systems:
+        r = results[key]
+        if "error" in r:
+            print(f"{names[key]:<20} | {'-':>14} | {'-':>12} | {'-':>14} | {'-':>6} | FAILED: {r['error']}")
+            continue
+        rd = f"{med[key] / ddp_ms:.2f}" if ddp_ms else "-"
+        rz = f"{med[key] / zero_ms:.2f}" if zero_ms else "-"
+        print(f"{names[key]:<20} | {med[key]:>14.1f} | {mean[key]:>12.1f} | {rd:>14} | {rz:>6} | {r['note']}")
+
+    if ddp_ms and zero_ms:
+        print()
+        print("goal: fzero <= 1.0x DDP and <= 0.8x ZeroRedundancyOptimizer (median; ZeRO = default settings)")
+        for key in args.systems:
+            if key.startswith("fzero") and key in ok:
+                a, z = med[key] / ddp_ms, med[key] / zero_ms
+                verdict = "MET" if a <= 1.0 and z <= 0.8 else "not met"
+                print(f"  {names[key]:<20} {a:.2f}x DDP, {z:.2f}x ZeRO: {verdict}")
+
+    # Sanity: every system trained the same thing.
+    print()
+    print(f"sanity (every system ran {args.warmup + args.steps} steps from the same init on the same data; "
+          "losses are means over ranks):")
+    ref_key = "ddp" if "ddp" in ok else next(iter(ok), None)
+    if ref_key is None:
+        return
+    model = build_model(cfg, args.seed)
+    ex, ey = random_batch(cfg, seed=999_983)
+    evals = {}
+    with torch.no_grad():
+        for k, v in ok.items():
+            evals[k] = lm_loss(torch.func.functional_call(model, v["params"], (ex,)), ey).item()
+    ref = ok[ref_key]
+    print(f"{'system':<20} | {'first-step loss':>15} | {'last-step loss':>14} | {'held-out loss':>13} "
+          f"| {'rel. diff last / held-out':>25} | {'max param rel. diff':>19} | flag  (vs {names[ref_key]})")
+    for k, v in ok.items():
+        dl = abs(v["loss"] - ref["loss"]) / abs(ref["loss"])
+        de = abs(evals[k] - evals[ref_key]) / abs(evals[ref_key])
+        dp = max(
+            ((v["params"][n] - p).abs().max() / p.abs().max().clamp_min(1e-30)).item()
+            for n, p in ref["params"].items()
+        )
+        flag = "DISAGREES (>1e-3)" if max(dl, de) > 1e-3 else "ok"
+        print(f"{names[k]:<20} | {v['first']:>15.6f} | {v['loss']:>14.6f} | {evals[k]:>13.6f} "
+              f"| {f'{dl:.1e} / {de:.1e}':>25} | {dp:>19.1e} | {flag}")
+    print("(max param rel. diff: max over tensors of max|p - p_ref| / max|p_ref|)")
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    args = parse_args(argv)
+    if args.worker or "LOCAL_RANK" in os.environ:
+        worker(args)
+        return
+    sys.exit(launch(args, [a for a in argv if a != "--worker"]))
+
+
+if __name__ == "__main__":
+    main()

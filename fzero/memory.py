@@ -1,0 +1,108 @@
+"""Memory accounting: training-state bytes per rank by kind, for a stage and world size.
+
+What is counted is ZeRO's model of the training state (Rajbhandari et al.,
+2020): compute-dtype parameters, the gradient buffer the optimizer consumes,
+the fp32 master copy and the optimizer moments. With Adam and 16-bit
+compute and communication it gives the paper's ``4Ψ + 12Ψ/N`` (stage 1),
+``2Ψ + 14Ψ/N`` (stage 2) and ``16Ψ/N`` (stage 3) bytes, computed here on the
+padded layout. ``padding`` says how much of that total is padding (averaged
+over ranks), so ``total - padding`` is the formula on the real parameter count.
+
+Transient buffers are not state and are not counted: fzero's stages 1-2 step
+also holds, during backward, the full local gradients in the compute dtype
+before they are reduced.
+
+Imports: ``fzero.layout``, ``fzero.optim``, ``fzero.precision``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .layout import Layout
+from .optim import Optimizer
+from .precision import MixedPrecision
+
+__all__ = ["MemoryReport", "memory_report", "zero_paper_bytes", "format_memory_table"]
+
+KINDS = ("params", "grads", "master", "moments")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Bytes per rank. ``by_kind``: params, grads, master, moments (padded buffers);
+    ``padding``: the part of their sum that is padding, averaged over ranks."""
+
+    stage: int
+    world_size: int
+    num_params: int
+    by_kind: dict[str, float]
+    padding: float
+
+    @property
+    def total(self) -> float:
+        return sum(self.by_kind.values())
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def memory_report(
+    layout: Layout,
+    optimizer: Optimizer,
+    *,
+    stage: int,
+    precision: MixedPrecision = MixedPrecision(),
+    world_size: Optional[int] = None,
+) -> MemoryReport:
+    """Training-state bytes per rank for ``layout``'s parameters.
+
+    ``world_size`` re-lays the parameters for that many ranks (default: the
+    layout's own). Full buffers are counted whole, sharded ones as one shard:
+    parameters are full in stages 1-2 and sharded in stage 3; the gradient
+    buffer (in ``precision.reduce_dtype``, default the master dtype) is full in
+    stage 1 and sharded in stages 2-3; master and moments are always sharded.
+    """
+    if stage not in (1, 2, 3):
+        raise ValueError(f"memory_report: stage must be 1, 2 or 3, got {stage!r}")
+    if world_size is not None and world_size != layout.world_size:
+        layout = layout.with_world_size(world_size)
+    n = layout.world_size
+    k = len(optimizer.moment_names)
+    by_kind = dict.fromkeys(KINDS, 0.0)
+    padding = 0.0
+    for g in layout.groups:
+        full, shard, pad = g.padded_numel, g.shard_numel, g.padding
+        master = _size(g.master_dtype)
+        rows = {
+            "params": (_size(precision.compute_dtype(g.dtype)), stage == 3),
+            "grads": (_size(precision.reduce_dtype or g.master_dtype), stage >= 2),
+            "master": (master, True),
+            "moments": (k * master, True),
+        }
+        for kind, (itemsize, sharded) in rows.items():
+            by_kind[kind] += itemsize * (shard if sharded else full)
+            padding += itemsize * (pad / n if sharded else pad)
+    return MemoryReport(stage, n, layout.num_params, by_kind, padding)
+
+
+def zero_paper_bytes(num_params: int, stage: int, world_size: int, k: int = 12) -> float:
+    """The ZeRO paper's per-rank bytes with 16-bit parameters and gradients and ``k``
+    bytes of optimizer state per parameter (12 for mixed-precision Adam)."""
+    psi, n = num_params, world_size
+    return {1: 4 * psi + k * psi / n, 2: 2 * psi + (2 + k) * psi / n, 3: (4 + k) * psi / n}[stage]
+
+
+def format_memory_table(reports: list[MemoryReport]) -> str:
+    """A plain-text table of reports (MiB per rank)."""
+    mib = 2.0**20
+    head = f"{'stage':>5} {'ranks':>5} " + " ".join(f"{k:>9}" for k in KINDS) + f" {'padding':>9} {'total':>9}"
+    lines = [head + "   (MiB per rank)"]
+    for r in reports:
+        cells = " ".join(f"{r.by_kind[k] / mib:9.3f}" for k in KINDS)
+        lines.append(f"{r.stage:>5} {r.world_size:>5} {cells} {r.padding / mib:9.3f} {r.total / mib:9.3f}")
+    return "\n".join(lines)

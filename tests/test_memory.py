@@ -1,0 +1,53 @@
+"""The memory report against the ZeRO paper's formula and against the real state buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fzero
+from helpers import mlp
+
+BF16 = fzero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_report_equals_zero_formula_within_padding(stage, world):
+    model = mlp(sizes=(37, 101, 29, 5))  # element counts not divisible by the world sizes
+    layout = fzero.build_layout(model, 1, alignment=16)
+    rep = fzero.memory_report(layout, fzero.adamw(), stage=stage, precision=BF16, world_size=world)
+    psi = sum(p.numel() for p in model.parameters())
+    assert rep.num_params == psi
+    formula = fzero.zero_paper_bytes(psi, stage, world)
+    assert rep.total - rep.padding == pytest.approx(formula, rel=1e-12)
+    # padding is small: at most one aligned shard's worth per flat group and kind
+    assert 0 <= rep.padding <= 16 * world * 16 * len(layout.with_world_size(world).groups)
+    # and the report is exact on the padded layout
+    padded = layout.with_world_size(world).num_padded
+    assert rep.total == pytest.approx(fzero.zero_paper_bytes(padded, stage, world), rel=1e-12)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_report_matches_the_buffers_a_state_holds(stage, world):
+    model = mlp(sizes=(37, 101, 29, 5))
+    comm = fzero.SimulatedWorld(world)
+    state = fzero.init_train_state(model, fzero.adam(), comm, precision=BF16)
+    rep = fzero.memory_report(state.layout, state.opt.optimizer, stage=stage, precision=BF16)
+
+    def per_rank(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors) / comm.local_ranks
+
+    assert rep.by_kind["params"] == per_rank(state.params)
+    assert rep.by_kind["master"] == per_rank(state.shard.master)
+    assert rep.by_kind["moments"] == per_rank([m for ms in state.opt.moments for m in ms])
+
+
+def test_sgd_without_momentum_has_no_moments_and_fp32_defaults():
+    layout = fzero.build_layout(mlp(), 4)
+    rep = fzero.memory_report(layout, fzero.sgd(lr=0.1), stage=2)
+    assert rep.by_kind["moments"] == 0
+    g = layout.groups[0]
+    assert rep.by_kind["master"] == 4 * sum(g.shard_numel for g in layout.groups)
+    assert rep.by_kind["params"] == 4 * layout.num_padded  # fp32 compute by default
