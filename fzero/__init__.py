@@ -42,17 +42,20 @@ from .sharding import (
     reduce_scatter_grads,
     shard_step,
 )
+from .zero3 import Chain, Link, chain_from_sequential
 from .step import TrainState, consume, ensure_live, init_train_state, make_train_step, module_loss
 
 __version__ = "0.1.0"
 
 __all__ = [
     "NAMESPACE",
+    "Chain",
     "CollectiveRecord",
     "Communicator",
     "CountingCommunicator",
     "FlatGroup",
     "Layout",
+    "Link",
     "MemoryReport",
     "MixedPrecision",
     "OptState",
@@ -69,6 +72,7 @@ __all__ = [
     "adamw",
     "all_gather_params",
     "build_layout",
+    "chain_from_sequential",
     "format_memory_table",
     "gather_flat_params",
     "global_norm",

@@ -21,6 +21,9 @@ from .layout import Layout, first_difference
 
 __all__ = ["TorchCommunicator", "LayoutMismatchError"]
 
+# torch 2.13 deprecates all_gather_tensor in favour of all_gather_single; older torch lacks the latter.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
 
 class LayoutMismatchError(ValueError):
     """Ranks built different parameter layouts (different models or settings)."""
@@ -80,7 +83,10 @@ class TorchCommunicator(Communicator):
             raise ValueError("reduce_scatter supports 'sum' and 'avg'")
         n = self._chunk(x, "reduce_scatter")
         if self.reduce_scatter_via_all_reduce:
-            total = funcol.all_reduce(x[0], "sum", self.group)[self.rank * n : (self.rank + 1) * n]
+            # wait on the whole result before slicing it (slicing first made the compiled
+            # graph slower on gloo)
+            total = funcol.wait_tensor(funcol.all_reduce(x[0], "sum", self.group))
+            total = total[self.rank * n : (self.rank + 1) * n]
         else:
             total = funcol.reduce_scatter_tensor(x[0], "sum", 0, self.group)
         return self._finish(total, op).unsqueeze(0)
@@ -89,7 +95,7 @@ class TorchCommunicator(Communicator):
         self._check_rows(x, "all_gather")
         if x.dim() != 2:
             raise ValueError(f"all_gather: expected shape [R, n], got {tuple(x.shape)}")
-        out = funcol.all_gather_tensor(x[0].contiguous(), 0, self.group)
+        out = _all_gather(x[0].contiguous(), 0, self.group)
         return self._finish(out, "sum").unsqueeze(0)
 
     def check_layout(self, layout: Layout) -> None:

@@ -63,7 +63,10 @@ def named_leaves(tree: Any) -> tuple[list[tuple[str, Any]], tp.TreeSpec]:
 
 @dataclasses.dataclass(frozen=True)
 class ParamSlot:
-    """One parameter: where it lives. ``group == -1`` for frozen parameters."""
+    """One parameter: where it lives. ``group == -1`` for frozen parameters.
+
+    ``bucket``: the gather unit it belongs to (ZeRO-3 link; 0 when unbucketed).
+    """
 
     path: str
     shape: tuple[int, ...]
@@ -71,11 +74,12 @@ class ParamSlot:
     group: int
     offset: int
     numel: int
+    bucket: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class FlatGroup:
-    """One flat buffer: parameters of one optimizer group and one dtype.
+    """One flat buffer: parameters of one bucket, one optimizer group and one dtype.
 
     ``numel``: parameter elements; ``padded_numel = world_size * shard_numel``;
     ``slots``: indices into :attr:`Layout.slots`, in buffer order.
@@ -88,6 +92,7 @@ class FlatGroup:
     numel: int
     padded_numel: int
     shard_numel: int
+    bucket: int = 0
 
     @property
     def master_dtype(self) -> torch.dtype:
@@ -142,7 +147,10 @@ class Layout:
         ``(world size, alignment, tree structure)``: what the fingerprint hashes."""
         head = ("world_size", self.world_size, "alignment", self.alignment, str(self.spec))
         return (head,) + tuple(
-            (s.path, s.shape, str(s.dtype), s.group, self.groups[s.group].opt_group if s.group >= 0 else -1)
+            (
+                s.path, s.shape, str(s.dtype), s.group,
+                self.groups[s.group].opt_group if s.group >= 0 else -1, s.bucket,
+            )
             for s in self.slots
         )
 
@@ -185,7 +193,7 @@ def first_difference(
     for i in (0, 2):
         if a[i + 1] != b[i + 1]:
             return f"{a[i]} differs: {a[i + 1]} vs {b[i + 1]}"
-    fields = ("path", "shape", "dtype", "flat group", "optimizer group")
+    fields = ("path", "shape", "dtype", "flat group", "optimizer group", "bucket")
     for i, (x, y) in enumerate(zip(mine[1:], theirs[1:])):
         if x[0] != y[0]:
             return f"parameter #{i} is {x[0]!r} vs {y[0]!r}"
@@ -209,14 +217,14 @@ def _pack(
     slots: Iterable[ParamSlot], spec: tp.TreeSpec, world_size: int, alignment: int
 ) -> Layout:
     """Assign flat groups and offsets to slots whose ``group`` is an opt-group index (-1: frozen)."""
-    keys: dict[tuple[int, torch.dtype], list[int]] = {}
+    keys: dict[tuple[int, int, torch.dtype], list[int]] = {}
     slots = list(slots)
     for i, s in enumerate(slots):
         if s.group >= 0:
-            keys.setdefault((s.group, s.dtype), []).append(i)
+            keys.setdefault((s.bucket, s.group, s.dtype), []).append(i)
     groups = []
     new_slots = list(slots)
-    for gi, ((opt_group, dtype), members) in enumerate(keys.items()):
+    for gi, ((bucket, opt_group, dtype), members) in enumerate(sorted(keys.items(), key=lambda kv: kv[0][0])):
         offset = 0
         for i in members:
             s = slots[i]
@@ -224,7 +232,7 @@ def _pack(
             offset += s.numel
         shard = max(_round_up(-(-offset // world_size), alignment), alignment)
         groups.append(
-            FlatGroup(gi, opt_group, dtype, tuple(members), offset, shard * world_size, shard)
+            FlatGroup(gi, opt_group, dtype, tuple(members), offset, shard * world_size, shard, bucket)
         )
     return Layout(tuple(new_slots), tuple(groups), spec, world_size, alignment)
 
@@ -235,6 +243,7 @@ def build_layout(
     *,
     trainable: Optional[Callable[[str], bool]] = None,
     group_of: Optional[Callable[[str], int]] = None,
+    bucket_of: Optional[Callable[[str], int]] = None,
     alignment: int = 16,
 ) -> Layout:
     """Lay out ``params`` (an ``nn.Module`` or a pytree of tensors) for ``world_size`` ranks.
@@ -242,6 +251,8 @@ def build_layout(
     ``trainable(path)``: which leaves the optimizer updates; default: every
     leaf of a pytree, ``requires_grad`` parameters of a module. ``group_of(path)``:
     the optimizer parameter group of a trainable leaf (default 0).
+    ``bucket_of(path)``: the gather unit of a leaf (ZeRO-3 links; default 0).
+    Flat groups are keyed by (bucket, optimizer group, dtype), ordered by bucket.
     ``alignment``: every shard's length is a multiple of it (elements).
 
     Raises ``TypeError`` for a non-tensor, sparse or non-floating leaf (naming
@@ -263,7 +274,8 @@ def build_layout(
             raise TypeError(f"parameter {path!r}: expected a floating-point dtype, got {x.dtype}")
         train = (x.requires_grad if is_module else True) if trainable is None else bool(trainable(path))
         group = (group_of(path) if group_of is not None else 0) if train else -1
-        slots.append(ParamSlot(path, tuple(x.shape), x.dtype, group, 0, x.numel()))
+        bucket = bucket_of(path) if bucket_of is not None else 0
+        slots.append(ParamSlot(path, tuple(x.shape), x.dtype, group, 0, x.numel(), bucket))
     if not any(s.group >= 0 for s in slots):
         raise ValueError(
             "no trainable parameters: every parameter is frozen (requires_grad=False or "

@@ -56,6 +56,7 @@ def init_shard(
     *,
     trainable: Optional[Any] = None,
     optimizer: Optional[Optimizer] = None,
+    bucket_of: Optional[Any] = None,
     alignment: int = 16,
 ) -> ShardState:
     """Lay out ``params`` (``nn.Module`` or pytree) for ``comm`` and build this process's shards.
@@ -70,6 +71,7 @@ def init_shard(
         comm.world_size,
         trainable=trainable,
         group_of=optimizer.group_of if optimizer is not None else None,
+        bucket_of=bucket_of,
         alignment=alignment,
     )
     comm.check_layout(layout)

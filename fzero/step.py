@@ -31,6 +31,7 @@ from .optim import OptState, Optimizer, init_opt_state
 from .precision import MixedPrecision
 from .pytree import pytree_dataclass, replace, static_field
 from .scaler import ScalerState, init_scaler, scale, static_scaler, unscale_and_check, update_scale
+from .zero3 import Chain, chain_loss_fn, stage3_grads
 from .sharding import (
     ShardState,
     average_flat_grads,
@@ -82,6 +83,8 @@ def init_train_state(
     optimizer: Optimizer,
     comm: Communicator,
     *,
+    stage: int = 2,
+    chain: Optional[Chain] = None,
     precision: MixedPrecision = MixedPrecision(),
     scaler: Optional[ScalerState] = None,
     trainable: Optional[Callable[[str], bool]] = None,
@@ -89,16 +92,27 @@ def init_train_state(
 ) -> TrainState:
     """The initial state for ``params`` (an ``nn.Module`` or a pytree of tensors).
 
-    Each local rank builds only its own shards. ``scaler`` defaults to a dynamic
+    Each local rank builds only its own shards. ``stage`` 1-2 keep the gathered
+    compute-dtype parameters in the state; stage 3 keeps none (``params == ()``).
+    ``chain``: lay the parameters out in one bucket per link (required for
+    stage 3; allowed for stages 1-2, which then share stage 3's layout, so
+    checkpoints move between stages). ``scaler`` defaults to a dynamic
     :func:`~fzero.scaler.init_scaler` when computing in fp16 and to a static
-    scale of 1 otherwise. Collectives: one ``all_gather`` per flat group (the
-    compute-dtype parameters).
+    scale of 1 otherwise. Collectives: ``comm.check_layout``; for stages 1-2 one
+    ``all_gather`` per flat group.
     """
-    shard = init_shard(params, comm, trainable=trainable, optimizer=optimizer, alignment=alignment)
+    if stage not in (1, 2, 3):
+        raise ValueError(f"init_train_state: stage must be 1, 2 or 3, got {stage!r}")
+    if stage == 3 and chain is None:
+        raise ValueError("init_train_state: stage 3 needs the model's `chain` (see fzero.chain_from_sequential)")
+    shard = init_shard(
+        params, comm, trainable=trainable, optimizer=optimizer, alignment=alignment,
+        bucket_of=chain.bucket_of if chain is not None else None,
+    )
     opt = init_opt_state(optimizer, shard.master)
     if scaler is None:
         scaler = init_scaler() if precision.param_dtype == torch.float16 else static_scaler(1.0)
-    gathered = gather_flat_params(shard, comm, precision.param_dtype)
+    gathered = gather_flat_params(shard, comm, precision.param_dtype) if stage < 3 else ()
     return TrainState(shard, opt, scaler, gathered, precision)
 
 
@@ -165,14 +179,37 @@ def make_train_step(
     that bookkeeping (compile a donating step this way, not from outside).
     Donated and pure steps give bitwise the same numbers.
     """
-    if stage not in (1, 2):
-        raise ValueError(f"make_train_step: stage must be 1 or 2, got {stage!r}")
+    if stage not in (1, 2, 3):
+        raise ValueError(f"make_train_step: stage must be 1, 2 or 3, got {stage!r}")
     if clip_norm is not None and not clip_norm > 0:
         raise ValueError(f"make_train_step: clip_norm must be positive, got {clip_norm}")
+    if stage == 3 and not isinstance(loss_fn, Chain):
+        raise TypeError(
+            "make_train_step: stage 3 gathers parameters link by link and needs a fzero.Chain "
+            "(e.g. fzero.chain_from_sequential(model, criterion)) instead of a loss function"
+        )
+
+    if isinstance(loss_fn, Chain) and stage < 3:
+        chain, loss_fn = loss_fn, chain_loss_fn(loss_fn)
+    else:
+        chain = loss_fn if isinstance(loss_fn, Chain) else None
+
+    def step3(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        if state.params:
+            raise ValueError("make_train_step(stage=3): this state keeps gathered parameters; build it "
+                             "with init_train_state(..., stage=3)")
+        shards, losses = stage3_grads(
+            chain, state.shard, comm, batch, lambda loss: scale(state.scaler, loss),
+            param_dtype=state.precision.param_dtype, reduce_dtype=state.precision.reduce_dtype,
+        )
+        return finish_step(state, shards, losses, comm, clip_norm=clip_norm, donate=donate)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         shard, scaler = state.shard, state.scaler
         check_world(shard, comm)
+        if not state.params:
+            raise ValueError(f"make_train_step(stage={stage}): this state was built for stage 3 and keeps "
+                             "no gathered parameters; build it with init_train_state(..., stage=1 or 2)")
         lay = shard.layout
         dtype = state.precision.param_dtype
         flat_grads: list[list[torch.Tensor]] = [[] for _ in lay.groups]
@@ -201,29 +238,10 @@ def make_train_step(
             )
             for g, fl in zip(lay.groups, flat_grads)
         )
-        shards, found_inf = unscale_and_check(scaler, shards, comm)
-        sums = comm.all_reduce(
-            torch.stack([local_sq_norm(shards), torch.stack(losses).double()], dim=1), "sum"
-        )[0]
-        norm64 = sums[0].sqrt()
-        loss = (sums[1] / comm.world_size).float()
-        found_inf = torch.maximum(found_inf, (~torch.isfinite(norm64)).float())
-        if clip_norm is not None:
-            # torch.nn.utils.clip_grad_norm_'s coefficient, from the float64 norm.
-            coef = torch.clamp(clip_norm / (norm64 + 1e-6), max=1.0)
-            shards = tuple(s * coef.to(s.dtype) for s in shards)
-        new_shard, new_opt = shard_step(shard, state.opt, shards, found_inf, donate=donate)
-        new_state = replace(
-            state,
-            shard=new_shard,
-            opt=new_opt,
-            scaler=update_scale(scaler, found_inf),
-            params=gather_flat_params(new_shard, comm, dtype),
-        )
-        metrics = {"loss": loss, "found_inf": found_inf, "scale": scaler.scale, "grad_norm": norm64.float()}
-        return new_state, metrics
+        return finish_step(state, shards, torch.stack(losses), comm, clip_norm=clip_norm, donate=donate)
 
-    core: StepFn = torch.compile(step, fullgraph=True) if compile else step
+    chosen = step3 if stage == 3 else step
+    core: StepFn = torch.compile(chosen, fullgraph=True) if compile else chosen
     if not donate:
         return core
 
@@ -271,6 +289,43 @@ def consume(old: TrainState, new: TrainState) -> TrainState:
         t.set_()
     object.__setattr__(old, _CONSUMED, True)
     return new
+
+
+def finish_step(
+    state: TrainState,
+    shards: tuple[torch.Tensor, ...],
+    losses: torch.Tensor,
+    comm: Communicator,
+    *,
+    clip_norm: Optional[float],
+    donate: bool,
+) -> tuple[TrainState, dict[str, torch.Tensor]]:
+    """The part of a step after gradient reduction, shared by every stage.
+
+    ``shards``: averaged, still scaled gradient shards per flat group
+    ``[R, shard_numel]``; ``losses``: ``[R]`` unscaled per-rank losses.
+    Unscales and agrees on overflow (``all_reduce(max)``), computes the global
+    norm and mean loss (one ``all_reduce(sum)`` of two values per rank),
+    clips, applies the optimizer (skipped by selection), updates the scale,
+    and for stages 1-2 all-gathers the new compute-dtype parameters.
+    """
+    scaler = state.scaler
+    shards, found_inf = unscale_and_check(scaler, shards, comm)
+    sums = comm.all_reduce(torch.stack([local_sq_norm(shards), losses.double()], dim=1), "sum")[0]
+    norm64 = sums[0].sqrt()
+    loss = (sums[1] / comm.world_size).float()
+    found_inf = torch.maximum(found_inf, (~torch.isfinite(norm64)).float())
+    if clip_norm is not None:
+        # torch.nn.utils.clip_grad_norm_'s coefficient, from the float64 norm.
+        coef = torch.clamp(clip_norm / (norm64 + 1e-6), max=1.0)
+        shards = tuple(s * coef.to(s.dtype) for s in shards)
+    new_shard, new_opt = shard_step(state.shard, state.opt, shards, found_inf, donate=donate)
+    params = gather_flat_params(new_shard, comm, state.precision.param_dtype) if state.params else ()
+    new_state = replace(
+        state, shard=new_shard, opt=new_opt, scaler=update_scale(scaler, found_inf), params=params
+    )
+    metrics = {"loss": loss, "found_inf": found_inf, "scale": scaler.scale, "grad_norm": norm64.float()}
+    return new_state, metrics
 
 
 def _stack_rows(rows: list[torch.Tensor]) -> torch.Tensor:

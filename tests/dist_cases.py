@@ -29,12 +29,12 @@ def train(
     ``poison(step, rank) -> bool``: that rank puts an inf in its micro-batch.
     """
     model = mlp(torch.float32)
+    chain = fzero.chain_from_sequential(model, mse) if stage == 3 else None
     state = fzero.init_train_state(
-        model, optimizer or fzero.adamw(lr=1e-2), comm, scaler=scaler, precision=precision, alignment=4
+        model, optimizer or fzero.adamw(lr=1e-2), comm, scaler=scaler, precision=precision, alignment=4,
+        stage=stage, chain=chain,
     )
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage)
-    if compiled:
-        step = torch.compile(step, fullgraph=True)
+    step = fzero.make_train_step(chain or fzero.module_loss(model, mse), comm, stage=stage, compile=compiled)
     history, changed = [], []
     for i, batch in enumerate(batches(steps, comm.world_size, 2, torch.float32)):
         x, y = comm.split_batch(batch)

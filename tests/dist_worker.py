@@ -103,6 +103,43 @@ def case_fsdp(comm):
     return {"errors": errs, "torch_scales": scales, "fzero_scales": [h["scale"] for h in hist]}
 
 
+def case_fsdp_full_vs_stage3(comm):
+    """FSDP2 full sharding (fully_shard, reshard after forward) vs fzero stage 3, 20 steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    steps = 20
+    mesh = init_device_mesh("cpu", (comm.world_size,))
+    model = mlp(torch.float32)
+    for m in model:
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for batch in batches(steps, comm.world_size, 2, torch.float32):
+        x, y = _my_chunk(batch, comm)
+        opt.zero_grad()
+        mse(model(x), y).backward()
+        opt.step()
+    state, _, _ = cases.train(comm, steps=steps, stage=3, optimizer=fzero.adamw(lr=1e-2))
+    mine = _fzero_full_params(state, comm)
+    return {n: _rel(mine[n], p.full_tensor().detach()) for n, p in model.named_parameters()}
+
+
+def case_eager_s3(comm):
+    return _sim_compare(comm, stage=3)
+
+
+def case_compiled_s3(comm):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    out = _sim_compare(comm, stage=3, compiled=True)
+    out["graph_breaks"] = sum(counters["graph_break"].values())
+    out["recompiles"] = sum(counters["recompiles"].values())
+    return out
+
+
 def _sim_compare(comm, **kw):
     state, hist, changed = cases.train(comm, **kw)
     return {"masters": cases.masters(state), "history": hist, "changed": changed}

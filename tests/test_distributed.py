@@ -18,7 +18,7 @@ from dist_harness import run_torchrun
 pytestmark = pytest.mark.distributed
 
 W2_CASES = [
-    "eager_s2", "eager_s1", "compiled_s2", "ddp_adamw", "zero_sgd", "zero_adam", "fsdp",
+    "eager_s2", "eager_s1", "compiled_s2", "eager_s3", "compiled_s3", "fsdp_full_vs_stage3", "ddp_adamw", "zero_sgd", "zero_adam", "fsdp",
     "inf_even", "volume", "mismatch", "padding_only", "fp16_40000",
 ]
 W4_CASES = ["eager_s2", "compiled_s2", "inf_even", "volume", "padding_only", "fp16_40000", "ddp_adamw"]
@@ -66,7 +66,10 @@ def _compare(per_rank, sim_masters, exact, tol=1e-6):
                 assert err <= tol, (r, g, err)
 
 
-@pytest.mark.parametrize("case,stage,compiled", [("eager_s2", 2, False), ("eager_s1", 1, False), ("compiled_s2", 2, True)])
+@pytest.mark.parametrize(
+    "case,stage,compiled",
+    [("eager_s2", 2, False), ("eager_s1", 1, False), ("compiled_s2", 2, True), ("eager_s3", 3, False), ("compiled_s3", 3, True)],
+)
 def test_gloo_equals_simulated_world_w2_bitwise(w2, case, stage, compiled):
     sim, _, _ = _sim(2, stage=stage, compiled=compiled)
     _compare(_case(w2, case), sim, exact=True)
@@ -95,6 +98,16 @@ def test_parity_with_pytorch_distributed(w2, case):
 def test_parity_with_ddp_w4(w4):
     for errs in _case(w4, "ddp_adamw"):
         assert max(errs.values()) <= 1e-5, errs
+
+
+def test_stage3_on_gloo_compiled_without_graph_breaks(w2):
+    for res in _case(w2, "compiled_s3"):
+        assert res["graph_breaks"] == 0 and res["recompiles"] == 0
+
+
+def test_stage3_equals_fsdp2_full_sharding(w2):
+    for errs in _case(w2, "fsdp_full_vs_stage3"):
+        assert len(errs) == 8 and max(errs.values()) <= 1e-5, errs
 
 
 def test_parity_with_fsdp2_and_grad_scaler(w2):

@@ -1,0 +1,202 @@
+"""ZeRO stage 3 on the simulated world: equal to stage 2, compiled, memory and communication."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import fzero
+from fzero.testing import GatherTracker
+from helpers import batches, max_rel_err, mlp
+
+mse = torch.nn.functional.mse_loss
+
+
+def _pair(model, world, *, optimizer=None, scaler=None, precision=fzero.MixedPrecision(), trainable=None):
+    chain = fzero.chain_from_sequential(model, mse)
+    comm = fzero.SimulatedWorld(world)
+    kw = dict(precision=precision, trainable=trainable)
+    s2 = fzero.init_train_state(model, optimizer or fzero.adamw(lr=1e-2), comm, scaler=scaler, **kw)
+    s3 = fzero.init_train_state(model, optimizer or fzero.adamw(lr=1e-2), comm, scaler=scaler, stage=3, chain=chain, **kw)
+    step2 = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=2)
+    step3 = fzero.make_train_step(chain, comm, stage=3)
+    return comm, (s2, step2), (s3, step3)
+
+
+def _params(state, comm):
+    return {k: v[0] for k, v in fzero.all_gather_params(state.shard, comm, torch.float64).items()}
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-6)], ids=["f64", "f32"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_stage3_equals_stage2_after_20_steps(world, dtype, tol):
+    model = mlp(dtype)
+    opt = fzero.adamw(lr=1e-2, weight_decay=0.1, groups=[(fzero.no_weight_decay_for(model), {"weight_decay": 0.0})])
+    comm, (s2, step2), (s3, step3) = _pair(model, world, optimizer=opt)
+    assert s3.params == () and len(s3.layout.groups) > len(s2.layout.groups)
+    for batch in batches(20, world, 2, dtype):
+        b = comm.split_batch(batch)
+        s2, m2 = step2(s2, b)
+        s3, m3 = step3(s3, b)
+        assert abs(m2["loss"].item() - m3["loss"].item()) <= tol * abs(m2["loss"].item()) + 1e-30
+    p2, p3 = _params(s2, comm), _params(s3, comm)
+    for k in p2:
+        assert max_rel_err(p3[k], p2[k]) <= tol, k
+    assert int(s3.opt.step) == 20
+
+
+def test_stage3_with_scaler_skips_frozen_and_low_precision():
+    """Dynamic fp16 loss scale with an injected inf, a frozen layer, bf16 compute and
+    bf16 gradient communication: stage 3 follows stage 2 step for step."""
+    model = mlp(torch.float32)
+    model[0].requires_grad_(False)
+    precision = fzero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    comm, (s2, step2), (s3, step3) = _pair(
+        model, 2, scaler=fzero.init_scaler(2.0**8, growth_interval=3), precision=precision
+    )
+    frozen_before = model[0].weight.detach().clone()
+    found = []
+    for i, (x, y) in enumerate(batches(10, 2, 2, torch.float32)):
+        if i == 4:
+            x = x.clone()
+            x[3, 0] = math.nan  # rank 1 only (an inf would be absorbed: frozen Linear, then tanh)
+        b = comm.split_batch((x, y))
+        s2, m2 = step2(s2, b)
+        s3, m3 = step3(s3, b)
+        assert m2["found_inf"].item() == m3["found_inf"].item()
+        assert m2["scale"].item() == m3["scale"].item()
+        found.append(m3["found_inf"].item())
+    assert found[4] == 1.0 and sum(found) == 1.0
+    p2, p3 = _params(s2, comm), _params(s3, comm)
+    for k in p2:
+        assert max_rel_err(p3[k], p2[k]) <= 1e-6, k
+    assert torch.equal(p3["0.weight"].float(), frozen_before)
+
+
+def test_stage3_compiled_equals_eager_without_recompiles():
+    model = mlp(torch.float32)
+    chain = fzero.chain_from_sequential(model, mse)
+    comm = fzero.SimulatedWorld(2)
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3, chain=chain,
+                                   scaler=fzero.init_scaler(2.0**8, growth_interval=2))
+    eager = fzero.make_train_step(chain, comm, stage=3)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = fzero.make_train_step(chain, comm, stage=3, compile=True)
+    se, sc = state, state
+    scales = set()
+    for i, (x, y) in enumerate(batches(10, 2, 2, torch.float32)):
+        if i == 6:
+            x = x.clone()
+            x[0, 0] = math.nan
+        b = comm.split_batch((x, y))
+        se, me = eager(se, b)
+        sc, mc = compiled(sc, b)
+        scales.add(mc["scale"].item())
+        assert me["found_inf"].item() == mc["found_inf"].item()
+        for a, e in zip(sc.shard.master, se.shard.master):
+            assert max_rel_err(a, e) <= 1e-6
+    assert len(scales) >= 3
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["recompiles"] and not counters["graph_break"]
+
+
+def test_stage3_donating_equals_pure():
+    model = mlp(torch.float32)
+    chain = fzero.chain_from_sequential(model, mse)
+    comm = fzero.SimulatedWorld(2)
+    pure = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3, chain=chain)
+    donated = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3, chain=chain)
+    sp = fzero.make_train_step(chain, comm, stage=3)
+    sd = fzero.make_train_step(chain, comm, stage=3, donate=True)
+    for batch in batches(4, 2, 2, torch.float32):
+        b = comm.split_batch(batch)
+        pure, _ = sp(pure, b)
+        donated, _ = sd(donated, b)
+    for a, b_ in zip(pure.shard.master, donated.shard.master):
+        assert torch.equal(a, b_)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stage3_communication_is_two_gathers_and_one_reduce_scatter(world):
+    model = mlp(torch.float32)
+    chain = fzero.chain_from_sequential(model, mse)
+    counting = fzero.CountingCommunicator(fzero.SimulatedWorld(world))
+    state = fzero.init_train_state(model, fzero.adamw(), counting, stage=3, chain=chain)
+    step = fzero.make_train_step(chain, counting, stage=3)
+    counting.reset()
+    step(state, counting.split_batch(batches(1, world, 2, torch.float32)[0]))
+    psi = state.layout.num_padded
+    frac = (world - 1) / world
+    gathers = counting.totals(["all_gather"])
+    scatters = counting.totals(["reduce_scatter"])
+    assert gathers["moved"] == pytest.approx(2 * psi * frac)
+    assert scatters["moved"] == pytest.approx(psi * frac)
+    assert gathers["calls"] == 2 * len(state.layout.groups) and scatters["calls"] == len(state.layout.groups)
+    big = counting.totals(["all_gather", "reduce_scatter"])
+    assert big["moved"] == pytest.approx(3 * psi * frac)
+    # beyond them, only the three scalars of every step (found_inf; norm and loss)
+    assert counting.totals(["all_reduce"])["elements"] == 1 + 2
+
+
+def test_stage3_holds_at_most_two_links_of_gathered_parameters():
+    """An 8-block model: the peak of live gathered parameters is about one or two blocks."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(8)]
+    model = torch.nn.Sequential(*blocks, torch.nn.Linear(64, 4))
+    chain = fzero.chain_from_sequential(model, mse)
+    tracker = GatherTracker(fzero.SimulatedWorld(2))
+    state = fzero.init_train_state(model, fzero.adamw(), tracker, stage=3, chain=chain, alignment=1)
+    step = fzero.make_train_step(chain, tracker, stage=3)
+    tracker.reset_peak()
+    x = torch.randn(2, 3, 64)
+    state, _ = step(state, (x, torch.randn(2, 3, 4)))
+    link_bytes = max(
+        sum(g.padded_numel * 4 for g in state.layout.groups if g.bucket == b) for b in range(len(chain.links))
+    )
+    total = state.layout.num_padded * 4
+    assert tracker.peak_bytes <= 2 * link_bytes, (tracker.peak_bytes, link_bytes)
+    assert tracker.peak_bytes < total / 3
+    assert tracker.live_bytes == 0  # nothing gathered survives the step
+
+
+def test_stage3_state_memory_is_sharded():
+    model = mlp(torch.float32, sizes=(37, 101, 29, 5))
+    chain = fzero.chain_from_sequential(model, mse)
+    comm = fzero.SimulatedWorld(4)
+    bf16 = fzero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    state = fzero.init_train_state(model, fzero.adam(), comm, stage=3, chain=chain, precision=bf16)
+    rep = fzero.memory_report(state.layout, state.opt.optimizer, stage=3, precision=bf16)
+    held = sum(m.numel() * m.element_size() for m in state.shard.master)
+    held += sum(m.numel() * m.element_size() for ms in state.opt.moments for m in ms)
+    assert held / comm.local_ranks == rep.by_kind["master"] + rep.by_kind["moments"]
+    psi = sum(p.numel() for p in model.parameters())
+    assert rep.total - rep.padding == pytest.approx(16 * psi / 4)
+
+
+def test_stage3_needs_a_chain_and_a_stage3_state():
+    model = mlp()
+    comm = fzero.SimulatedWorld(2)
+    with pytest.raises(TypeError, match="Chain"):
+        fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)
+    with pytest.raises(ValueError, match="chain"):
+        fzero.init_train_state(model, fzero.adamw(), comm, stage=3)
+    chain = fzero.chain_from_sequential(model, mse)
+    s2 = fzero.init_train_state(model, fzero.adamw(), comm, chain=chain)
+    with pytest.raises(ValueError, match="stage=3"):
+        fzero.make_train_step(chain, comm, stage=3)(s2, comm.split_batch(batches(1, 2, 2, torch.float32)[0]))
+    with pytest.raises(TypeError, match="Sequential"):
+        fzero.chain_from_sequential(torch.nn.Linear(2, 2), mse)
+
+
+def test_bucket_numel_merges_links_and_stages_share_a_chain_layout():
+    model = mlp()
+    chain = fzero.chain_from_sequential(model, mse, bucket_numel=10_000)
+    assert len(chain.links) == 1
+    comm = fzero.SimulatedWorld(2)
+    a = fzero.init_train_state(model, fzero.adamw(), comm, chain=fzero.chain_from_sequential(model, mse))
+    b = fzero.init_train_state(model, fzero.adamw(), comm, stage=3, chain=fzero.chain_from_sequential(model, mse))
+    assert a.layout == b.layout  # stage 1-2 with a chain lay out exactly like stage 3
