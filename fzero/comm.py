@@ -88,20 +88,25 @@ class Communicator:
         n = self._chunk(x, "take_shard")
         return torch.stack([x[i, r * n : (r + 1) * n] for i, r in enumerate(self.ranks)])
 
-    def split_batch(self, batch: Any) -> Any:
+    def split_batch(self, batch: Any, micro_batches: int = 1) -> Any:
         """Split a global batch into per-rank micro-batches with the local-rank axis.
 
-        Every leaf's dim 0 (the global batch, divisible by W) is cut into W equal
-        parts; the result keeps this process's parts: ``[R, B // W, ...]``.
+        Every leaf's dim 0 (the global batch, divisible by W * micro_batches) is
+        cut into W equal contiguous parts, one per rank; the result keeps this
+        process's parts: ``[R, B // W, ...]``, or with ``micro_batches=K``
+        (gradient accumulation) ``[R, K, B // (W K), ...]``.
         Like ``DistributedSampler``, for examples and tests.
         """
+        parts_n = self.world_size * micro_batches
+
         def one(path: Any, x: torch.Tensor) -> torch.Tensor:
-            if x.dim() == 0 or x.shape[0] % self.world_size:
+            if x.dim() == 0 or x.shape[0] % parts_n:
                 raise ValueError(
                     f"split_batch: batch{tp.keystr(path)} has shape {tuple(x.shape)}; dim 0 must "
-                    f"be divisible by the world size {self.world_size}"
+                    f"be divisible by the world size {self.world_size} times micro_batches {micro_batches}"
                 )
-            parts = x.reshape(self.world_size, x.shape[0] // self.world_size, *x.shape[1:])
+            lead = (self.world_size,) if micro_batches == 1 else (self.world_size, micro_batches)
+            parts = x.reshape(*lead, x.shape[0] // parts_n, *x.shape[1:])
             return parts[list(self.ranks)] if self.local_ranks < self.world_size else parts
 
         return tp.tree_map_with_path(one, batch)

@@ -1,25 +1,28 @@
-"""Composition of the pure pieces into one training step (ZeRO stage 1 and 2).
+"""Composition of the pure pieces into one training step (ZeRO stages 1, 2 and 3).
 
 A step, for every local rank ``r`` (one on a real rank, W in the simulated world):
 
-1. forward and backward of ``loss_fn(params_r, batch_r)`` with the loss
-   multiplied by the loss scale (``torch.func.grad`` over views of the
-   gathered compute-dtype buffers, then concatenated per flat group);
-2. gradients averaged over ranks: ``reduce_scatter`` (stage 2) or
-   ``all_reduce`` and a local slice (stage 1), fp32 out;
-3. ``unscale_and_check`` (``found_inf`` agreed by ``all_reduce(max)``), the
-   global gradient norm and the mean loss (one ``all_reduce(sum)`` of two
-   scalars), optional clipping;
-4. ``shard_step`` (skipped bitwise by selection when ``found_inf``),
-   ``update_scale``, and ``all_gather`` of the new parameters in the
-   compute dtype for the next step.
+1. hyperparameter schedules are evaluated at the step count;
+2. for each of ``accum_steps`` micro-batches: forward and backward of the
+   loss multiplied by the loss scale (stages 1-2: ``torch.func.grad`` over
+   views of the gathered compute-dtype buffers, concatenated per flat group;
+   stage 3: link by link, see :mod:`fzero.zero3`), and the gradients averaged
+   over ranks: ``reduce_scatter`` (stages 2-3) or, for stage 1 and deferred
+   stage 2, accumulated locally and reduced once (stage 1 by ``all_reduce``
+   and a local slice);
+3. one ``all_reduce(sum)`` of (sum of squares of the scaled gradient shards,
+   loss) per rank: the global norm, the overflow flag agreed by every rank,
+   and the mean loss; one pass unscales and clips;
+4. ``shard_step`` (skipped bitwise by selection on overflow),
+   ``update_scale``, and, for stages 1-2, ``all_gather`` of the new
+   parameters in the compute dtype for the next step.
 
-Imports: every other fzero module but ``fzero.dist``.
+Imports: every other fzero module but ``fzero.dist`` and ``fzero.checkpoint``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.utils._pytree as tp
@@ -30,7 +33,8 @@ from .layout import flatten_one
 from .optim import OptState, Optimizer, init_opt_state
 from .precision import MixedPrecision
 from .pytree import pytree_dataclass, replace, static_field
-from .scaler import ScalerState, init_scaler, scale, static_scaler, unscale_and_check, update_scale
+from .scaler import ScalerState, init_scaler, scale, static_scaler, update_scale
+from .schedules import Schedule
 from .zero3 import Chain, chain_loss_fn, stage3_grads
 from .sharding import (
     ShardState,
@@ -145,30 +149,102 @@ def _index_row(tree: Any, r: int) -> Any:
     return tp.tree_map(lambda x: x[r], tree)
 
 
+def local_flat_grads(
+    loss_fn: LossFn, state: TrainState, batch: Any, rows: int
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Each local rank's gradient of its scaled loss, as flat group buffers ``[R, padded]``
+    in the compute dtype (zero padded), and the unscaled losses ``[R]``. No collective.
+
+    Differentiates the views of the gathered buffers (``torch.func.grad``) and
+    concatenates per flat group: differentiating the flat buffer itself would
+    zero-fill it once per parameter slice.
+    """
+    lay, shard, scaler = state.layout, state.shard, state.scaler
+    dtype = state.precision.param_dtype
+    flat: list[list[torch.Tensor]] = [[] for _ in lay.groups]
+    losses = []
+    for r in range(rows):
+        batch_r = _index_row(batch, r)
+
+        def scaled_loss(train: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            loss = loss_fn(merge_params(lay, train, shard.frozen, dtype), batch_r)
+            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                raise ValueError(f"loss_fn must return a 0-d tensor, got {loss!r:.80}")
+            loss = loss.float()
+            return scale(scaler, loss), loss.detach()
+
+        grads, loss = func_grad(scaled_loss, has_aux=True)(trainable_views(lay, state.params, r))
+        leaves = [grads.get(s.path) for s in lay.slots]
+        for g in lay.groups:
+            flat[g.index].append(flatten_one(lay, g, leaves))
+        losses.append(loss)
+    return tuple(_stack_rows(f) for f in flat), torch.stack(losses)
+
+
+def apply_schedules(state: TrainState, schedules: Mapping[str, Schedule]) -> TrainState:
+    """Set scheduled hyperparameters from the step count (inside the step: no recompiles).
+
+    The default group takes ``schedule(step)``; a group whose base value differs
+    takes it scaled by ``base_group / base_default`` (as ``LambdaLR`` scales each
+    group's base learning rate).
+    """
+    if not schedules:
+        return state
+    opt = state.opt
+    hyper = [dict(h) for h in opt.hyper]
+    for name, schedule in schedules.items():
+        if name not in hyper[0]:
+            raise ValueError(
+                f"schedules: {opt.optimizer.kind} has no hyperparameter {name!r}; expected one of {sorted(hyper[0])}"
+            )
+        value = schedule(opt.step).to(torch.float64).reshape(())
+        base0 = opt.optimizer.hyperparams(0)[name]
+        for i, h in enumerate(hyper):
+            base = opt.optimizer.hyperparams(i)[name]
+            h[name] = value.to(h[name].device) * (base / base0 if base0 and base != base0 else 1.0)
+    return replace(state, opt=replace(opt, hyper=tuple(hyper)))
+
+
 StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]
 
 
 def make_train_step(
-    loss_fn: LossFn,
+    loss_fn: Union[LossFn, Chain],
     comm: Communicator,
     *,
     stage: int = 2,
     clip_norm: Optional[float] = None,
+    accum_steps: int = 1,
+    defer_reduce: bool = False,
+    schedules: Optional[Mapping[str, Schedule]] = None,
     donate: bool = False,
     compile: bool = False,
 ) -> StepFn:
-    """A step ``(state, batch) -> (state, metrics)`` for ZeRO stage 1 or 2.
+    """A step ``(state, batch) -> (state, metrics)`` for ZeRO stage 1, 2 or 3.
 
     ``loss_fn(params, batch)``: a 0-d loss for one rank's micro-batch, where
     ``params`` has the structure of the parameters given to
-    :func:`init_train_state`. ``batch``: any tree whose leaves carry the
-    local-rank axis ``[R, ...]`` (see ``comm.split_batch``).
+    :func:`init_train_state`; or a :class:`~fzero.zero3.Chain` (required for
+    stage 3, whose batch is ``(inputs, target)``). ``batch``: any tree whose
+    leaves carry the local-rank axis ``[R, ...]`` (see ``comm.split_batch``).
+
     ``clip_norm``: clip the global gradient norm as
-    ``torch.nn.utils.clip_grad_norm_`` does.
+    ``torch.nn.utils.clip_grad_norm_`` does, fused with unscaling (one pass).
+    ``accum_steps=K``: batch leaves are ``[R, K, ...]``; the gradients of the K
+    micro-batches (mean loss each) are averaged, then the optimizer runs once:
+    equal to one step on the K-times larger batch. Stage 2 and 3 reduce every
+    micro-step into fp32 shard accumulators; stage 1 accumulates full local
+    gradients and reduces once, and so does stage 2 with ``defer_reduce=True``
+    (no gradient communication on the first K-1 micro-steps, full-size
+    accumulators). Stage 3 cannot defer (it never holds full gradients).
+    ``schedules``: ``{hyperparameter: schedule(step) -> value}``, evaluated
+    inside the step at the optimizer's step count; the default group gets the
+    value, other groups the value scaled by their base ratio to the default.
 
     Metrics (0-d): ``loss`` (mean over ranks, unscaled), ``found_inf``,
     ``scale`` (the scale used in this step), ``grad_norm`` (unscaled, before
-    clipping). Runs eagerly or under ``torch.compile(fullgraph=True)``.
+    clipping), ``lr`` (the default group's). Runs eagerly or under
+    ``torch.compile(fullgraph=True)``; nothing recompiles as values change.
 
     ``donate=False``: pure; the input state is untouched and stays valid.
     ``donate=True`` (JAX's ``donate_argnums``): the step updates the master
@@ -183,65 +259,70 @@ def make_train_step(
         raise ValueError(f"make_train_step: stage must be 1, 2 or 3, got {stage!r}")
     if clip_norm is not None and not clip_norm > 0:
         raise ValueError(f"make_train_step: clip_norm must be positive, got {clip_norm}")
+    if not (isinstance(accum_steps, int) and accum_steps >= 1):
+        raise ValueError(f"make_train_step: accum_steps must be a positive int, got {accum_steps!r}")
+    if defer_reduce and stage == 3:
+        raise ValueError("make_train_step: stage 3 reduces every micro-step (defer_reduce needs full gradients)")
     if stage == 3 and not isinstance(loss_fn, Chain):
         raise TypeError(
             "make_train_step: stage 3 gathers parameters link by link and needs a fzero.Chain "
             "(e.g. fzero.chain_from_sequential(model, criterion)) instead of a loss function"
         )
-
+    schedules = dict(schedules or {})
     if isinstance(loss_fn, Chain) and stage < 3:
         chain, loss_fn = loss_fn, chain_loss_fn(loss_fn)
     else:
         chain = loss_fn if isinstance(loss_fn, Chain) else None
+    defer = stage == 1 or defer_reduce
 
-    def step3(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
-        if state.params:
-            raise ValueError("make_train_step(stage=3): this state keeps gathered parameters; build it "
-                             "with init_train_state(..., stage=3)")
-        shards, losses = stage3_grads(
+    def micro_batch(batch: Any, k: int) -> Any:
+        return batch if accum_steps == 1 else tp.tree_map(lambda x: x[:, k], batch)
+
+    def stage3_micro(state: TrainState, batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        return stage3_grads(
             chain, state.shard, comm, batch, lambda loss: scale(state.scaler, loss),
             param_dtype=state.precision.param_dtype, reduce_dtype=state.precision.reduce_dtype,
         )
-        return finish_step(state, shards, losses, comm, clip_norm=clip_norm, donate=donate)
+
+    def stage12_micro(state: TrainState, batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Per flat group: reduced shards (or, deferring, full local grads); and losses ``[R]``."""
+        flat, losses = local_flat_grads(loss_fn, state, batch, comm.local_ranks)
+        if defer:
+            return flat, losses
+        reduce_dtype = state.precision.reduce_dtype
+        return tuple(
+            average_flat_grads(f, comm, reduce_dtype or g.master_dtype, g.master_dtype)
+            for g, f in zip(state.layout.groups, flat)
+        ), losses
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
-        shard, scaler = state.shard, state.scaler
-        check_world(shard, comm)
-        if not state.params:
+        check_world(state.shard, comm)
+        if stage == 3 and state.params:
+            raise ValueError("make_train_step(stage=3): this state keeps gathered parameters; build it "
+                             "with init_train_state(..., stage=3)")
+        if stage < 3 and not state.params:
             raise ValueError(f"make_train_step(stage={stage}): this state was built for stage 3 and keeps "
                              "no gathered parameters; build it with init_train_state(..., stage=1 or 2)")
-        lay = shard.layout
-        dtype = state.precision.param_dtype
-        flat_grads: list[list[torch.Tensor]] = [[] for _ in lay.groups]
-        losses = []
-        for r in range(comm.local_ranks):
-            trainable = trainable_views(lay, state.params, r)
-            batch_r = _index_row(batch, r)
-
-            def scaled_loss(train: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-                loss = loss_fn(merge_params(lay, train, shard.frozen, dtype), batch_r)
-                if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-                    raise ValueError(f"loss_fn must return a 0-d tensor, got {loss!r:.80}")
-                loss = loss.float()
-                return scale(scaler, loss), loss.detach()
-
-            grads, loss = func_grad(scaled_loss, has_aux=True)(trainable)
-            leaves = [grads.get(s.path) for s in lay.slots]
-            for g in lay.groups:
-                flat_grads[g.index].append(flatten_one(lay, g, leaves))
-            losses.append(loss)
-
-        reduce_dtype = state.precision.reduce_dtype
-        shards = tuple(
-            average_flat_grads(
-                _stack_rows(fl), comm, reduce_dtype or g.master_dtype, g.master_dtype, stage == 1
+        state = apply_schedules(state, schedules)
+        micro = stage3_micro if stage == 3 else stage12_micro
+        acc, loss_sum = micro(state, micro_batch(batch, 0))
+        for k in range(1, accum_steps):
+            part, losses = micro(state, micro_batch(batch, k))
+            # accumulate in the master dtype (fp32), whatever the gradients' dtype
+            acc = tuple(a.to(g.master_dtype) + p for a, p, g in zip(acc, part, state.layout.groups))
+            loss_sum = loss_sum + losses
+        if accum_steps > 1:
+            acc = tuple(a / accum_steps for a in acc)
+            loss_sum = loss_sum / accum_steps
+        if stage < 3 and defer:
+            reduce_dtype = state.precision.reduce_dtype
+            acc = tuple(
+                average_flat_grads(a, comm, reduce_dtype or g.master_dtype, g.master_dtype, stage == 1)
+                for g, a in zip(state.layout.groups, acc)
             )
-            for g, fl in zip(lay.groups, flat_grads)
-        )
-        return finish_step(state, shards, torch.stack(losses), comm, clip_norm=clip_norm, donate=donate)
+        return finish_step(state, acc, loss_sum, comm, clip_norm=clip_norm, donate=donate)
 
-    chosen = step3 if stage == 3 else step
-    core: StepFn = torch.compile(chosen, fullgraph=True) if compile else chosen
+    core: StepFn = torch.compile(step, fullgraph=True) if compile else step
     if not donate:
         return core
 
@@ -304,27 +385,39 @@ def finish_step(
 
     ``shards``: averaged, still scaled gradient shards per flat group
     ``[R, shard_numel]``; ``losses``: ``[R]`` unscaled per-rank losses.
-    Unscales and agrees on overflow (``all_reduce(max)``), computes the global
-    norm and mean loss (one ``all_reduce(sum)`` of two values per rank),
-    clips, applies the optimizer (skipped by selection), updates the scale,
-    and for stages 1-2 all-gathers the new compute-dtype parameters.
+    One ``all_reduce(sum)`` of two values per rank gives the global norm, the
+    agreed overflow flag (a non-finite norm) and the mean loss; then one pass
+    unscales and clips, the optimizer runs (skipped by selection on overflow),
+    the scale is updated, and for stages 1-2 the new compute-dtype parameters
+    are all-gathered.
     """
     scaler = state.scaler
-    shards, found_inf = unscale_and_check(scaler, shards, comm)
+    # One all-reduce of (sum of squares of the *scaled* gradients, loss) per rank. In float64
+    # the sum of squares of finite fp32 values cannot overflow, so it is non-finite exactly
+    # when some rank has a non-finite gradient: found_inf comes agreed with the norm.
     sums = comm.all_reduce(torch.stack([local_sq_norm(shards), losses.double()], dim=1), "sum")[0]
-    norm64 = sums[0].sqrt()
+    scale64 = scaler.scale.double()
+    norm64 = sums[0].sqrt() / scale64
     loss = (sums[1] / comm.world_size).float()
-    found_inf = torch.maximum(found_inf, (~torch.isfinite(norm64)).float())
+    found_inf = (~torch.isfinite(norm64)).float()
+    # Unscale and clip in one pass (DeepSpeed's fused form): multiply by 1/scale (float64
+    # reciprocal rounded to fp32, as torch.amp does) times clip_grad_norm_'s coefficient.
+    factor = scale64.reciprocal().float().double()
     if clip_norm is not None:
-        # torch.nn.utils.clip_grad_norm_'s coefficient, from the float64 norm.
-        coef = torch.clamp(clip_norm / (norm64 + 1e-6), max=1.0)
-        shards = tuple(s * coef.to(s.dtype) for s in shards)
+        factor = factor * torch.clamp(clip_norm / (norm64 + 1e-6), max=1.0)
+    shards = tuple(s * factor.to(s.dtype) for s in shards)
     new_shard, new_opt = shard_step(state.shard, state.opt, shards, found_inf, donate=donate)
     params = gather_flat_params(new_shard, comm, state.precision.param_dtype) if state.params else ()
     new_state = replace(
         state, shard=new_shard, opt=new_opt, scaler=update_scale(scaler, found_inf), params=params
     )
-    metrics = {"loss": loss, "found_inf": found_inf, "scale": scaler.scale, "grad_norm": norm64.float()}
+    metrics = {
+        "loss": loss,
+        "found_inf": found_inf,
+        "scale": scaler.scale,
+        "grad_norm": norm64.float(),
+        "lr": state.opt.hyper[0]["lr"].float(),
+    }
     return new_state, metrics
 
 

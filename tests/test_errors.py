@@ -257,10 +257,24 @@ def test_set_hyperparams_unknown_name_and_group(comm):
     assert new.hyper[0]["lr"].item() == 0.5
 
 
-@pytest.mark.parametrize("stage", [0, 3, 5])
+@pytest.mark.parametrize("stage", [0, 4, 5])
 def test_make_train_step_bad_stage(stage, comm):
     with pytest.raises(ValueError, match=rf"stage.*{stage}"):
         fzero.make_train_step(_loss, comm, stage=stage)
+
+
+def test_make_train_step_stage3_needs_a_chain(comm):
+    with pytest.raises(TypeError, match="Chain"):
+        fzero.make_train_step(_loss, comm, stage=3)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"accum_steps": 0}, "accum_steps"),
+    ({"accum_steps": 2.5}, "accum_steps"),
+])
+def test_make_train_step_bad_accumulation(kw, match, comm):
+    with pytest.raises(ValueError, match=match):
+        fzero.make_train_step(_loss, comm, **kw)
 
 
 @pytest.mark.parametrize("clip", [0.0, -1.0])

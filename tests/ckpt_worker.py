@@ -1,0 +1,172 @@
+"""Checkpoint cases shared by the simulated-world tests and the torchrun worker.
+
+As a torchrun worker: ``ckpt_worker.py OUT_DIR ROOT CASE [CASE ...]`` runs each case
+on gloo and saves every case's result (or the error text) to ``OUT_DIR/rank{r}.pt``.
+Cases: ``save`` trains 8 steps from the initial state and saves ``ROOT/gloo{W}``;
+``resume:NAME`` loads ``ROOT/NAME`` (saved by any world, simulated or gloo) into a
+state built for this world and trains the remaining 8 steps.
+
+Every run trains on the same global batches (``GLOBAL_BATCH`` samples per step,
+split evenly over the ranks; mean loss), so the averaged gradient, and hence the
+training, does not depend on the world size beyond rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import fzero
+from fzero.checkpoint import (
+    export_model_state_dict,
+    export_torch_optim_state_dict,
+    import_torch_optim_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+)
+from helpers import batches, mlp
+
+mse = torch.nn.functional.mse_loss
+
+GLOBAL_BATCH = 24  # divisible by 1, 2, 3, 4, 8: equal micro-batches at every tested world size
+STEPS = 16
+HALF = 8
+DATA = batches(STEPS, 1, GLOBAL_BATCH, torch.float32)
+
+
+def optimizer(kind: str = "adamw") -> fzero.Optimizer:
+    """Two optimizer groups (no weight decay on biases and LayerNorm), as is usual."""
+    no_decay = [(fzero.no_weight_decay_for(mlp()), {"weight_decay": 0.0})]
+    if kind == "sgd":
+        return fzero.sgd(lr=0.05, momentum=0.9, weight_decay=0.01, groups=no_decay)
+    if kind == "adam":
+        return fzero.adam(lr=1e-2, weight_decay=0.01, groups=no_decay)
+    return fzero.adamw(lr=1e-2, weight_decay=0.1, groups=no_decay)
+
+
+def scaler() -> fzero.ScalerState:
+    # A dynamic scale that grows every 3 steps: its tracker is mid-interval at step 8.
+    return fzero.init_scaler(2.0**8, growth_interval=3)
+
+
+def fresh(comm: fzero.Communicator, *, seed: int = 0, stage: int = 2, kind: str = "adamw", **kw: Any) -> fzero.TrainState:
+    """The initial state (``seed`` 0), or a template for loading (another seed: its values must not matter)."""
+    chain = fzero.chain_from_sequential(mlp(), mse) if stage == 3 else None
+    return fzero.init_train_state(
+        mlp(seed=seed), optimizer(kind), comm, scaler=scaler(), stage=stage, chain=chain, **kw
+    )
+
+
+def train(state: fzero.TrainState, comm: fzero.Communicator, steps: range, stage: int = 2) -> fzero.TrainState:
+    loss = fzero.chain_from_sequential(mlp(), mse) if stage == 3 else fzero.module_loss(mlp(), mse)
+    step = fzero.make_train_step(loss, comm, stage=stage)
+    for i in steps:
+        state, _ = step(state, comm.split_batch(DATA[i]))
+    return state
+
+
+def summary(state: fzero.TrainState, comm: fzero.Communicator) -> dict[str, Any]:
+    """What must match between runs: full parameters, torch-form optimizer state, scaler, step."""
+    return {
+        "params": {k: v.clone() for k, v in export_model_state_dict(state, comm).items()},
+        "optim": export_torch_optim_state_dict(state, comm),
+        "scaler": [state.scaler.scale.item(), state.scaler.growth_tracker.item(), state.scaler.hysteresis_left.item()],
+        "step": int(state.opt.step),
+    }
+
+
+def extra_at(step: int) -> dict[str, Any]:
+    """What a training loop passes along: data-loader position, an RNG state, a tag."""
+    return {"loader": {"position": step, "epoch": 0}, "rng": torch.arange(4) * step, "run": "ckpt-test"}
+
+
+TORCH = {
+    "sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
+    "adam": (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.01)),
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+}
+
+
+def torch_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The torch twin of ``optimizer(kind)``: the same two groups, each in tree order."""
+    cls, kw = TORCH[kind]
+    no_decay = fzero.no_weight_decay_for(model)
+    named = list(model.named_parameters())
+    return cls(
+        [
+            {"params": [p for n, p in named if not no_decay(n)]},
+            {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0},
+        ],
+        **kw,
+    )
+
+
+def torch_train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    """Plain torch training on the whole global batch (the mean loss fzero's ranks average)."""
+    for i in steps:
+        x, y = DATA[i]
+        opt.zero_grad()
+        mse(model(x), y).backward()
+        opt.step()
+
+
+def case_torch_import(comm: fzero.Communicator) -> dict[str, Any]:
+    """A torch.optim AdamW run (3 steps) imported into this world; the state dicts exported
+    back; then one more step of each."""
+    model = mlp()
+    opt = torch_optimizer("adamw", model)
+    torch_train(model, opt, range(3))
+    state = import_torch_optim_state_dict(fresh(comm, seed=7), model.state_dict(), opt.state_dict(), comm)
+    out: dict[str, Any] = {"torch_at_3": copy.deepcopy(opt.state_dict()), "fzero_at_3": summary(state, comm)}
+    torch_train(model, opt, range(3, 4))
+    out["torch_at_4"] = {"params": {k: v.clone() for k, v in model.state_dict().items()}, "optim": opt.state_dict()}
+    out["fzero_at_4"] = summary(train(state, comm, range(3, 4)), comm)
+    return out
+
+
+def case_save(comm: fzero.Communicator, root: Path) -> dict[str, Any]:
+    state = train(fresh(comm), comm, range(HALF))
+    save_checkpoint(state, root / f"gloo{comm.world_size}", comm, name="step-8", extra=extra_at(HALF))
+    return summary(state, comm)
+
+
+def case_resume(comm: fzero.Communicator, root: Path, name: str) -> dict[str, Any]:
+    state, extra = load_checkpoint(root / name, fresh(comm, seed=7), comm)
+    state = train(state, comm, range(extra["loader"]["position"], STEPS))
+    return {"summary": summary(state, comm), "extra": extra}
+
+
+def main() -> None:
+    import torch.distributed as dist
+    from fzero.dist import TorchCommunicator
+
+    out_dir, root, names = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    comm = TorchCommunicator()
+    results: dict[str, Any] = {}
+    for name in names:
+        try:
+            if name == "save":
+                results[name] = case_save(comm, root)
+            elif name == "torch_import":
+                results[name] = case_torch_import(comm)
+            elif name.startswith("resume:"):
+                results[name] = case_resume(comm, root, name.split(":", 1)[1])
+            else:
+                raise ValueError(f"unknown case {name!r}")
+        except Exception:  # noqa: BLE001 - recorded and reported by the test
+            results[name] = {"exception": traceback.format_exc()}
+        dist.barrier()
+    torch.save(results, os.path.join(out_dir, f"rank{comm.rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
