@@ -97,9 +97,9 @@ from torch.distributed.checkpoint.planner import (
 from .comm import Communicator, CountingCommunicator
 from .dist import TorchCommunicator
 from .layout import Layout, flat_shard, group_views
-from .optim import OptState, Optimizer
+from .optim import Optimizer
 from .pytree import replace
-from .sharding import ShardState, check_world, gather_flat_params
+from .sharding import check_world, gather_flat_params
 from .step import TrainState, ensure_live
 
 __all__ = [
@@ -395,13 +395,12 @@ def _params_difference(saved: Sequence[Sequence[Any]], mine: Sequence[Sequence[A
                 return f"parameter {a[0]!r}: {field} {u} vs {v}"
     if len(saved) != len(mine):
         longer = saved if len(saved) > len(mine) else mine
-        return (
-            f"parameter count {len(saved)} vs {len(mine)}; first extra: {longer[min(len(saved), len(mine))][0]!r}"
-        )
+        first_extra = longer[min(len(saved), len(mine))][0]
+        return f"parameter count {len(saved)} vs {len(mine)}; first extra: {first_extra!r}"
     return None
 
 
-def manifest_difference(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> Optional[str]:
+def _manifest_difference(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> Optional[str]:
     """The first difference between a checkpoint's manifest and a state's, or None.
 
     Order: format, model (parameters in order: path, shape, dtype, optimizer
@@ -410,7 +409,7 @@ def manifest_difference(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> Op
     if saved.get("format") != FORMAT:
         return f"not an fzero checkpoint (format {saved.get('format')!r})"
     if saved.get("version", 0) > VERSION:
-        return f"written by a newer fzero (checkpoint format version {saved['version']}, this one reads {VERSION})"
+        return f"written by a newer fzero (format version {saved['version']}; this one reads {VERSION})"
     diff = _params_difference(saved["params"], mine["params"])
     if diff is not None:
         return f"model: {diff}"
@@ -535,7 +534,7 @@ def _read_latest(root: Path) -> Optional[str]:
     try:
         _check_name(name)
     except ValueError:
-        raise IncompleteCheckpointError(f"{root / LATEST} holds {name!r}, which is not a checkpoint name") from None
+        raise IncompleteCheckpointError(f"{root / LATEST} holds {name!r}: not a checkpoint name") from None
     return name
 
 
@@ -705,7 +704,7 @@ def read_manifest(path: PathLike) -> dict[str, Any]:
 
 def _read_manifest(d: Path, metadata: Metadata) -> dict[str, Any]:
     if not isinstance(metadata.state_dict_metadata.get(MANIFEST_KEY), BytesStorageMetadata):
-        raise CheckpointMismatchError(f"{d} is a DCP checkpoint without an fzero manifest: not an fzero checkpoint")
+        raise CheckpointMismatchError(f"{d} is a DCP checkpoint without a manifest: not an fzero checkpoint")
     box: dict[str, Any] = {MANIFEST_KEY: None}
     _dcp_load(box, d, None)  # this process only: every rank validates on its own, no collective
     return json.loads(box[MANIFEST_KEY])
@@ -730,7 +729,7 @@ def _check_entries(d: Path, metadata: Metadata, wanted: Mapping[str, Any]) -> No
 
 def _fresh_rows(template: torch.Tensor) -> torch.Tensor:
     # Zeros: the padding the new layout adds must be zero (update rules keep it so).
-    return torch.full_like(template, 7.0)
+    return torch.zeros_like(template)
 
 
 def load_checkpoint(
@@ -754,38 +753,61 @@ def load_checkpoint(
     ensure_live(template)
     check_world(template.shard, comm)
     pg = _process_group(comm)
-    d = resolve_checkpoint(path)
-    metadata = _read_metadata(d)
-    _check_data_files(d, metadata)
-    saved = _read_manifest(d, metadata)
-    diff = manifest_difference(saved, _manifest(template, comm))
-    if diff is not None:
-        raise CheckpointMismatchError(
-            f"checkpoint {d} does not match this training state: {diff} (checkpoint vs this state)"
-        )
-
-    lay, opt = template.layout, template.opt
+    d, metadata = _validated(path, template, comm)
     masters = tuple(_fresh_rows(m) for m in template.shard.master)
-    moments = tuple(tuple(_fresh_rows(m) for m in ms) for ms in opt.moments)
-    sd: dict[str, Any] = _sharded(template, comm, masters, moments)
+    moments = tuple(tuple(_fresh_rows(m) for m in ms) for ms in template.opt.moments)
     replicated = {k: torch.empty_like(v) for k, v in _replicated(template).items()}
-    sd.update(replicated)
+    sd: dict[str, Any] = {**_sharded(template, comm, masters, moments), **replicated}
     _check_entries(d, metadata, sd)
-    extra_keys = sorted(k for k in metadata.state_dict_metadata if k.startswith(EXTRA_PREFIX))
-    for k in extra_keys:
-        md = metadata.state_dict_metadata[k]
-        sd[k] = torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+    extra = _extra_destinations(metadata)
+    sd.update(extra)
     try:
         _dcp_load(sd, d, pg)
     except Exception as e:  # noqa: BLE001 - reported with the checkpoint named
         raise CheckpointError(f"reading checkpoint {d} failed: {e}") from e
+    state = _assemble(template, comm, masters, moments, replicated)
+    return state, _unflatten_extra({k: sd[k] for k in extra})
 
+
+def _validated(path: PathLike, template: TrainState, comm: Communicator) -> tuple[Path, Metadata]:
+    """The checkpoint directory and its DCP metadata, once complete and matching ``template``."""
+    d = resolve_checkpoint(path)
+    metadata = _read_metadata(d)
+    _check_data_files(d, metadata)
+    diff = _manifest_difference(_read_manifest(d, metadata), _manifest(template, comm))
+    if diff is not None:
+        raise CheckpointMismatchError(
+            f"checkpoint {d} does not match this training state: {diff} (checkpoint vs this state)"
+        )
+    return d, metadata
+
+
+def _extra_destinations(metadata: Metadata) -> dict[str, Any]:
+    """Where the caller's entries are read to: a tensor of the saved size and dtype, or
+    a placeholder that DCP replaces by the unpickled object."""
+    out: dict[str, Any] = {}
+    for k, md in sorted(metadata.state_dict_metadata.items()):
+        if k.startswith(EXTRA_PREFIX):
+            is_tensor = isinstance(md, TensorStorageMetadata)
+            out[k] = torch.empty(md.size, dtype=md.properties.dtype) if is_tensor else None
+    return out
+
+
+def _assemble(
+    template: TrainState,
+    comm: Communicator,
+    masters: tuple[torch.Tensor, ...],
+    moments: tuple[tuple[torch.Tensor, ...], ...],
+    replicated: Mapping[str, torch.Tensor],
+) -> TrainState:
+    """``template`` with the loaded leaves, and ``params`` regathered (one ``all_gather``
+    per flat group) unless the template keeps none (stage 3)."""
+    lay, opt = template.layout, template.opt
     hyper = tuple(
         {name: replicated[f"fzero/hyper/{k}/{name}"] for name in h} for k, h in enumerate(opt.hyper)
     )
     frozen = tuple(replicated[f"fzero/frozen/{s.path}"] for s in lay.frozen_slots)
     shard = replace(template.shard, master=masters, frozen=frozen)
-    new_opt = replace(opt, step=replicated["fzero/step"], hyper=hyper, moments=moments)
     scaler = replace(
         template.scaler,
         scale=replicated["fzero/scaler/scale"],
@@ -793,8 +815,13 @@ def load_checkpoint(
         hysteresis_left=replicated["fzero/scaler/hysteresis_left"],
     )
     params = gather_flat_params(shard, comm, template.precision.param_dtype) if len(template.params) else ()
-    state = replace(template, shard=shard, opt=new_opt, scaler=scaler, params=params)
-    return state, _unflatten_extra({k: sd[k] for k in extra_keys})
+    return replace(
+        template,
+        shard=shard,
+        opt=replace(opt, step=replicated["fzero/step"], hyper=hyper, moments=moments),
+        scaler=scaler,
+        params=params,
+    )
 
 
 # -- torch.optim interchange ----------------------------------------------------------------
@@ -809,7 +836,7 @@ def _full_flat(rows: torch.Tensor, comm: Communicator) -> torch.Tensor:
     if comm.local_ranks == comm.world_size:
         return rows.reshape(-1).clone()
     if comm.local_ranks != 1:
-        raise TypeError(f"export: unsupported communicator with {comm.local_ranks} of {comm.world_size} ranks")
+        raise TypeError(f"export: unsupported communicator: {comm.local_ranks} of {comm.world_size} ranks here")
     return comm.all_gather(rows)[0]
 
 
@@ -843,7 +870,8 @@ def _torch_kwargs(optimizer: Optimizer, hyper: Mapping[str, torch.Tensor]) -> di
 def _torch_param_group(optimizer: Optimizer, hyper: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """The param group (without ``params``) torch's optimizer class keeps for these
     hyperparameters: the class itself fills in every key of this torch version."""
-    probe = _TORCH_CLASSES[optimizer.kind]([torch.zeros(1, requires_grad=True)], **_torch_kwargs(optimizer, hyper))
+    cls = _TORCH_CLASSES[optimizer.kind]
+    probe = cls([torch.zeros(1, requires_grad=True)], **_torch_kwargs(optimizer, hyper))
     group = dict(probe.param_groups[0])
     del group["params"]
     return group
@@ -940,7 +968,7 @@ def _torch_group_hyper(
         flags["amsgrad"] = optimizer.amsgrad
     for flag, mine in flags.items():
         if bool(group.get(flag, False)) != mine:
-            raise CheckpointMismatchError(f"torch param group {k}: {flag} {group.get(flag)} vs {mine} in this state")
+            raise CheckpointMismatchError(f"torch param group {k}: {flag} {group.get(flag)}, here {mine}")
     values = dict(group)
     if not is_sgd:
         values["beta1"], values["beta2"] = group["betas"]
@@ -987,57 +1015,78 @@ def import_torch_optim_state_dict(
     ensure_live(template)
     check_world(template.shard, comm)
     lay, opt = template.layout, template.opt.optimizer
-    params: list[Optional[torch.Tensor]] = []
-    for s in lay.slots:
-        t = model_state_dict.get(s.path)
-        if t is None:
-            raise CheckpointMismatchError(f"model state dict has no parameter {s.path!r}")
-        if tuple(t.shape) != s.shape:
-            raise CheckpointMismatchError(f"model state dict: {s.path!r} has shape {tuple(t.shape)}, this model {s.shape}")
-        params.append(t.detach())
-    groups = optim_state_dict["param_groups"]
-    if len(groups) != opt.num_groups:
-        raise CheckpointMismatchError(
-            f"torch optimizer has {len(groups)} param groups, this state's optimizer {opt.num_groups}"
-        )
-    order = _torch_order(lay, opt)
-    torch_state = optim_state_dict.get("state", {})
-    per_slot: dict[int, Mapping[str, Any]] = {}
-    hyper = []
-    for k, (group, slots) in enumerate(zip(groups, order)):
-        if len(group["params"]) != len(slots):
-            raise CheckpointMismatchError(
-                f"torch param group {k} has {len(group['params'])} parameters, this state's group {k} has {len(slots)}"
-            )
-        hyper.append(_torch_group_hyper(opt, k, group, template.opt.hyper[k]))
-        for pid, i in zip(group["params"], slots):
-            per_slot[i] = torch_state.get(pid, {})
-
+    params = _torch_params(lay, model_state_dict)
+    hyper, per_slot = _torch_groups(template, optim_state_dict)
     dev = template.shard.master[0].device
-    master = tuple(
-        torch.stack([flat_shard(lay, g, params, r) for r in comm.ranks]).to(dev) for g in lay.groups
-    )
-    moments = []
-    for g in lay.groups:
-        per_name = []
-        for name in opt.moment_names:
-            leaves: list[Optional[torch.Tensor]] = [None] * len(lay.slots)
-            for i in g.slots:
-                leaves[i] = _moment_or_zeros(per_slot[i], name, lay.slots[i].shape)
-            per_name.append(torch.stack([flat_shard(lay, g, leaves, r) for r in comm.ranks]).to(dev))
-        moments.append(tuple(per_name))
+    master = _own_rows(lay, params, comm, dev)
+    per_moment = []
+    for name in opt.moment_names:
+        leaves: list[Optional[torch.Tensor]] = [None] * len(lay.slots)
+        for i, st in per_slot.items():
+            leaves[i] = _moment_or_zeros(st, name, lay.slots[i].shape)
+        per_moment.append(_own_rows(lay, leaves, comm, dev))
+    moments = tuple(tuple(m[g.index] for m in per_moment) for g in lay.groups)
     frozen_slots = [i for i, s in enumerate(lay.slots) if s.group < 0]
     frozen = tuple(
         params[i].to(device=f.device, dtype=lay.slots[i].dtype).clone()
         for i, f in zip(frozen_slots, template.shard.frozen)
     )
-    step = _torch_step(opt, list(per_slot.values()))
-    shard = ShardState(master, frozen, lay)
-    new_opt = OptState(
-        torch.tensor(step, dtype=torch.int64, device=template.opt.step.device), tuple(hyper), tuple(moments), opt
-    )
+    step = template.opt.step.new_tensor(_torch_step(opt, list(per_slot.values())))
+    shard = replace(template.shard, master=master, frozen=frozen)
+    new_opt = replace(template.opt, step=step, hyper=hyper, moments=moments)
     gathered = gather_flat_params(shard, comm, template.precision.param_dtype) if len(template.params) else ()
     return replace(template, shard=shard, opt=new_opt, params=gathered)
+
+
+def _own_rows(
+    layout: Layout, leaves: Sequence[Optional[torch.Tensor]], comm: Communicator, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """This process's ``[R, shard_numel]`` rows of every flat group, from full per-slot
+    ``leaves`` (None for slots outside the groups): each rank copies only its own slice."""
+    return tuple(
+        torch.stack([flat_shard(layout, g, leaves, r) for r in comm.ranks]).to(device) for g in layout.groups
+    )
+
+
+def _torch_params(layout: Layout, model_state_dict: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Every parameter of ``layout`` from a model state dict, in slot order, shapes checked."""
+    params = []
+    for s in layout.slots:
+        t = model_state_dict.get(s.path)
+        if t is None:
+            raise CheckpointMismatchError(f"model state dict has no parameter {s.path!r}")
+        if tuple(t.shape) != s.shape:
+            raise CheckpointMismatchError(
+                f"model state dict: {s.path!r} has shape {tuple(t.shape)}, this model {s.shape}"
+            )
+        params.append(t.detach())
+    return params
+
+
+def _torch_groups(
+    template: TrainState, optim_state_dict: Mapping[str, Any]
+) -> tuple[tuple[dict[str, torch.Tensor], ...], dict[int, Mapping[str, Any]]]:
+    """fzero's hyperparameters per optimizer group, and torch's per-parameter state by
+    slot index (``{}`` for a parameter torch has not stepped): torch's parameters are
+    matched by position within each param group to the group's slots in tree order."""
+    lay, opt = template.layout, template.opt.optimizer
+    groups = optim_state_dict["param_groups"]
+    if len(groups) != opt.num_groups:
+        raise CheckpointMismatchError(
+            f"torch optimizer has {len(groups)} param groups, this state's optimizer {opt.num_groups}"
+        )
+    torch_state = optim_state_dict.get("state", {})
+    per_slot: dict[int, Mapping[str, Any]] = {}
+    hyper = []
+    for k, (group, slots) in enumerate(zip(groups, _torch_order(lay, opt))):
+        if len(group["params"]) != len(slots):
+            raise CheckpointMismatchError(
+                f"torch param group {k} has {len(group['params'])} parameters, this state's {len(slots)}"
+            )
+        hyper.append(_torch_group_hyper(opt, k, group, template.opt.hyper[k]))
+        for pid, i in zip(group["params"], slots):
+            per_slot[i] = torch_state.get(pid, {})
+    return tuple(hyper), per_slot
 
 
 def _moment_or_zeros(state: Mapping[str, Any], name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -1046,5 +1095,7 @@ def _moment_or_zeros(state: Mapping[str, Any], name: str, shape: tuple[int, ...]
     if t is None:
         return torch.zeros(shape)
     if tuple(t.shape) != shape:
-        raise CheckpointMismatchError(f"torch optimizer state {name!r} has shape {tuple(t.shape)}, expected {shape}")
+        raise CheckpointMismatchError(
+            f"torch optimizer state {name!r} has shape {tuple(t.shape)}, expected {shape}"
+        )
     return t.detach()

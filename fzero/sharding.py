@@ -258,8 +258,13 @@ def all_gather_params(
 
 
 def local_sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-rank sum of squares of ``[R, shard_numel]`` shards: ``[R]`` float64. No collective."""
-    return sum(g.double().square().sum(dim=1) for g in grads)
+    """Per-rank sum of squares of ``[R, shard_numel]`` shards: ``[R]`` float64. No collective.
+
+    Each shard's norm is taken in its own dtype (no float64 copy of the shard)
+    and squared in float64. A non-finite value gives a non-finite result; so
+    does a shard whose fp32 norm overflows (as ``clip_grad_norm_`` would).
+    """
+    return sum(torch.linalg.vector_norm(g, dim=1).double().square() for g in grads)
 
 
 def global_norm(grads: Sequence[torch.Tensor], comm: Communicator) -> torch.Tensor:

@@ -392,9 +392,9 @@ def finish_step(
     are all-gathered.
     """
     scaler = state.scaler
-    # One all-reduce of (sum of squares of the *scaled* gradients, loss) per rank. In float64
-    # the sum of squares of finite fp32 values cannot overflow, so it is non-finite exactly
-    # when some rank has a non-finite gradient: found_inf comes agreed with the norm.
+    # One all-reduce of (sum of squares of the *scaled* gradients, loss) per rank. The sum is
+    # non-finite exactly when some rank has a non-finite gradient (or a shard norm beyond
+    # fp32's range, which clip_grad_norm_ would call infinite too): found_inf comes agreed.
     sums = comm.all_reduce(torch.stack([local_sq_norm(shards), losses.double()], dim=1), "sum")[0]
     scale64 = scaler.scale.double()
     norm64 = sums[0].sqrt() / scale64
