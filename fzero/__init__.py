@@ -47,7 +47,28 @@ from .step import TrainState, consume, ensure_live, init_train_state, make_train
 
 __version__ = "0.1.0"
 
+# Checkpointing pulls in torch.distributed.checkpoint (slow to import): loaded on first use.
+_CHECKPOINT_API = (
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "IncompleteCheckpointError",
+    "export_model_state_dict",
+    "export_torch_optim_state_dict",
+    "import_torch_optim_state_dict",
+    "load_checkpoint",
+    "save_checkpoint",
+)
+
+
+def __getattr__(name: str):  # noqa: ANN202 - PEP 562 lazy attributes
+    if name in _CHECKPOINT_API:
+        from . import checkpoint
+
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module 'fzero' has no attribute {name!r}")
+
 __all__ = [
+    *_CHECKPOINT_API,
     "NAMESPACE",
     "Chain",
     "CollectiveRecord",

@@ -4,7 +4,8 @@ As a torchrun worker: ``ckpt_worker.py OUT_DIR ROOT CASE [CASE ...]`` runs each 
 on gloo and saves every case's result (or the error text) to ``OUT_DIR/rank{r}.pt``.
 Cases: ``save`` trains 8 steps from the initial state and saves ``ROOT/gloo{W}``;
 ``resume:NAME`` loads ``ROOT/NAME`` (saved by any world, simulated or gloo) into a
-state built for this world and trains the remaining 8 steps.
+state built for this world and trains the remaining 8 steps; ``mismatch:NAME`` loads
+it into a state with another optimizer; ``torch_import`` imports a torch.optim run.
 
 Every run trains on the same global batches (``GLOBAL_BATCH`` samples per step,
 split evenly over the ranks; mean loss), so the averaged gradient, and hence the
@@ -55,15 +56,24 @@ def scaler() -> fzero.ScalerState:
     return fzero.init_scaler(2.0**8, growth_interval=3)
 
 
-def fresh(comm: fzero.Communicator, *, seed: int = 0, stage: int = 2, kind: str = "adamw", **kw: Any) -> fzero.TrainState:
-    """The initial state (``seed`` 0), or a template for loading (another seed: its values must not matter)."""
+def fresh(
+    comm: fzero.Communicator,
+    *,
+    seed: int = 0,
+    stage: int = 2,
+    kind: str = "adamw",
+    sizes: tuple[int, ...] = (6, 9, 5, 3),
+    **kw: Any,
+) -> fzero.TrainState:
+    """The initial state (``seed`` 0), or a template to load into (other seeds: its values must not matter)."""
     chain = fzero.chain_from_sequential(mlp(), mse) if stage == 3 else None
     return fzero.init_train_state(
-        mlp(seed=seed), optimizer(kind), comm, scaler=scaler(), stage=stage, chain=chain, **kw
+        mlp(seed=seed, sizes=sizes), optimizer(kind), comm, scaler=scaler(), stage=stage, chain=chain, **kw
     )
 
 
 def train(state: fzero.TrainState, comm: fzero.Communicator, steps: range, stage: int = 2) -> fzero.TrainState:
+    """Steps ``steps`` of the global batches, each split evenly over the ranks."""
     loss = fzero.chain_from_sequential(mlp(), mse) if stage == 3 else fzero.module_loss(mlp(), mse)
     step = fzero.make_train_step(loss, comm, stage=stage)
     for i in steps:
@@ -76,7 +86,7 @@ def summary(state: fzero.TrainState, comm: fzero.Communicator) -> dict[str, Any]
     return {
         "params": {k: v.clone() for k, v in export_model_state_dict(state, comm).items()},
         "optim": export_torch_optim_state_dict(state, comm),
-        "scaler": [state.scaler.scale.item(), state.scaler.growth_tracker.item(), state.scaler.hysteresis_left.item()],
+        "scaler": [float(state.scaler.scale), int(state.scaler.growth_tracker), int(state.scaler.hysteresis_left)],
         "step": int(state.opt.step),
     }
 
@@ -116,6 +126,10 @@ def torch_train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range
         opt.step()
 
 
+def torch_summary(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "optim": opt.state_dict()}
+
+
 def case_torch_import(comm: fzero.Communicator) -> dict[str, Any]:
     """A torch.optim AdamW run (3 steps) imported into this world; the state dicts exported
     back; then one more step of each."""
@@ -125,7 +139,7 @@ def case_torch_import(comm: fzero.Communicator) -> dict[str, Any]:
     state = import_torch_optim_state_dict(fresh(comm, seed=7), model.state_dict(), opt.state_dict(), comm)
     out: dict[str, Any] = {"torch_at_3": copy.deepcopy(opt.state_dict()), "fzero_at_3": summary(state, comm)}
     torch_train(model, opt, range(3, 4))
-    out["torch_at_4"] = {"params": {k: v.clone() for k, v in model.state_dict().items()}, "optim": opt.state_dict()}
+    out["torch_at_4"] = torch_summary(model, opt)
     out["fzero_at_4"] = summary(train(state, comm, range(3, 4)), comm)
     return out
 
@@ -140,6 +154,15 @@ def case_resume(comm: fzero.Communicator, root: Path, name: str) -> dict[str, An
     state, extra = load_checkpoint(root / name, fresh(comm, seed=7), comm)
     state = train(state, comm, range(extra["loader"]["position"], STEPS))
     return {"summary": summary(state, comm), "extra": extra}
+
+
+def case_mismatch(comm: fzero.Communicator, root: Path, name: str) -> str:
+    """Loading into another optimizer: every rank must raise the clear error (no hang)."""
+    try:
+        load_checkpoint(root / name, fresh(comm, kind="sgd"), comm)
+    except ValueError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
 
 
 def main() -> None:
@@ -157,6 +180,8 @@ def main() -> None:
                 results[name] = case_save(comm, root)
             elif name == "torch_import":
                 results[name] = case_torch_import(comm)
+            elif name.startswith("mismatch:"):
+                results[name] = case_mismatch(comm, root, name.split(":", 1)[1])
             elif name.startswith("resume:"):
                 results[name] = case_resume(comm, root, name.split(":", 1)[1])
             else:

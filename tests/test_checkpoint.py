@@ -10,7 +10,6 @@ rounding (≤ 1e-6 relative in fp32).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -33,7 +32,6 @@ from fzero.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from fzero.pytree import replace
 from ckpt_kill_helper import NUMEL, big_state
 from ckpt_worker import (
     DATA,
@@ -43,8 +41,10 @@ from ckpt_worker import (
     fresh,
     mlp,
     optimizer,
+    scaler,
     summary,
     torch_optimizer,
+    torch_summary,
     torch_train,
     train,
 )
@@ -120,11 +120,15 @@ def saved_w4(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("world", [2, 3, 8])
 def test_resume_in_other_world_size_equals_uninterrupted_run(saved_w4, reference, world):
-    """149 parameter elements: W=3 and W=8 do not divide them; at W=8 ranks 5-7 own only padding."""
+    """Flat groups of 114 and 35 elements (two optimizer groups): padded at every W; at
+    W=8 ranks 3-7 own only padding of the second."""
     comm = fzero.SimulatedWorld(world)
     template = fresh(comm, seed=7)
+    assert [g.numel for g in template.layout.groups] == [114, 35]
+    assert all(g.padding > 0 for g in template.layout.groups)
     state, extra = load_checkpoint(saved_w4, template, comm)
-    assert extra == {**extra_at(HALF), "rng": extra["rng"]} and torch.equal(extra["rng"], extra_at(HALF)["rng"])
+    assert torch.equal(extra.pop("rng"), extra_at(HALF)["rng"])
+    assert extra == {k: v for k, v in extra_at(HALF).items() if k != "rng"}
     for g, m in zip(state.layout.groups, state.shard.master):
         flat = m.reshape(-1)
         assert torch.count_nonzero(flat[g.numel :]) == 0, "padding must be zero"
@@ -160,10 +164,11 @@ def gloo(tmp_path_factory) -> dict[str, Any]:
     2 ranks save and resume the 4 ranks' checkpoint; 4 ranks resume the 2 ranks'."""
     root = tmp_path_factory.mktemp("gloo")
     comm = fzero.SimulatedWorld(3)
-    save_checkpoint(train(fresh(comm), comm, range(HALF)), root / "sim", comm, name="step-8", extra=extra_at(HALF))
+    state = train(fresh(comm), comm, range(HALF))
+    save_checkpoint(state, root / "sim", comm, name="step-8", extra=extra_at(HALF))
     w4 = run_torchrun(4, "ckpt_worker.py", [str(root), "save", "resume:sim"], timeout=120)
     w2 = run_torchrun(2, "ckpt_worker.py", [str(root), "save", "resume:gloo4"], timeout=120)
-    w4b = run_torchrun(4, "ckpt_worker.py", [str(root), "resume:gloo2", "torch_import"], timeout=120)
+    w4b = run_torchrun(4, "ckpt_worker.py", [str(root), "resume:gloo2", "torch_import", "mismatch:gloo2"], timeout=120)
     return {"root": root, "w4": w4, "w2": w2, "w4b": w4b}
 
 
@@ -193,7 +198,8 @@ def test_simulated_world_checkpoint_loads_on_gloo(gloo, reference):
 def test_gloo_checkpoint_loads_on_simulated_world(gloo, reference, saved_by):
     comm = fzero.SimulatedWorld(3)
     state, extra = load_checkpoint(gloo["root"] / saved_by, fresh(comm, seed=7), comm)
-    _check_resumed({"extra": extra, "summary": summary(train(state, comm, range(HALF, STEPS)), comm)}, reference)
+    state = train(state, comm, range(HALF, STEPS))
+    _check_resumed({"extra": extra, "summary": summary(state, comm)}, reference)
 
 
 @pytest.mark.distributed
@@ -224,6 +230,13 @@ def test_gloo_import_from_torch_optim_and_continue(gloo):
     for k, v in out["torch_at_4"]["params"].items():
         assert max_rel_err(out["fzero_at_4"]["params"][k], v) <= TOL, k
     assert_same_optim(out["fzero_at_4"]["optim"], out["torch_at_4"]["optim"], TOL)
+
+
+@pytest.mark.distributed
+def test_gloo_mismatch_raises_on_every_rank(gloo):
+    for res in gloo["w4b"]:
+        assert res["mismatch:gloo2"].startswith("CheckpointMismatchError: "), res["mismatch:gloo2"]
+        assert "optimizer kind: 'adamw' vs 'sgd'" in res["mismatch:gloo2"]
 
 
 # -- stages -------------------------------------------------------------------------------------
@@ -261,10 +274,6 @@ def test_stage2_and_stage3_checkpoints_interchange(tmp_path, reference):
 
 # -- torch.optim interchange ------------------------------------------------------------------
 
-def torch_summary(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "optim": opt.state_dict()}
-
-
 @pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
 def test_export_to_torch_optim_and_continue(kind):
     """fzero → state dicts torch loads as they are → one torch step equals fzero's next step;
@@ -285,10 +294,9 @@ def test_export_to_torch_optim_and_continue(kind):
     torch_train(model, opt, range(3, 4))
     state = train(state, comm, range(3, 4))
     got = torch_summary(model, opt)
-    mine = {"params": export_model_state_dict(state, comm), "optim": export_torch_optim_state_dict(state, comm)}
-    for k, v in mine["params"].items():
+    for k, v in export_model_state_dict(state, comm).items():
         assert max_rel_err(got["params"][k], v) <= TOL, (k, max_rel_err(got["params"][k], v))
-    assert_same_optim(got["optim"], mine["optim"], TOL)
+    assert_same_optim(got["optim"], export_torch_optim_state_dict(state, comm), TOL)
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
@@ -298,10 +306,12 @@ def test_import_from_torch_optim_and_continue(kind):
     opt = torch_optimizer(kind, model)
     torch_train(model, opt, range(3))
     comm = fzero.SimulatedWorld(3)
-    state = import_torch_optim_state_dict(fresh(comm, seed=7, kind=kind), model.state_dict(), opt.state_dict(), comm)
+    template = fresh(comm, seed=7, kind=kind)
+    state = import_torch_optim_state_dict(template, model.state_dict(), opt.state_dict(), comm)
     # Exact round trip of the imported values.
     assert_same_optim(export_torch_optim_state_dict(state, comm), opt.state_dict(), tol=0.0)
-    assert all(torch.equal(a, b) for a, b in zip(export_model_state_dict(state, comm).values(), model.state_dict().values()))
+    exported = export_model_state_dict(state, comm)
+    assert all(torch.equal(exported[k], v) for k, v in model.state_dict().items())
     torch_train(model, opt, range(3, 4))
     state = train(state, comm, range(3, 4))
     for k, v in export_model_state_dict(state, comm).items():
@@ -314,7 +324,7 @@ def test_import_rejects_another_optimizer():
     opt = torch_optimizer("adam", model)
     torch_train(model, opt, range(1))
     comm = fzero.SimulatedWorld(2)
-    with pytest.raises(CheckpointMismatchError, match="torch param group 0 belongs to adam, this state's optimizer is adamw"):
+    with pytest.raises(CheckpointMismatchError, match="group 0 belongs to adam, this state's optimizer is adamw"):
         import_torch_optim_state_dict(fresh(comm), model.state_dict(), opt.state_dict(), comm)
     with pytest.raises(CheckpointMismatchError, match="sgd"):
         import_torch_optim_state_dict(fresh(comm, kind="sgd"), model.state_dict(), opt.state_dict(), comm)
@@ -357,7 +367,8 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path, moment):
     try:
         while not _reached(tmp, moment):
             if proc.poll() is not None:
-                pytest.fail(f"the helper ended (exit {proc.returncode}) before it was killed:\n{proc.stderr.read().decode()}")
+                err = proc.stderr.read().decode()
+                pytest.fail(f"the helper ended (exit {proc.returncode}) before it was killed:\n{err}")
             assert time.monotonic() < deadline, "the helper never started the second save"
             time.sleep(0.0005)
     finally:
@@ -425,7 +436,8 @@ def test_truncated_data_file(saved):
     size = data.stat().st_size
     with open(data, "r+b") as f:
         f.truncate(size // 2)
-    with pytest.raises(IncompleteCheckpointError, match=rf"__0_0.distcp is truncated \({size // 2} bytes, the metadata needs {size}\)"):
+    message = rf"__0_0.distcp is truncated \({size // 2} bytes, the metadata needs {size}\)"
+    with pytest.raises(IncompleteCheckpointError, match=message):
         load_checkpoint(path.parent, fresh(comm), comm)
 
 
@@ -444,11 +456,11 @@ def test_missing_metadata_or_data_file(saved):
 @pytest.mark.parametrize(
     "template,message",
     [
-        (lambda c: fzero.init_train_state(mlp(sizes=(6, 9, 4, 3)), optimizer(), c, scaler=fzero.init_scaler(2.0**8, growth_interval=3)),
+        (lambda c: fresh(c, sizes=(6, 9, 4, 3)),
          r"model: parameter '3.weight': shape \(5, 9\) vs \(4, 9\)"),
         (lambda c: fresh(c, kind="sgd"), r"optimizer kind: 'adamw' vs 'sgd'"),
         (lambda c: fresh(c, kind="adam"), r"optimizer kind: 'adamw' vs 'adam'"),
-        (lambda c: fzero.init_train_state(mlp(), fzero.adamw(), c, scaler=fzero.init_scaler(2.0**8, growth_interval=3)),
+        (lambda c: fzero.init_train_state(mlp(), fzero.adamw(), c, scaler=scaler()),
          r"model: parameter '0.bias': optimizer group \(-1: frozen\) 1 vs 0"),
         (lambda c: fzero.init_train_state(mlp(), optimizer(), c), r"scaler dynamic: True vs False"),
         (lambda c: fresh(c, trainable=lambda p: not p.startswith("0.")),

@@ -1,0 +1,64 @@
+"""The main job (examples/train_gpt.py) runs, learns and writes its plot: shortened versions.
+
+A smaller GPT than the README's (d_model 64, 2 layers, context 32) for a few
+dozen steps, in this process on the simulated world, and once under torchrun
+on 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from dist_harness import run_torchrun_script
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SMALL = ["--d-model", "64", "--layers", "2", "--heads", "2", "--context", "32", "--batch", "16",
+         "--sample-chars", "40"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _train_gpt():
+    spec = importlib.util.spec_from_file_location("train_gpt", EXAMPLES / "train_gpt.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _check(out: dict, margin: float) -> None:
+    assert out["last_loss"] < out["first_loss"] - margin, {k: out[k] for k in ("first_loss", "last_loss")}
+    png = Path(out["plot"])
+    assert png.read_bytes()[:8] == PNG_MAGIC, png
+    assert out["sample"].startswith("The ") and len(out["sample"]) == 44
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_main_job_learns_and_plots(stage, tmp_path):
+    out = _train_gpt().main(["--stage", str(stage), "--steps", "40", "--out", str(tmp_path), *SMALL])
+    _check(out, margin=0.8)
+    assert out["skipped"] == 0
+    assert out["val_loss"] < out["val_loss_start"] - 0.8
+
+
+def test_main_job_fp16_accumulation(tmp_path):
+    out = _train_gpt().main(["--stage", "3", "--dtype", "fp16", "--accum", "2", "--steps", "40",
+                             "--out", str(tmp_path), *SMALL])
+    _check(out, margin=0.8)
+
+
+@pytest.mark.distributed
+def test_main_job_under_torchrun_gloo(tmp_path):
+    text = run_torchrun_script(
+        2, str(EXAMPLES / "train_gpt.py"),
+        ["--comm", "torch", "--steps", "20", "--out", str(tmp_path), *SMALL], timeout=240,
+    )
+    m = re.search(r"loss ([\d.]+) -> ([\d.]+)", text)
+    assert m, text[-2000:]
+    assert float(m.group(2)) < float(m.group(1)) - 0.5, text[-2000:]
+    assert "world: TorchCommunicator(rank=0, world_size=2" in text, text[:2000]
+    assert text.count("held-out loss") == 1, "only rank 0 prints"
+    (png,) = tmp_path.glob("*.png")
+    assert png.read_bytes()[:8] == PNG_MAGIC
