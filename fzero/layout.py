@@ -35,6 +35,17 @@ __all__ = [
 ]
 
 
+def check_floating_tensor(what: str, x: Any) -> torch.Tensor:
+    """``x`` if it is a dense floating-point tensor; otherwise a ``TypeError`` naming ``what``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: expected a tensor, got {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise TypeError(f"{what}: sparse tensors are not supported ({x.layout})")
+    if not x.is_floating_point():
+        raise TypeError(f"{what}: expected a floating-point tensor, got {x.dtype}")
+    return x
+
+
 def path_str(keypath: Sequence[Any]) -> str:
     """A dotted name for a pytree key path: ``layers.0.weight``."""
     parts = []
@@ -266,12 +277,7 @@ def build_layout(
     leaves, spec = named_leaves(params)
     slots = []
     for path, x in leaves:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"parameter {path!r}: expected a tensor, got {type(x).__name__}")
-        if x.layout != torch.strided:
-            raise TypeError(f"parameter {path!r}: sparse parameters are not supported ({x.layout})")
-        if not x.is_floating_point():
-            raise TypeError(f"parameter {path!r}: expected a floating-point dtype, got {x.dtype}")
+        check_floating_tensor(f"parameter {path!r}", x)
         train = (x.requires_grad if is_module else True) if trainable is None else bool(trainable(path))
         group = (group_of(path) if group_of is not None else 0) if train else -1
         bucket = bucket_of(path) if bucket_of is not None else 0

@@ -17,7 +17,7 @@ Imports: ``fzero.pytree``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import torch
 

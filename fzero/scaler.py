@@ -6,7 +6,7 @@ bit for bit, extended with two options users of DeepSpeed know: a floor
 backing off). Every value that changes between steps is a 0-d tensor, so a
 compiled step never recompiles and never syncs with the host.
 
-Imports: ``fzero.pytree`` and ``fzero.comm`` (protocol only).
+Imports: ``fzero.pytree``, ``fzero.comm`` (protocol only), ``fzero.layout`` (input checks).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 import torch.utils._pytree as tp
 
 from .comm import Communicator
+from .layout import check_floating_tensor
 from .pytree import pytree_dataclass, replace, static_field
 
 __all__ = [
@@ -113,23 +114,13 @@ def _opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_floating(path: str, x: Any) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{path}: expected a tensor, got {type(x).__name__}")
-    if x.is_sparse or x.layout != torch.strided:
-        raise TypeError(f"{path}: sparse tensors are not supported (layout {x.layout})")
-    if not x.is_floating_point():
-        raise TypeError(f"{path}: expected a floating-point tensor, got {x.dtype}")
-    return x
-
-
 def scale(scaler: ScalerState, tree: Any) -> Any:
     """Multiply every tensor of ``tree`` (a tensor or nested list/tuple/dict) by the scale.
 
     Each output keeps its input's dtype and the tree's structure. No collective.
     """
     def one(path: Any, x: Any) -> torch.Tensor:
-        x = _check_floating(f"scale: output{tp.keystr(path)}", x)
+        x = check_floating_tensor(f"scale: output{tp.keystr(path)}", x)
         return (x * scaler.scale.to(x.device)).to(x.dtype)
 
     return tp.tree_map_with_path(one, tree)
@@ -156,7 +147,7 @@ def unscale_and_check(
     local_found = None
     out = []
     for path, g in leaves_with_path:
-        g = _check_floating(f"unscale_and_check: grads{tp.keystr(path)}", g)
+        g = check_floating_tensor(f"unscale_and_check: grads{tp.keystr(path)}", g)
         if g.dim() == 0 or g.shape[0] != comm.local_ranks:
             raise ValueError(
                 f"unscale_and_check: grads{tp.keystr(path)} has shape {tuple(g.shape)}; "

@@ -12,7 +12,15 @@ import torch
 import torch.utils._pytree as tp
 
 from .comm import Communicator, gradient_divide_factors
-from .layout import Layout, build_layout, flat_shard, flatten_group, group_views, named_leaves
+from .layout import (
+    Layout,
+    build_layout,
+    check_floating_tensor,
+    flat_shard,
+    flatten_group,
+    group_views,
+    named_leaves,
+)
 from .optim import OptState, Optimizer
 from .pytree import pytree_dataclass, replace, static_field
 
@@ -120,12 +128,7 @@ def _grad_leaves(layout: Layout, grads: Any, rows: int) -> list[Optional[torch.T
             continue
         if g is None:
             raise ValueError(f"grads is missing trainable parameter {s.path!r}")
-        if not isinstance(g, torch.Tensor):
-            raise TypeError(f"grads[{s.path!r}]: expected a tensor, got {type(g).__name__}")
-        if g.layout != torch.strided:
-            raise TypeError(f"grads[{s.path!r}]: sparse gradients are not supported ({g.layout})")
-        if not g.is_floating_point():
-            raise TypeError(f"grads[{s.path!r}]: expected a floating-point gradient, got {g.dtype}")
+        check_floating_tensor(f"grads[{s.path!r}]", g)
         if tuple(g.shape) != (rows, *s.shape):
             raise ValueError(
                 f"grads[{s.path!r}] has shape {tuple(g.shape)}; parameter {s.path!r} needs "

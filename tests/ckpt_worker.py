@@ -15,9 +15,7 @@ training, does not depend on the world size beyond rounding.
 from __future__ import annotations
 
 import copy
-import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -165,33 +163,22 @@ def case_mismatch(comm: fzero.Communicator, root: Path, name: str) -> str:
     return "no error"
 
 
-def main() -> None:
-    import torch.distributed as dist
-    from fzero.dist import TorchCommunicator
-
-    out_dir, root, names = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    comm = TorchCommunicator()
-    results: dict[str, Any] = {}
-    for name in names:
-        try:
-            if name == "save":
-                results[name] = case_save(comm, root)
-            elif name == "torch_import":
-                results[name] = case_torch_import(comm)
-            elif name.startswith("mismatch:"):
-                results[name] = case_mismatch(comm, root, name.split(":", 1)[1])
-            elif name.startswith("resume:"):
-                results[name] = case_resume(comm, root, name.split(":", 1)[1])
-            else:
-                raise ValueError(f"unknown case {name!r}")
-        except Exception:  # noqa: BLE001 - recorded and reported by the test
-            results[name] = {"exception": traceback.format_exc()}
-        dist.barrier()
-    torch.save(results, os.path.join(out_dir, f"rank{comm.rank}.pt"))
-    dist.destroy_process_group()
+def run_case(name: str, comm: Any, root: Path) -> Any:
+    """Run one named case (the worker's dispatch)."""
+    if name == "save":
+        return case_save(comm, root)
+    elif name == "torch_import":
+        return case_torch_import(comm)
+    elif name.startswith("mismatch:"):
+        return case_mismatch(comm, root, name.split(":", 1)[1])
+    elif name.startswith("resume:"):
+        return case_resume(comm, root, name.split(":", 1)[1])
+    else:
+        raise ValueError(f"unknown case {name!r}")
 
 
 if __name__ == "__main__":
-    main()
+    from dist_harness import worker_main
+
+    out_dir, root, names = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+    worker_main(lambda name, comm: run_case(name, comm, root), [out_dir, *names])

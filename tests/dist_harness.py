@@ -20,6 +20,35 @@ import torch
 HERE = Path(__file__).resolve().parent
 
 
+def worker_main(run_case: Any, args: list[str]) -> None:
+    """The body of a torchrun worker: ``args = [OUT_DIR, CASE, ...]``.
+
+    Joins the gloo process group, runs ``run_case(name, comm)`` for each case
+    (an exception is recorded as ``{"exception": traceback}`` so that one
+    failure does not hide the others; a barrier keeps ranks in step), and
+    saves the results to ``OUT_DIR/rank{r}.pt``.
+    """
+    import traceback
+
+    import torch.distributed as dist
+
+    from fzero.dist import TorchCommunicator
+
+    out_dir, names = args[0], args[1:]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    comm = TorchCommunicator()
+    results: dict[str, Any] = {}
+    for name in names:
+        try:
+            results[name] = run_case(name, comm)
+        except Exception:  # noqa: BLE001 - recorded and reported by the test
+            results[name] = {"exception": traceback.format_exc()}
+        dist.barrier()
+    torch.save(results, os.path.join(out_dir, f"rank{comm.rank}.pt"))
+    dist.destroy_process_group()
+
+
 def run_torchrun_script(nproc: int, script: str, args: list[str], timeout: float = 300.0) -> str:
     """Run ``script`` under torchrun on ``nproc`` local ranks; return its output.
 

@@ -7,12 +7,9 @@ error text instead of a result, so one failure does not hide the others.
 from __future__ import annotations
 
 import copy
-import os
 import sys
-import traceback
 
 import torch
-import torch.distributed as dist
 
 import fzero
 from fzero.dist import TorchCommunicator
@@ -193,21 +190,7 @@ def case_fp16_40000(comm):
     return cases.fp16_40000(comm)
 
 
-def main() -> None:
-    out_dir, names = sys.argv[1], sys.argv[2:]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    comm = TorchCommunicator()
-    results = {}
-    for name in names:
-        try:
-            results[name] = globals()[f"case_{name}"](comm)
-        except Exception:  # noqa: BLE001 - recorded and reported by the test
-            results[name] = {"exception": traceback.format_exc()}
-        dist.barrier()
-    torch.save(results, os.path.join(out_dir, f"rank{comm.rank}.pt"))
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    from dist_harness import worker_main
+
+    worker_main(lambda name, comm: globals()[f"case_{name}"](comm), sys.argv[1:])

@@ -48,6 +48,5 @@ def test_sgd_without_momentum_has_no_moments_and_fp32_defaults():
     layout = fzero.build_layout(mlp(), 4)
     rep = fzero.memory_report(layout, fzero.sgd(lr=0.1), stage=2)
     assert rep.by_kind["moments"] == 0
-    g = layout.groups[0]
     assert rep.by_kind["master"] == 4 * sum(g.shard_numel for g in layout.groups)
     assert rep.by_kind["params"] == 4 * layout.num_padded  # fp32 compute by default

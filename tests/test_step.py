@@ -137,12 +137,11 @@ def test_mixed_precision_equals_reference(param_dtype):
         for pm, *gs in zip(master.parameters(), *grads):
             pm.grad = sum(gs) / world
         opt.step()
-    gathered = fzero.all_gather_params(state.shard, comm)
     assert all(p.dtype == param_dtype for p in state.params)
     assert all(v.dtype == param_dtype for v in fzero.all_gather_params(state.shard, comm, param_dtype).values())
+    master_full = fzero.all_gather_params(state.shard, comm, torch.float32)
     for n, p in master.named_parameters():
-        master_shards = fzero.all_gather_params(state.shard, comm, torch.float32)[n][0]
-        assert max_rel_err(master_shards, p.detach()) <= 1e-5, n
+        assert max_rel_err(master_full[n][0], p.detach()) <= 1e-5, n
 
 
 def test_fp16_low_precision_reduction_does_not_overflow():
