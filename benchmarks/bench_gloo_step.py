@@ -7,6 +7,7 @@ systems the parameter exchange) of the same small GPT-style transformer
 gloo, one intra-op thread per rank. Systems, all with AdamW and the same
 hyperparameters, the same initial weights and the same per-rank micro-batches:
 
+* ``local (no comm)``    floor only: the same loop on one rank's micro-batch, no DDP
 * ``ddp+adamw``          DDP(model) + torch.optim.AdamW (default implementation;
                          on CPU that is the single-tensor for-loop)
 * ``ddp+adamw(fused)``   DDP(model) + torch.optim.AdamW(fused=True)
@@ -38,11 +39,13 @@ How to run (from the repository root; it launches itself under
 runs past ``--timeout`` seconds)::
 
     python benchmarks/bench_gloo_step.py [--steps 40] [--warmup 5]
-        [--rounds 5] [--systems ddp,zero,fsdp,fzero-s2c,...] [--timeout 420]
+        [--rounds 8] [--systems ddp,zero,fsdp,fzero-s2c,...] [--timeout 420]
 
-The table also reports reference floors (local forward+backward alone, one gloo
-all-reduce and all-gather of a parameter-sized buffer, one torch AdamW step).
-A full default run takes about 2 minutes on 2 cores, most of it compiling the
+The ``local (no comm)`` row is a floor, not a data-parallel system: forward,
+backward and AdamW on the rank's own micro-batch with no communication, timed
+in the same interleaved rounds. The header also reports one gloo all-reduce and
+all-gather of a parameter-sized buffer and one torch AdamW step.
+A full default run takes 1-2 minutes on 2 cores, most of it compiling the
 two compiled fzero steps (``TORCHINDUCTOR_CACHE_DIR`` defaults to
 ``$TMPDIR/fzero-bench-inductor``, so later runs compile faster).
 """
@@ -76,6 +79,7 @@ WORLD = 2
 
 # name -> (key for --systems, description)
 SYSTEMS = [
+    ("local", "local (no comm)"),
     ("ddp", "ddp+adamw"),
     ("ddp-fused", "ddp+adamw(fused)"),
     ("zero", "zero-redundancy"),
@@ -92,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=40, help="timed steps per system")
     p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps per system (compiles)")
-    p.add_argument("--rounds", type=int, default=5,
+    p.add_argument("--rounds", type=int, default=8,
                    help="the timed steps of all systems run interleaved in this many rounds")
     p.add_argument("--systems", default=",".join(k for k, _ in SYSTEMS),
                    help="comma-separated subset of: " + ", ".join(k for k, _ in SYSTEMS))
@@ -172,7 +176,12 @@ def make_torch_runner(kind: str, ctx: dict) -> Runner:
     cfg, micro = ctx["cfg"], ctx["micro"]
     model = build_model(cfg, ctx["seed"])
     r = Runner()
-    if kind in ("ddp", "ddp-fused"):
+    if kind == "local":
+        net = model
+        opt = _torch_adamw(net.parameters())
+        r.note = "floor: fwd+bwd+AdamW on the local micro-batch, no communication; not data-parallel"
+        params_of = lambda: {n: p.detach().clone() for n, p in net.named_parameters()}  # noqa: E731
+    elif kind in ("ddp", "ddp-fused"):
         net = DDP(model)
         opt = _torch_adamw(net.parameters(), **({"fused": True} if kind == "ddp-fused" else {}))
         r.note = "fused=True" if kind == "ddp-fused" else f"foreach={opt.defaults.get('foreach')} (for-loop on CPU)"
@@ -299,15 +308,19 @@ def setup_and_warm_up(key: str, ctx: dict, warmup: int, log) -> dict:
 
 
 def timed_rounds(live: dict, order: list[str], warmup: int, steps: int, rounds: int, log) -> dict:
-    """Time ``steps`` steps of every live system in ``rounds`` interleaved chunks (the start
-    system rotates each round), so background load hits every system alike. Each chunk
-    starts after a ``dist.barrier()``; each step is bracketed by ``perf_counter``."""
+    """Time ``steps`` steps of every live system in ``rounds`` interleaved chunks, in a
+    shuffled order each round (same seed on every rank), so background load and position
+    effects hit every system alike. Each chunk starts after a ``dist.barrier()``; each
+    step is bracketed by ``perf_counter``."""
+    import random
+
     import torch.distributed as dist
 
     failed: dict[str, str] = {}
     bounds = [warmup + steps * k // rounds for k in range(rounds + 1)]
     for rnd in range(rounds):
-        rot = order[rnd % len(order):] + order[: rnd % len(order)]
+        rot = list(order)
+        random.Random(rnd).shuffle(rot)
         for key in rot:
             if key not in live:
                 continue
@@ -332,9 +345,8 @@ def timed_rounds(live: dict, order: list[str], warmup: int, steps: int, rounds: 
 
 
 def reference_timings(ctx: dict, n_params: int, reps: int = 15) -> dict:
-    """Floors for reading the table: local fwd+bwd without communication or optimizer
-    (both ranks at once, as in the systems), and gloo all_reduce / all_gather of a
-    parameter-sized fp32 buffer."""
+    """Reference costs for reading the table: gloo all_reduce / all_gather of a
+    parameter-sized fp32 buffer and one torch AdamW (for-loop) step of the full model."""
     import torch.distributed as dist
 
     cfg, micro = ctx["cfg"], ctx["micro"]
@@ -352,17 +364,14 @@ def reference_timings(ctx: dict, n_params: int, reps: int = 15) -> dict:
             ts.append(time.perf_counter() - t)
         return statistics.median(ts) * 1e3
 
-    def fwd_bwd():
-        x, y = micro[0]
-        model.zero_grad(set_to_none=True)
-        lm_loss(model(x), y).backward()
-
-    out["fwd+bwd"] = timeit(fwd_bwd)
+    x, y = micro[0]
+    lm_loss(model(x), y).backward()  # gradients for the AdamW timing
     n = -(-n_params // (16 * world)) * 16 * world
     buf = torch.randn(n)
     out["all_reduce"] = timeit(lambda: dist.all_reduce(buf))
     shard, full = buf[rank * (n // world):(rank + 1) * (n // world)].clone(), torch.empty(n)
-    out["all_gather"] = timeit(lambda: dist.all_gather_into_tensor(full, shard))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    out["all_gather"] = timeit(lambda: gather(full, shard))
     opt = _torch_adamw(model.parameters())
     out["torch AdamW step (full model)"] = timeit(opt.step)
     return out
@@ -477,6 +486,7 @@ def worker(args: argparse.Namespace) -> None:
 def report(args, cfg, n_params: int, results: dict, volume: dict | None, refs: dict) -> None:
     names = dict(SYSTEMS)
     ok = {k: v for k, v in results.items() if "error" not in v}
+    trained = {k: v for k, v in ok.items() if k != "local"}  # the floor trains on local data only
     med = {k: statistics.median(v["times"]) * 1e3 for k, v in ok.items()}
     mean = {k: statistics.fmean(v["times"]) * 1e3 for k, v in ok.items()}
     ddp_ms, zero_ms = med.get("ddp"), med.get("zero")
@@ -498,8 +508,9 @@ def report(args, cfg, n_params: int, results: dict, volume: dict | None, refs: d
                   f"{t['bytes'] / 1e6:.3f} MB in {t['calls']} collectives: {ops}")
         ddp_bytes = 2 * n_params * (WORLD - 1) / WORLD * 4
         print(f"  for reference, DDP's ring all-reduce of fp32 gradients: {ddp_bytes / 1e6:.3f} MB/step/rank")
-    print("reference medians on rank 0 (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in refs.items())
-          + "  [fwd+bwd: one micro-batch, no comm/optimizer; collectives: one parameter-sized fp32 buffer]")
+    print("reference medians on rank 0 after the timed rounds (ms): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in refs.items())
+          + "  [collectives: one parameter-sized fp32 buffer]")
     print("note: fzero/dist.py's FutureWarning (funcol.all_gather_tensor is deprecated) is filtered out")
 
     print()
@@ -529,19 +540,19 @@ def report(args, cfg, n_params: int, results: dict, volume: dict | None, refs: d
     print()
     print(f"sanity (every system ran {args.warmup + args.steps} steps from the same init on the same data; "
           "losses are means over ranks):")
-    ref_key = "ddp" if "ddp" in ok else next(iter(ok), None)
+    ref_key = "ddp" if "ddp" in trained else next(iter(trained), None)
     if ref_key is None:
         return
     model = build_model(cfg, args.seed)
     ex, ey = random_batch(cfg, seed=999_983)
     evals = {}
     with torch.no_grad():
-        for k, v in ok.items():
+        for k, v in trained.items():
             evals[k] = lm_loss(torch.func.functional_call(model, v["params"], (ex,)), ey).item()
     ref = ok[ref_key]
     print(f"{'system':<20} | {'first-step loss':>15} | {'last-step loss':>14} | {'held-out loss':>13} "
           f"| {'rel. diff last / held-out':>25} | {'max param rel. diff':>19} | flag  (vs {names[ref_key]})")
-    for k, v in ok.items():
+    for k, v in trained.items():
         dl = abs(v["loss"] - ref["loss"]) / abs(ref["loss"])
         de = abs(evals[k] - evals[ref_key]) / abs(evals[ref_key])
         dp = max(
