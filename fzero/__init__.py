@@ -42,6 +42,7 @@ from .sharding import (
     reduce_scatter_grads,
     shard_step,
 )
+from . import schedules
 from .zero3 import Chain, Link, chain_from_sequential
 from .step import TrainState, consume, ensure_live, init_train_state, make_train_step, module_loss
 
@@ -109,6 +110,7 @@ __all__ = [
     "no_weight_decay_for",
     "reduce_scatter_grads",
     "scale",
+    "schedules",
     "set_hyperparams",
     "sgd",
     "shard_step",

@@ -1,0 +1,287 @@
+"""The main job: train a small character-level GPT with fzero's ZeRO step.
+
+The text is English prose from the Python documentation, shipped in
+``examples/data/`` (see its README). The model is an ``nn.Sequential`` of an
+embedding, transformer blocks and a head (``examples/gpt.py``), so every ZeRO
+stage runs it, stage 3 gathering one block at a time.
+
+On a simulated world of N ranks in this process (default: 2 ranks, stage 2):
+
+    python examples/train_gpt.py
+    python examples/train_gpt.py --stage 3 --dtype fp16 --accum 2
+
+On real processes with torch.distributed (gloo on CPU, NCCL on GPU):
+
+    torchrun --nproc-per-node 2 examples/train_gpt.py --comm torch
+
+It prints a progress line (tokens/s, loss, learning rate, loss scale, skipped
+steps, gradient norm), then the loss over the run, the training-state memory
+per rank of ZeRO stages 1, 2 and 3 at this world size, the path of a plot
+(loss, loss scale, gradient norm) and a text sampled from the trained model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import fzero
+from fzero.schedules import warmup_cosine
+
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:  # gpt.py lies next to this script
+    sys.path.insert(0, HERE)
+from gpt import CharText, GPTConfig, build_gpt, generate, make_criterion  # noqa: E402
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--comm", choices=["sim", "torch"], default="sim",
+                   help="simulated world in this process, or torch.distributed under torchrun")
+    p.add_argument("--world-size", type=int, default=2, help="ranks of the simulated world")
+    p.add_argument("--stage", type=int, choices=[1, 2, 3], default=2, help="ZeRO stage")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                   help="compute dtype (the master copy stays fp32; fp16 uses dynamic loss scaling)")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches accumulated per optimizer step")
+    p.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) the step")
+    p.add_argument("--steps", type=int, default=400, help="optimizer steps")
+    p.add_argument("--batch", type=int, default=32,
+                   help="global batch per optimizer step, in sequences (all ranks and micro-batches)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warm-up, then cosine)")
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--context", type=int, default=64, help="characters per sequence")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads per process (0: torch's default)")
+    p.add_argument("--out", default="runs", help="directory for the plot")
+    p.add_argument("--sample-chars", type=int, default=400, help="characters to sample at the end (0: none)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.accum < 1 or args.steps < 1 or args.clip < 0:
+        p.error("--accum and --steps must be >= 1 and --clip >= 0")
+    return args
+
+
+class Progress:
+    """One status line, rewritten in place on a terminal; plain periodic lines otherwise."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled = total, enabled
+        self.tty = enabled and sys.stdout.isatty()
+        self.every = max(1, total // 20)
+
+    def update(self, i: int, text: str) -> None:
+        if not self.enabled:
+            return
+        line = f"step {i + 1:>{len(str(self.total))}}/{self.total}  {text}"
+        if self.tty:
+            print("\r" + line + "\033[K", end="", flush=True)
+        elif i == 0 or (i + 1) % self.every == 0 or i + 1 == self.total:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print()
+
+
+def plot(history: dict[str, list[float]], path: Path, title: str, clip: float) -> Path | None:
+    """Three panels: loss, loss scale (log), gradient norm; skipped steps marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install matplotlib): no plot")
+        return None
+    steps = list(range(1, len(history["loss"]) + 1))
+    skipped = [s for s, f in zip(steps, history["found_inf"]) if f]
+    fig, axes = plt.subplots(3, 1, figsize=(8, 8.5), sharex=True)
+    ax = axes[0]
+    ax.plot(steps, history["loss"], lw=0.8, alpha=0.5, label="loss (mean over ranks)")
+    k = 10
+    if len(steps) >= k:
+        smooth = [sum(history["loss"][i - k + 1 : i + 1]) / k for i in range(k - 1, len(steps))]
+        ax.plot(steps[k - 1 :], smooth, lw=1.8, label=f"moving average ({k} steps)")
+    ax.axhline(math.log(history["vocab"]), color="grey", ls=":", lw=1, label="ln(vocab): uniform guess")
+    ax.set_ylabel("loss (nats/char)")
+    ax.legend(loc="lower left", fontsize=8)
+    lr_ax = ax.twinx()
+    lr_ax.plot(steps, history["lr"], color="tab:green", lw=0.8, alpha=0.6)
+    lr_ax.set_ylabel("learning rate", color="tab:green", fontsize=8)
+    lr_ax.tick_params(axis="y", labelcolor="tab:green", labelsize=7)
+    ax = axes[1]
+    ax.step(steps, history["scale"], where="post")
+    ax.set_yscale("log")
+    ax.set_ylabel("loss scale")
+    if len(set(history["scale"])) == 1:
+        ax.text(0.5, 0.6, "static scale: dynamic loss scaling is for --dtype fp16",
+                transform=ax.transAxes, ha="center", fontsize=9, color="grey")
+    if skipped:
+        ys = [history["scale"][s - 1] for s in skipped]
+        ax.plot(skipped, ys, "rx", label=f"skipped step (overflow): {len(skipped)}")
+        ax.legend(loc="upper right", fontsize=8)
+    ax = axes[2]
+    ax.plot(steps, history["grad_norm"], lw=0.8)
+    ax.set_yscale("log")
+    if clip:
+        ax.axhline(clip, color="grey", ls=":", lw=1, label=f"clip at {clip:g}")
+        ax.legend(loc="upper right", fontsize=8)
+    ax.set_ylabel("gradient norm\n(before clipping)")
+    ax.set_xlabel("optimizer step")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+@torch.no_grad()
+def held_out_loss(model, params, text: CharText, criterion, context: int, batches: int = 8) -> float:
+    g = torch.Generator().manual_seed(4321)
+    losses = []
+    for _ in range(batches):
+        x, y = text.batch(32, context, g, split="val")
+        losses.append(criterion(torch.func.functional_call(model, params, (x,)), y).item())
+    return sum(losses) / len(losses)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return run(args)
+    finally:
+        torch.set_num_threads(threads)  # main() may run inside another program (the tests)
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.comm == "torch":
+        import torch.distributed as dist
+        from fzero.dist import TorchCommunicator
+
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        comm: fzero.Communicator = TorchCommunicator()
+    else:
+        comm = fzero.SimulatedWorld(args.world_size)
+    world = comm.world_size
+    lead = comm.ranks[0] == 0
+    say = print if lead else (lambda *a, **k: None)
+    t_start = time.perf_counter()
+
+    text = CharText()
+    cfg = GPTConfig(vocab=text.vocab, d_model=args.d_model, n_layers=args.layers,
+                    n_heads=args.heads, context=args.context)
+    model = build_gpt(cfg, seed=args.seed)  # every rank builds the same initial model
+    criterion = make_criterion(cfg.vocab)
+    chain = fzero.chain_from_sequential(model, criterion)
+    optimizer = fzero.adamw(
+        lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1,
+        groups=[(fzero.no_weight_decay_for(model), {"weight_decay": 0.0})],
+    )
+    precision = fzero.MixedPrecision(param_dtype=DTYPES[args.dtype])
+    state = fzero.init_train_state(model, optimizer, comm, stage=args.stage, chain=chain, precision=precision)
+    warmup = min(50, args.steps // 5)
+    step = fzero.make_train_step(
+        chain, comm, stage=args.stage, clip_norm=args.clip or None, accum_steps=args.accum,
+        schedules={"lr": warmup_cosine(peak=args.lr, warmup_steps=warmup, total_steps=args.steps,
+                                       final=args.lr / 10, start=args.lr / max(warmup, 1))},
+        compile=args.compile,
+    )
+
+    per_step = world * args.accum
+    global_batch = max(1, args.batch // per_step) * per_step  # equal micro-batches everywhere
+    lay = state.layout
+    say(f"fzero main job: char-level GPT on {text.num_chars:,} characters of Python documentation "
+        f"(vocab {text.vocab})")
+    say(f"model: {len(model)} links (Embed, {cfg.n_layers} x Block, Head), d_model {cfg.d_model}, "
+        f"{cfg.n_heads} heads, context {cfg.context}; {lay.num_params:,} parameters")
+    say(f"world: {comm!r}, ZeRO stage {args.stage}, compute {args.dtype} (master fp32), "
+        f"{lay.num_padded:,} padded elements in {len(lay.groups)} flat groups, "
+        f"{sum(g.shard_numel for g in lay.groups):,} per rank's shard")
+    say(f"batch: {global_batch} sequences x {cfg.context} chars per step = "
+        f"{world} ranks x {args.accum} micro-batch(es) of {global_batch // per_step}; "
+        f"AdamW lr {args.lr:g} (warm-up {warmup}, cosine to {args.lr / 10:g}), "
+        f"clip {args.clip or 'off'}, compile {'on' if args.compile else 'off'}, "
+        f"{torch.get_num_threads()} thread(s)")
+
+    data = torch.Generator().manual_seed(1234 + args.seed)  # same global batches on every rank
+    hist: dict[str, list] = {"loss": [], "scale": [], "grad_norm": [], "found_inf": [], "lr": [],
+                             "vocab": text.vocab}
+    bar = Progress(args.steps, lead)
+    tokens_per_step = global_batch * cfg.context
+    t0 = time.perf_counter()
+    window = [(0, t0)]
+    skipped = 0
+    for i in range(args.steps):
+        batch = text.batch(global_batch, cfg.context, data)
+        state, m = step(state, comm.split_batch(batch, micro_batches=args.accum))
+        vals = {k: m[k].item() for k in ("loss", "scale", "grad_norm", "found_inf", "lr")}
+        for k, v in vals.items():
+            hist[k].append(v)
+        skipped += int(vals["found_inf"])
+        now = time.perf_counter()
+        window = (window + [(i + 1, now)])[-21:]  # rate over the last 20 steps
+        rate = (window[-1][0] - window[0][0]) * tokens_per_step / max(window[-1][1] - window[0][1], 1e-9)
+        bar.update(i, f"{rate:7,.0f} tok/s  loss {vals['loss']:.3f}  lr {vals['lr']:.2e}  "
+                      f"scale {vals['scale']:g}  skipped {skipped}  gnorm {vals['grad_norm']:.2f}")
+    bar.close()
+    elapsed = time.perf_counter() - t0
+
+    k = max(1, min(10, args.steps // 3))
+    first = sum(hist["loss"][:k]) / k
+    last = sum(hist["loss"][-k:]) / k
+    say(f"\nloss {first:.3f} -> {last:.3f} (mean of the first and last {k} steps; "
+        f"uniform guess ln {text.vocab} = {math.log(text.vocab):.3f}), {skipped} skipped steps, "
+        f"{args.steps} steps in {elapsed:.1f} s ({args.steps * tokens_per_step / elapsed:,.0f} tok/s)")
+
+    reports = [fzero.memory_report(lay, optimizer, stage=s, precision=precision, world_size=world)
+               for s in (1, 2, 3)]
+    say(f"\ntraining-state memory per rank, {world} ranks, compute {args.dtype}, AdamW "
+        f"(this run: stage {args.stage}):")
+    say(fzero.format_memory_table(reports))
+
+    # The full fp32 parameters, gathered from the shards (a collective: every rank joins).
+    full = {name: p[0] for name, p in fzero.all_gather_params(state.shard, comm).items()}
+    result = {"first_loss": first, "last_loss": last, "skipped": skipped, "seconds": elapsed,
+              "losses": hist["loss"], "plot": None, "sample": ""}
+    if lead:
+        init = {n: p.detach() for n, p in build_gpt(cfg, seed=args.seed).named_parameters()}
+        result["val_loss_start"] = held_out_loss(model, init, text, criterion, cfg.context)
+        result["val_loss"] = held_out_loss(model, full, text, criterion, cfg.context)
+        print(f"held-out loss (last 10% of the text): {result['val_loss_start']:.3f} at init -> "
+              f"{result['val_loss']:.3f} trained")
+        name = f"train_gpt_stage{args.stage}_{args.dtype}_w{world}.png"
+        title = (f"char-level GPT, {lay.num_params:,} params, ZeRO stage {args.stage}, {world} ranks "
+                 f"({args.comm}), {args.dtype}, accum {args.accum}")
+        path = plot(hist, Path(args.out) / name, title, args.clip)
+        if path is not None:
+            result["plot"] = str(path)
+            print(f"plot: {path}")
+        if args.sample_chars:
+            prompt = "The "
+            ids = generate(model, full, text.encode(prompt), args.sample_chars, cfg.context,
+                           temperature=0.8, seed=args.seed)
+            result["sample"] = prompt + text.decode(ids)
+            print(f"\nsample (temperature 0.8, {args.sample_chars} characters):\n")
+            print(result["sample"].rstrip())
+        print(f"\ndone in {time.perf_counter() - t_start:.1f} s")
+    if args.comm == "torch":
+        torch.distributed.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    main()
