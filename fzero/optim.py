@@ -320,6 +320,20 @@ def set_hyperparams(
     return replace(state, hyper=tuple(hyper))
 
 
+def _scalars(h: Mapping[str, torch.Tensor], dtype: torch.dtype, **extra: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Hyperparameters (and derived scalars, computed in float64) cast to the shard's dtype.
+
+    torch.optim passes Python floats, which kernels read in the tensor's own
+    (opmath) dtype; casting here does the same, and keeps a compiled update
+    in fp32 instead of promoting the whole elementwise kernel to float64.
+    """
+    items = {**h, **extra}
+    # One small vector: under torch.compile it is computed once, before the elementwise
+    # kernel, instead of being re-derived (pow, sqrt...) inside the kernel's loop.
+    packed = torch.stack([v.reshape(()).to(torch.float64) for v in items.values()]).to(dtype)
+    return {k: packed[i] for i, k in enumerate(items)}
+
+
 def _sgd_update(
     opt: Optimizer,
     p: torch.Tensor,
@@ -328,17 +342,18 @@ def _sgd_update(
     h: Mapping[str, torch.Tensor],
     step: torch.Tensor,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    c = _scalars(h, p.dtype, damp=1 - h["dampening"])
     if opt.maximize:
         g = -g
-    g = g + h["weight_decay"] * p
+    g = g + c["weight_decay"] * p
     new_moments: tuple[torch.Tensor, ...] = ()
     if opt.momentum_buffer:
         (buf,) = moments
         # torch starts the buffer as a copy of the first gradient (no dampening).
-        buf = torch.where(step == 0, g, buf * h["momentum"] + (1 - h["dampening"]) * g)
-        g = g + h["momentum"] * buf if opt.nesterov else buf
+        buf = torch.where(step == 0, g, buf * c["momentum"] + c["damp"] * g)
+        g = g + c["momentum"] * buf if opt.nesterov else buf
         new_moments = (buf,)
-    return p + (-h["lr"]) * g, new_moments
+    return p + (-c["lr"]) * g, new_moments
 
 
 def _adam_update(
@@ -353,19 +368,25 @@ def _adam_update(
         g = -g
     t = step + 1
     lr, wd, beta1, beta2 = h["lr"], h["weight_decay"], h["beta1"], h["beta2"]
+    # Scalars in float64, as torch computes them from Python floats, then in p's dtype.
+    c = _scalars(
+        h, p.dtype,
+        decay=1 - lr * wd,
+        one_minus_beta1=1 - beta1,
+        one_minus_beta2=1 - beta2,
+        neg_step_size=-(lr / (1 - beta1**t)),
+        bias_correction2_sqrt=torch.sqrt(1 - beta2**t),
+    )
     if opt.kind == "adamw":
-        p = p * (1 - lr * wd)
+        p = p * c["decay"]
     else:
-        g = g + wd * p
-    exp_avg = torch.lerp(moments[0], g, (1 - beta1).to(g.dtype))
-    exp_avg_sq = moments[1] * beta2 + (1 - beta2) * g * g
-    # Scalars in float64, as torch computes them from Python floats.
-    step_size = lr / (1 - beta1**t)
-    bias_correction2_sqrt = torch.sqrt(1 - beta2**t)
+        g = g + c["weight_decay"] * p
+    exp_avg = torch.lerp(moments[0], g, c["one_minus_beta1"])
+    exp_avg_sq = moments[1] * c["beta2"] + c["one_minus_beta2"] * g * g
     second = exp_avg_sq
     new_moments = (exp_avg, exp_avg_sq)
     if opt.amsgrad:
         second = torch.maximum(moments[2], exp_avg_sq)
         new_moments = new_moments + (second,)
-    denom = second.sqrt() / bias_correction2_sqrt + h["eps"]
-    return p + (-step_size) * (exp_avg / denom), new_moments
+    denom = second.sqrt() / c["bias_correction2_sqrt"] + c["eps"]
+    return p + c["neg_step_size"] * (exp_avg / denom), new_moments
