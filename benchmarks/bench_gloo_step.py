@@ -401,13 +401,8 @@ def count_fzero_volume(ctx: dict) -> dict:
 
 # ----------------------------------------------------------------------------- worker
 def worker(args: argparse.Namespace) -> None:
-    import warnings
-
     import torch.distributed as dist
 
-    # fzero/dist.py calls the deprecated funcol.all_gather_tensor; one FutureWarning per
-    # process and compile would clutter the output (reported in the header instead).
-    warnings.filterwarnings("ignore", message=".*all_gather_tensor.*", category=FutureWarning)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -511,7 +506,6 @@ def report(args, cfg, n_params: int, results: dict, volume: dict | None, refs: d
     print("reference medians on rank 0 after the timed rounds (ms): "
           + ", ".join(f"{k} {v:.1f}" for k, v in refs.items())
           + "  [collectives: one parameter-sized fp32 buffer]")
-    print("note: fzero/dist.py's FutureWarning (funcol.all_gather_tensor is deprecated) is filtered out")
 
     print()
     head = (f"{'system':<20} | {'median ms/step':>14} | {'mean ms/step':>12} | {'x DDP (median)':>14} "
