@@ -55,17 +55,16 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from datetime import timedelta
 from typing import Callable
 
 import torch
+
+from fzero.testing import run_torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -117,31 +116,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- launcher
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Run this file under torchrun (2 ranks, gloo) in a new session; kill the group on timeout."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", "--nnodes", "1", "--nproc-per-node", str(WORLD),
-        os.path.abspath(__file__), "--worker", *argv,
-    ]
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(x for x in [HERE, env.get("PYTHONPATH", "")] if x)
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fzero-bench-inductor"))
-    print("launching:", " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    rc = None
-    try:
-        rc = proc.wait(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        print(f"\nbench: exceeded --timeout {args.timeout:.0f}s; killing torchrun and every rank", flush=True)
-    except KeyboardInterrupt:
-        print("\nbench: interrupted; killing torchrun and every rank", flush=True)
-    finally:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+    print(f"launching {os.path.basename(__file__)} under torchrun with {WORLD} ranks", flush=True)
+    rc, _ = run_torchrun(
+        WORLD, os.path.abspath(__file__), ["--worker", *argv],
+        timeout=args.timeout, pythonpath=[HERE], capture=False,
+    )
+    if rc is None:
+        print(f"\nbench: exceeded --timeout {args.timeout:.0f}s; torchrun and every rank were killed", flush=True)
     return 124 if rc is None else rc
 
 

@@ -5,14 +5,65 @@ Imports: ``fzero.comm``.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import weakref
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import torch
 
 from .comm import Communicator, ReduceOp
 
-__all__ = ["GatherTracker"]
+__all__ = ["GatherTracker", "run_torchrun"]
+
+
+def run_torchrun(
+    nproc: int,
+    script: str,
+    args: Sequence[str],
+    *,
+    timeout: float,
+    pythonpath: Sequence[str] = (),
+    capture: bool = True,
+) -> tuple[Optional[int], str]:
+    """Run ``script`` under PyTorch's launcher (``torch.distributed.run``) on ``nproc``
+    local ranks, in a new session, and kill torchrun with every rank on timeout,
+    on Ctrl-C, or if it is left running for any reason.
+
+    Returns ``(exit code or None on timeout, output)``; the output is empty
+    when ``capture=False`` (it goes to this process's stdout). Ranks get
+    ``OMP_NUM_THREADS=1`` unless set, ``pythonpath`` prepended to
+    ``PYTHONPATH``, and a shared inductor cache.
+    """
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), script, *args,
+    ]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, env.get("PYTHONPATH", "")])
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fzero-inductor"))
+    with tempfile.TemporaryFile("w+") as log:
+        out = log if capture else None
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if capture else None,
+                                env=env, start_new_session=True)
+        rc: Optional[int] = None
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        log.seek(0)
+        return rc, log.read() if capture else ""
 
 
 class GatherTracker(Communicator):

@@ -8,14 +8,13 @@ and every rank) is killed. Each rank saves its results to ``out_dir/rank{r}.pt``
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from fzero.testing import run_torchrun as run_torchrun_bounded
 
 HERE = Path(__file__).resolve().parent
 
@@ -52,33 +51,10 @@ def worker_main(run_case: Any, args: list[str]) -> None:
 def run_torchrun_script(nproc: int, script: str, args: list[str], timeout: float = 300.0) -> str:
     """Run ``script`` under torchrun on ``nproc`` local ranks; return its output.
 
-    Raises ``TimeoutError`` (after killing torchrun and every rank) past
+    Raises ``TimeoutError`` (after torchrun and every rank were killed) past
     ``timeout`` seconds, ``RuntimeError`` with the output on a non-zero exit.
     """
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc),
-        script, *args,
-    ]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fzero-inductor"))
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
-        log.seek(0)
-        text = log.read()
+    rc, text = run_torchrun_bounded(nproc, script, args, timeout=timeout, pythonpath=[str(HERE), str(HERE.parent)])
     if rc is None:
         raise TimeoutError(f"torchrun with {nproc} ranks exceeded {timeout}s and was killed:\n{text[-4000:]}")
     if rc != 0:
