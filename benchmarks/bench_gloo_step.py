@@ -88,6 +88,8 @@ SYSTEMS = [
     ("fzero-s2", "fzero s2 eager"),
     ("fzero-s1c", "fzero s1 compiled"),
     ("fzero-s2c", "fzero s2 compiled"),
+    ("fzero-s2d", "fzero s2 eager+donate"),
+    ("fzero-s2cd", "fzero s2 comp.+donate"),
 ]
 
 
@@ -211,7 +213,7 @@ def make_torch_runner(kind: str, ctx: dict) -> Runner:
     return r
 
 
-def make_fzero_runner(stage: int, compiled: bool, ctx: dict) -> Runner:
+def make_fzero_runner(stage: int, compiled: bool, donate: bool, ctx: dict) -> Runner:
     import fzero
     from fzero.dist import TorchCommunicator
 
@@ -220,12 +222,12 @@ def make_fzero_runner(stage: int, compiled: bool, ctx: dict) -> Runner:
     model = build_model(cfg, ctx["seed"])
     opt = fzero.adamw(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     holder = {"state": fzero.init_train_state(model, opt, comm)}
-    step_fn = fzero.make_train_step(fzero.module_loss(model, make_criterion(cfg.vocab)), comm, stage=stage)
-    if compiled:
-        step_fn = torch.compile(step_fn, fullgraph=True)
+    step_fn = fzero.make_train_step(
+        fzero.module_loss(model, make_criterion(cfg.vocab)), comm, stage=stage, donate=donate, compile=compiled
+    )
     batches = [comm.split_batch(b) for b in ctx["global_batches"]]  # [1, B/W, T] views
     r = Runner()
-    r.note = f"stage {stage}" + (", fullgraph" if compiled else "")
+    r.note = f"stage {stage}" + (", fullgraph" if compiled else "") + (", donating" if donate else "")
 
     def step(i: int) -> None:
         holder["state"], holder["metrics"] = step_fn(holder["state"], batches[i])
@@ -244,7 +246,7 @@ def make_fzero_runner(stage: int, compiled: bool, ctx: dict) -> Runner:
 def build_runner(key: str, ctx: dict) -> Runner:
     if key.startswith("fzero-"):
         tag = key[len("fzero-"):]
-        return make_fzero_runner(int(tag[1]), tag.endswith("c"), ctx)
+        return make_fzero_runner(int(tag[1]), "c" in tag, "d" in tag, ctx)
     return make_torch_runner(key, ctx)
 
 
