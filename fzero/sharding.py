@@ -35,6 +35,7 @@ __all__ = [
     "merge_params",
     "average_flat_grads",
     "local_sq_norm",
+    "stack_rows",
     "shard_step",
     "global_norm",
     "LOW_PRECISION",
@@ -258,6 +259,11 @@ def all_gather_params(
             f = f.to(dtype) if dtype is not None else f
             leaves[i] = f.unsqueeze(0).expand(comm.local_ranks, *f.shape)
     return tp.tree_unflatten(leaves, lay.spec)
+
+
+def stack_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-rank tensors stacked on a new local-rank axis; one rank (a real process): a view."""
+    return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(list(rows))
 
 
 def local_sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:

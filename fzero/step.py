@@ -17,7 +17,7 @@ A step, for every local rank ``r`` (one on a real rank, W in the simulated world
    ``update_scale``, and, for stages 1-2, ``all_gather`` of the new
    parameters in the compute dtype for the next step.
 
-Imports: every other fzero module but ``fzero.dist`` and ``fzero.checkpoint``.
+Imports: comm, layout, optim, precision, pytree, scaler, schedules, sharding, zero3.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from .sharding import (
     local_sq_norm,
     merge_params,
     shard_step,
+    stack_rows,
     trainable_views,
 )
 
@@ -178,7 +179,7 @@ def local_flat_grads(
         for g in lay.groups:
             flat[g.index].append(flatten_one(lay, g, leaves))
         losses.append(loss)
-    return tuple(_stack_rows(f) for f in flat), torch.stack(losses)
+    return tuple(stack_rows(f) for f in flat), torch.stack(losses)
 
 
 def apply_schedules(state: TrainState, schedules: Mapping[str, Schedule]) -> TrainState:
@@ -419,8 +420,3 @@ def finish_step(
         "lr": state.opt.hyper[0]["lr"].float(),
     }
     return new_state, metrics
-
-
-def _stack_rows(rows: list[torch.Tensor]) -> torch.Tensor:
-    # One local rank (a real process): a view, not a copy.
-    return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)

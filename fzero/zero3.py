@@ -35,7 +35,7 @@ from torch.func import functional_call, grad as func_grad, vjp
 
 from .comm import Communicator
 from .layout import Layout, flatten_one, group_views
-from .sharding import ShardState, average_flat_grads, check_world
+from .sharding import ShardState, average_flat_grads, check_world, stack_rows
 
 __all__ = ["Link", "Chain", "chain_from_sequential", "chain_loss_fn", "gather_bucket", "stage3_grads"]
 
@@ -238,6 +238,5 @@ def stage3_grads(
         del flat
         for gi, parts in per_group.items():
             g = lay.groups[gi]
-            stacked = parts[0].unsqueeze(0) if rows == 1 else torch.stack(parts)
-            shards[gi] = average_flat_grads(stacked, comm, reduce_dtype or g.master_dtype, g.master_dtype)
+            shards[gi] = average_flat_grads(stack_rows(parts), comm, reduce_dtype or g.master_dtype, g.master_dtype)
     return tuple(shards), torch.stack(losses)  # type: ignore[arg-type]

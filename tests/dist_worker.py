@@ -71,19 +71,25 @@ def case_zero_adam(comm):
     return _zero(comm, torch.optim.Adam, dict(lr=1e-2), fzero.adam(lr=1e-2))
 
 
-def case_fsdp(comm):
-    """FSDP2 (fully_shard) on CPU/gloo with torch.amp.GradScaler vs fzero stage 2 with a dynamic scaler."""
+def _fsdp_mlp(comm, **shard_kw):
+    """The test MLP under FSDP2: every Linear and the root wrapped with fully_shard."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    steps = 20
-    kw = dict(init_scale=2.0**8, growth_interval=4)
     mesh = init_device_mesh("cpu", (comm.world_size,))
     model = mlp(torch.float32)
     for m in model:
         if isinstance(m, torch.nn.Linear):
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(m, mesh=mesh, **shard_kw)
+    fully_shard(model, mesh=mesh, **shard_kw)
+    return model
+
+
+def case_fsdp(comm):
+    """FSDP2 (fully_shard) on CPU/gloo with torch.amp.GradScaler vs fzero stage 2 with a dynamic scaler."""
+    steps = 20
+    kw = dict(init_scale=2.0**8, growth_interval=4)
+    model = _fsdp_mlp(comm)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gs = torch.amp.GradScaler("cpu", **kw)
     scales = []
@@ -102,16 +108,8 @@ def case_fsdp(comm):
 
 def case_fsdp_full_vs_stage3(comm):
     """FSDP2 full sharding (fully_shard, reshard after forward) vs fzero stage 3, 20 steps."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     steps = 20
-    mesh = init_device_mesh("cpu", (comm.world_size,))
-    model = mlp(torch.float32)
-    for m in model:
-        if isinstance(m, torch.nn.Linear):
-            fully_shard(m, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    model = _fsdp_mlp(comm, reshard_after_forward=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for batch in batches(steps, comm.world_size, 2, torch.float32):
         x, y = _my_chunk(batch, comm)
@@ -128,13 +126,7 @@ def case_eager_s3(comm):
 
 
 def case_compiled_s3(comm):
-    from torch._dynamo.utils import counters
-
-    counters.clear()
-    out = _sim_compare(comm, stage=3, compiled=True)
-    out["graph_breaks"] = sum(counters["graph_break"].values())
-    out["recompiles"] = sum(counters["recompiles"].values())
-    return out
+    return _compiled_compare(comm, stage=3)
 
 
 def _sim_compare(comm, **kw):
@@ -151,10 +143,15 @@ def case_eager_s1(comm):
 
 
 def case_compiled_s2(comm):
+    return _compiled_compare(comm, stage=2)
+
+
+def _compiled_compare(comm, stage):
+    """The compiled run's results, with dynamo's graph, graph-break and recompile counts."""
     from torch._dynamo.utils import counters
 
     counters.clear()
-    out = _sim_compare(comm, stage=2, compiled=True)
+    out = _sim_compare(comm, stage=stage, compiled=True)
     out["graph_breaks"] = sum(counters["graph_break"].values())
     out["unique_graphs"] = counters["stats"]["unique_graphs"]
     out["recompiles"] = sum(counters["recompiles"].values())
