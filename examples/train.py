@@ -74,10 +74,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     precision = fzero.MixedPrecision(param_dtype=DTYPES[args.dtype])
     state = fzero.init_train_state(model, optimizer, comm, precision=precision)
     step = fzero.make_train_step(
-        fzero.module_loss(model, torch.nn.functional.cross_entropy), comm, stage=args.stage, clip_norm=1.0
+        fzero.module_loss(model, torch.nn.functional.cross_entropy), comm, stage=args.stage, clip_norm=1.0,
+        compile=args.compile,
     )
-    if args.compile:
-        step = torch.compile(step, fullgraph=True)
     if lead:
         lay = state.layout
         print(

@@ -44,7 +44,17 @@ from .sharding import (
 )
 from . import schedules
 from .zero3 import Chain, Link, chain_from_sequential
-from .step import TrainState, consume, ensure_live, init_train_state, make_train_step, module_loss
+from .module import ModuleSpec, model_output
+from .rng import rank_seed
+from .step import (
+    TrainState,
+    check_batch,
+    consume,
+    ensure_live,
+    init_train_state,
+    make_train_step,
+    module_loss,
+)
 
 __version__ = "0.1.0"
 
@@ -80,6 +90,7 @@ __all__ = [
     "Link",
     "MemoryReport",
     "MixedPrecision",
+    "ModuleSpec",
     "OptState",
     "Optimizer",
     "ParamGroup",
@@ -88,7 +99,10 @@ __all__ = [
     "ShardState",
     "SimulatedWorld",
     "TrainState",
+    "check_batch",
     "consume",
+    "model_output",
+    "rank_seed",
     "ensure_live",
     "adam",
     "adamw",

@@ -13,6 +13,8 @@ Shapes (``W`` = world size, ``R`` = local ranks):
     chunk ``ranks[r]`` of the reduction. ``op`` in sum/avg.
   * ``all_gather(x)``: ``[R, n] -> [R, W*n]``, chunks in rank order.
   * ``take_shard(x)``: ``[R, W*n] -> [R, n]``, this rank's chunk, no traffic.
+  * ``broadcast(x, src)``: ``[R, n] -> [R, n]``, every row becomes rank
+    ``src``'s row (any dtype; module buffers).
 
 ``avg`` is a sum followed by a division by ``W`` on every communicator (gloo
 has no native average), so simulated and real worlds round identically.
@@ -73,6 +75,19 @@ class Communicator:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """``[R, n] -> [R, n]``: every row becomes rank ``src``'s row.
+
+        The generic form is an ``all_gather`` and a local slice (W times the
+        traffic of a real broadcast; wrappers inherit it for free).
+        Communicators with a native broadcast override it.
+        """
+        self._check_rows(x, "broadcast")
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast: src must be a rank in [0, {self.world_size}), got {src}")
+        n = x.shape[1]
+        return self.all_gather(x)[:, src * n : (src + 1) * n].contiguous()
 
     def check_layout(self, layout: Any) -> None:
         """Verify that every rank built the same layout (raise otherwise).
@@ -165,6 +180,12 @@ class SimulatedWorld(Communicator):
         n = self._chunk(x, "reduce_scatter")
         return self._reduce0(x.reshape(self.world_size, self.world_size, n), op)
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self._check_rows(x, "broadcast")
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast: src must be a rank in [0, {self.world_size}), got {src}")
+        return x[src].unsqueeze(0).repeat(self.world_size, *([1] * (x.dim() - 1)))
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         self._check_rows(x, "all_gather")
         if x.dim() != 2:
@@ -234,6 +255,11 @@ class CountingCommunicator(Communicator):
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         self._record("all_gather", x, x[0].numel() * self.world_size, 1.0)
         return self.inner.all_gather(x)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        # a tree broadcast sends the buffer about once per rank: ring factor W/(W-1)
+        self._record("broadcast", x, x[0].numel(), self.world_size / max(self.world_size - 1, 1))
+        return self.inner.broadcast(x, src)
 
     def totals(self, ops: Sequence[str] | None = None, min_elements: int = 0) -> dict[str, float]:
         """Sums over the records (optionally only ``ops``, only buffers of at least ``min_elements``)."""

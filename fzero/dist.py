@@ -98,6 +98,14 @@ class TorchCommunicator(Communicator):
         out = _all_gather(x[0].contiguous(), 0, self.group)
         return self._finish(out, "sum").unsqueeze(0)
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self._check_rows(x, "broadcast")
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast: src must be a rank in [0, {self.world_size}), got {src}")
+        # the functional op takes the rank within the group (the process group's root rank)
+        out = funcol.broadcast(x[0].contiguous(), src, self.group)
+        return funcol.wait_tensor(out).unsqueeze(0)
+
     def check_layout(self, layout: Layout) -> None:
         """Raise :class:`LayoutMismatchError` on every rank unless all ranks built ``layout`` alike.
 

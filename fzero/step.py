@@ -3,10 +3,12 @@
 A step, for every local rank ``r`` (one on a real rank, W in the simulated world):
 
 1. hyperparameter schedules are evaluated at the step count;
-2. for each of ``accum_steps`` micro-batches: forward and backward of the
-   loss multiplied by the loss scale (stages 1-2: ``torch.func.grad`` over
-   views of the gathered compute-dtype buffers, concatenated per flat group;
-   stage 3: link by link, see :mod:`fzero.zero3`), and the gradients averaged
+2. for each of ``accum_steps`` micro-batches: module buffers broadcast from
+   rank 0 (``broadcast_buffers``), then forward and backward of the loss
+   multiplied by the loss scale (stages 1-2: ``torch.autograd.grad`` with
+   respect to leaf views of the gathered compute-dtype buffers, concatenated
+   per flat group, under the rank's generator state; stage 3: link by link,
+   see :mod:`fzero.zero3`), and the gradients averaged
    over ranks: ``reduce_scatter`` (stages 2-3) or, for stage 1 and deferred
    stage 2, accumulated locally and reduced once (stage 1 by ``all_reduce``
    and a local slice);
@@ -17,23 +19,25 @@ A step, for every local rank ``r`` (one on a real rank, W in the simulated world
    ``update_scale``, and, for stages 1-2, ``all_gather`` of the new
    parameters in the compute dtype for the next step.
 
-Imports: comm, layout, optim, precision, pytree, scaler, schedules, sharding, zero3.
+Imports: comm, layout, module, optim, precision, pytree, rng, scaler, schedules, sharding, zero3.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Union
+import warnings
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import torch
 import torch.utils._pytree as tp
-from torch.func import functional_call, grad as func_grad
 
 from .comm import Communicator
-from .layout import flatten_one
+from .layout import flatten_one, named_leaves
+from .module import ModuleSpec, broadcast_buffers as broadcast_module_buffers, init_buffers, module_loss, module_spec
 from .optim import OptState, Optimizer, init_opt_state
 from .precision import MixedPrecision
 from .pytree import pytree_dataclass, replace, static_field
 from .scaler import ScalerState, init_scaler, scale, static_scaler, update_scale
+from .rng import init_rng, rank_rng
 from .schedules import Schedule
 from .zero3 import Chain, chain_loss_fn, stage3_grads
 from .sharding import (
@@ -54,6 +58,8 @@ __all__ = [
     "init_train_state",
     "make_train_step",
     "module_loss",
+    "check_batch",
+    "compiled_step",
     "ensure_live",
     "consume",
     "LossFn",
@@ -68,19 +74,31 @@ class TrainState:
     """Everything a training step carries from one step to the next.
 
     ``params``: the gathered compute-dtype flat buffers ``[R, padded_numel]``,
-    one per flat group (stages 1 and 2 keep full parameters between steps).
-    Static: the :class:`MixedPrecision` policy.
+    one per flat group (stages 1 and 2 keep full parameters between steps;
+    ``()`` for stage 3). ``buffers``: the module's buffers, one ``[R, *shape]``
+    tensor each in its own dtype, in ``ModuleSpec.buffers`` order (each rank's
+    copy, as each DDP rank has its own). ``rng``: ``()`` or one ``[R, n]``
+    uint8 tensor, each rank's generator state (see :mod:`fzero.rng`).
+    Static: the :class:`MixedPrecision` policy and the :class:`ModuleSpec`.
     """
 
     shard: ShardState
     opt: OptState
     scaler: ScalerState
     params: tuple[torch.Tensor, ...]
+    buffers: tuple[torch.Tensor, ...] = ()
+    rng: tuple[torch.Tensor, ...] = ()
     precision: MixedPrecision = static_field(default=MixedPrecision())
+    module: ModuleSpec = static_field(default=ModuleSpec())
 
     @property
     def layout(self):  # noqa: ANN201 - Layout, re-exported for convenience
         return self.shard.layout
+
+
+def _device_of(params: Any) -> torch.device:
+    leaves = [x for _, x in named_leaves(params)[0]]
+    return leaves[0].device if leaves else torch.device("cpu")
 
 
 def init_train_state(
@@ -94,6 +112,7 @@ def init_train_state(
     scaler: Optional[ScalerState] = None,
     trainable: Optional[Callable[[str], bool]] = None,
     alignment: int = 16,
+    seed: Optional[int] = 0,
 ) -> TrainState:
     """The initial state for ``params`` (an ``nn.Module`` or a pytree of tensors).
 
@@ -103,8 +122,14 @@ def init_train_state(
     stage 3; allowed for stages 1-2, which then share stage 3's layout, so
     checkpoints move between stages). ``scaler`` defaults to a dynamic
     :func:`~fzero.scaler.init_scaler` when computing in fp16 and to a static
-    scale of 1 otherwise. Collectives: ``comm.check_layout``; for stages 1-2 one
-    ``all_gather`` per flat group.
+    scale of 1 otherwise.
+
+    A module's buffers (BatchNorm statistics, ...) become ``state.buffers``,
+    one copy per rank. ``seed``: rank ``r``'s generator starts from
+    ``rank_seed(seed, r)`` (see :mod:`fzero.rng`); ``None``: the step draws
+    from the caller's generator, as plain torch code does.
+    Collectives: ``comm.check_layout``; for stages 1-2 one ``all_gather`` per
+    flat group.
     """
     if stage not in (1, 2, 3):
         raise ValueError(f"init_train_state: stage must be 1, 2 or 3, got {stage!r}")
@@ -118,68 +143,114 @@ def init_train_state(
     if scaler is None:
         scaler = init_scaler() if precision.param_dtype == torch.float16 else static_scaler(1.0)
     gathered = gather_flat_params(shard, comm, precision.param_dtype) if stage < 3 else ()
-    return TrainState(shard, opt, scaler, gathered, precision)
+    spec, buffers = ModuleSpec(), ()
+    if isinstance(params, torch.nn.Module):
+        spec = module_spec(params)
+        buffers = init_buffers(params, spec, comm.local_ranks)
+    rng = () if seed is None else (init_rng(seed, comm.ranks, _device_of(params)),)
+    return TrainState(shard, opt, scaler, gathered, buffers, rng, precision, spec)
 
 
-def module_loss(
-    module: torch.nn.Module,
-    criterion: Callable[..., torch.Tensor],
-) -> LossFn:
-    """``loss_fn(params, (inputs, target)) = criterion(module(inputs) with params, target)``.
+def _check_leaf(path: Any, x: Any, what: str, rows: int, accum_steps: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        return
+    need = 2 if accum_steps > 1 else 1
+    if x.dim() >= need and x.shape[0] == rows and (accum_steps == 1 or x.shape[1] == accum_steps):
+        return
+    if accum_steps > 1:
+        want, fix = f"[{rows}, {accum_steps}, ...] (local ranks, micro-batches)", \
+            f"comm.split_batch(batch, micro_batches={accum_steps})"
+    else:
+        want, fix = f"[{rows}, ...] (local ranks)", "comm.split_batch(batch)"
+    raise ValueError(
+        f"{what}: batch{tp.keystr(path)} has shape {tuple(x.shape)}, but every batch leaf must be "
+        f"{want}: split the global batch with {fix}"
+    )
 
-    ``params`` maps the module's parameter names to tensors; the module's
-    buffers are used as they are. ``inputs`` may be a tuple of positional
-    arguments. As FSDP2's ``cast_forward_inputs``, floating inputs are cast to
-    the dtype of the parameters given (the compute dtype), and a 16-bit output
-    is upcast to float32 before the criterion, so the loss is computed in fp32.
-    """
-    def loss_fn(params: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:
-        inputs, target = batch
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
-        dtype = next(iter(params.values())).dtype
-        args = tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
-        out = functional_call(module, dict(params), args)
-        if out.dtype in (torch.float16, torch.bfloat16):
-            out = out.float()
-        return criterion(out, target)
 
-    return loss_fn
+def check_batch(batch: Any, rows: int, accum_steps: int = 1, what: str = "train step") -> None:
+    """Raise ``ValueError`` unless every tensor leaf of ``batch`` is ``[R, ...]``
+    (``[R, K, ...]`` with ``accum_steps=K``), naming the leaf, its shape and the fix.
+    Shapes are static: free under compile."""
+    tp.tree_map_with_path(lambda p, x: _check_leaf(p, x, what, rows, accum_steps), batch)
 
 
 def _index_row(tree: Any, r: int) -> Any:
-    return tp.tree_map(lambda x: x[r], tree)
+    return tp.tree_map(lambda x: x[r] if isinstance(x, torch.Tensor) else x, tree)
 
 
-def local_flat_grads(
-    loss_fn: LossFn, state: TrainState, batch: Any, rows: int
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """Each local rank's gradient of its scaled loss, as flat group buffers ``[R, padded]``
-    in the compute dtype (zero padded), and the unscaled losses ``[R]``. No collective.
+class RankGrads(NamedTuple):
+    """What one micro-batch's forward and backward gives, per local rank."""
 
-    Differentiates the views of the gathered buffers (``torch.func.grad``) and
-    concatenates per flat group: differentiating the flat buffer itself would
-    zero-fill it once per parameter slice.
+    flat: tuple[torch.Tensor, ...]      # per flat group [R, padded], compute dtype, scaled
+    losses: torch.Tensor                # [R] fp32, unscaled
+    buffers: tuple[torch.Tensor, ...]   # the buffers the forward left, [R, ...] each
+    rng: tuple[torch.Tensor, ...]       # the generator states it left (or the input's)
+
+
+def local_flat_grads(loss_fn: LossFn, state: TrainState, batch: Any, rows: int) -> RankGrads:
+    """Each local rank's gradient of its scaled loss, its loss, buffers and generator. No collective.
+
+    Ordinary autograd: rank ``r``'s parameters are fresh leaf tensors viewing
+    row ``r`` of the gathered buffers (no copy; the state is never written),
+    ``torch.autograd.grad`` differentiates the scaled loss with respect to
+    them, and the gradients are concatenated per flat group. One leaf per
+    parameter, not one flat leaf: autograd would zero-fill the whole flat
+    gradient once per parameter slice. Buffers reach the forward as fresh
+    copies (it may update them in place: BatchNorm); they are passed with
+    the parameters in one ``{name: tensor}`` mapping, as ``functional_call``
+    takes them. Eagerly, rank ``r``'s generator state is installed for its
+    forward and backward (:func:`fzero.rng.rank_rng`).
     """
     lay, shard, scaler = state.layout, state.shard, state.scaler
     dtype = state.precision.param_dtype
+    names = state.module.buffers
+    swap_rng = bool(state.rng) and not torch.compiler.is_compiling()
+    device = state.params[0].device
+    train_slots = lay.trainable_slots
     flat: list[list[torch.Tensor]] = [[] for _ in lay.groups]
-    losses = []
+    losses: list[torch.Tensor] = []
+    new_rng: list[torch.Tensor] = []
+    new_buffers: list[list[torch.Tensor]] = [[] for _ in names]
     for r in range(rows):
         batch_r = _index_row(batch, r)
-
-        def scaled_loss(train: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-            loss = loss_fn(merge_params(lay, train, shard.frozen, dtype), batch_r)
-            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-                raise ValueError(f"loss_fn must return a 0-d tensor, got {loss!r:.80}")
+        views = trainable_views(lay, state.params, r)
+        leaves = [views[s.path].detach().requires_grad_(True) for s in train_slots]
+        tensors = merge_params(lay, {s.path: v for s, v in zip(train_slots, leaves)}, shard.frozen, dtype)
+        bufs = [b[r].clone() for b in state.buffers]
+        if bufs:
+            tensors = {**tensors, **dict(zip(names, bufs))}
+        with rank_rng(state.rng[0][r] if swap_rng else None, device, new_rng), torch.enable_grad():
+            loss = loss_fn(tensors, batch_r)
+            _check_loss(loss)
             loss = loss.float()
-            return scale(scaler, loss), loss.detach()
-
-        grads, loss = func_grad(scaled_loss, has_aux=True)(trainable_views(lay, state.params, r))
-        leaves = [grads.get(s.path) for s in lay.slots]
+            grads = torch.autograd.grad(scale(scaler, loss), leaves, allow_unused=True)
+        by_path = {
+            s.path: g if g is not None else torch.zeros(s.shape, dtype=v.dtype, device=device)
+            for s, v, g in zip(train_slots, leaves, grads)
+        }
+        slot_grads = [by_path.get(s.path) for s in lay.slots]
         for g in lay.groups:
-            flat[g.index].append(flatten_one(lay, g, leaves))
-        losses.append(loss)
-    return tuple(stack_rows(f) for f in flat), torch.stack(losses)
+            flat[g.index].append(flatten_one(lay, g, slot_grads))
+        losses.append(loss.detach())
+        for i, b in enumerate(bufs):
+            new_buffers[i].append(b)
+    return RankGrads(
+        tuple(stack_rows(f) for f in flat),
+        torch.stack(losses),
+        tuple(stack_rows(b) for b in new_buffers),
+        (stack_rows(new_rng),) if swap_rng else state.rng,
+    )
+
+
+def _check_loss(loss: Any) -> None:
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
+        raise ValueError(f"loss_fn must return a 0-d floating-point tensor, got {loss!r:.80}")
+    if not loss.requires_grad:
+        raise ValueError(
+            "loss_fn returned a loss that does not depend on the trainable parameters it was given "
+            "(no autograd graph): did it run the model under torch.no_grad, or use its own tensors?"
+        )
 
 
 def apply_schedules(state: TrainState, schedules: Mapping[str, Schedule]) -> TrainState:
@@ -220,6 +291,7 @@ def make_train_step(
     schedules: Optional[Mapping[str, Schedule]] = None,
     donate: bool = False,
     compile: bool = False,
+    broadcast_buffers: bool = True,
 ) -> StepFn:
     """A step ``(state, batch) -> (state, metrics)`` for ZeRO stage 1, 2 or 3.
 
@@ -255,6 +327,14 @@ def make_train_step(
     ``compile=True``: the step is ``torch.compile(fullgraph=True)``-ed inside
     that bookkeeping (compile a donating step this way, not from outside).
     Donated and pure steps give bitwise the same numbers.
+
+    ``broadcast_buffers=True`` (DDP's default): before every forward, each
+    rank's module buffers are replaced by rank 0's (one ``broadcast`` per
+    buffer dtype); each rank's forward then updates its own copy (BatchNorm
+    statistics of its own batch). ``False``: every rank keeps its own buffers.
+
+    The batch is checked at trace time: every tensor leaf must be ``[R, ...]``
+    (``[R, K, ...]`` with ``accum_steps=K``), else a ``ValueError`` names it.
     """
     if stage not in (1, 2, 3):
         raise ValueError(f"make_train_step: stage must be 1, 2 or 3, got {stage!r}")
@@ -277,24 +357,31 @@ def make_train_step(
     defer = stage == 1 or defer_reduce
 
     def micro_batch(batch: Any, k: int) -> Any:
-        return batch if accum_steps == 1 else tp.tree_map(lambda x: x[:, k], batch)
+        if accum_steps == 1:
+            return batch
+        return tp.tree_map(lambda x: x[:, k] if isinstance(x, torch.Tensor) else x, batch)
 
-    def stage3_micro(state: TrainState, batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        return stage3_grads(
+    def stage3_micro(state: TrainState, batch: Any) -> tuple[TrainState, tuple[torch.Tensor, ...], torch.Tensor]:
+        shards, losses = stage3_grads(
             chain, state.shard, comm, batch, lambda loss: scale(state.scaler, loss),
             param_dtype=state.precision.param_dtype, reduce_dtype=state.precision.reduce_dtype,
         )
+        return state, shards, losses
 
-    def stage12_micro(state: TrainState, batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """Per flat group: reduced shards (or, deferring, full local grads); and losses ``[R]``."""
-        flat, losses = local_flat_grads(loss_fn, state, batch, comm.local_ranks)
+    def stage12_micro(state: TrainState, batch: Any) -> tuple[TrainState, tuple[torch.Tensor, ...], torch.Tensor]:
+        """The state with the buffers and generators the forward left; per flat group the
+        reduced shards (or, deferring, the full local gradients); the losses ``[R]``."""
+        if broadcast_buffers and state.buffers:
+            state = replace(state, buffers=broadcast_module_buffers(state.buffers, comm))
+        out = local_flat_grads(loss_fn, state, batch, comm.local_ranks)
+        state = replace(state, buffers=out.buffers, rng=out.rng)
         if defer:
-            return flat, losses
+            return state, out.flat, out.losses
         reduce_dtype = state.precision.reduce_dtype
-        return tuple(
+        return state, tuple(
             average_flat_grads(f, comm, reduce_dtype or g.master_dtype, g.master_dtype)
-            for g, f in zip(state.layout.groups, flat)
-        ), losses
+            for g, f in zip(state.layout.groups, out.flat)
+        ), out.losses
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         check_world(state.shard, comm)
@@ -304,11 +391,12 @@ def make_train_step(
         if stage < 3 and not state.params:
             raise ValueError(f"make_train_step(stage={stage}): this state was built for stage 3 and keeps "
                              "no gathered parameters; build it with init_train_state(..., stage=1 or 2)")
+        check_batch(batch, comm.local_ranks, accum_steps)
         state = apply_schedules(state, schedules)
         micro = stage3_micro if stage == 3 else stage12_micro
-        acc, loss_sum = micro(state, micro_batch(batch, 0))
+        state, acc, loss_sum = micro(state, micro_batch(batch, 0))
         for k in range(1, accum_steps):
-            part, losses = micro(state, micro_batch(batch, k))
+            state, part, losses = micro(state, micro_batch(batch, k))
             # accumulate in the master dtype (fp32), whatever the gradients' dtype
             acc = tuple(a.to(g.master_dtype) + p for a, p, g in zip(acc, part, state.layout.groups))
             loss_sum = loss_sum + losses
@@ -323,7 +411,7 @@ def make_train_step(
             )
         return finish_step(state, acc, loss_sum, comm, clip_norm=clip_norm, donate=donate)
 
-    core: StepFn = torch.compile(step, fullgraph=True) if compile else step
+    core: StepFn = compiled_step(step) if compile else step
     if not donate:
         return core
 
@@ -333,6 +421,45 @@ def make_train_step(
         return consume(state, new_state), metrics
 
     return donating_step
+
+
+def compiled_step(step: StepFn) -> StepFn:
+    """``torch.compile(step, fullgraph=True)`` with what fzero's step needs around it.
+
+    * ``torch._dynamo.config.trace_autograd_ops=True`` while tracing: torch
+      2.13's dynamo graph-breaks on ``torch.autograd.grad`` otherwise (it
+      is off by default). The flag is set only for this function's calls;
+      compiling a step from outside needs it set by the caller.
+    * Each rank's generator (:mod:`fzero.rng`): dynamo cannot swap generator
+      states inside a graph, so row 0's state is installed around the
+      compiled call and the state the call leaves is stored back. With one
+      row (a real rank) the stream is carried exactly; with several rows
+      (a compiled simulated world) every row draws from row 0's stream, and a
+      warning says so the first time the step consumed randomness.
+    """
+    compiled = torch.compile(step, fullgraph=True)
+    warned = []
+
+    def run(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        device = state.params[0].device if state.params else state.shard.master[0].device
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            if not state.rng:
+                return compiled(state, batch)
+            left: list[torch.Tensor] = []
+            with rank_rng(state.rng[0][0], device, left):
+                new_state, metrics = compiled(state, batch)
+        rng = state.rng[0]
+        if not torch.equal(left[0], rng[0]):
+            if rng.shape[0] > 1 and not warned:
+                warned.append(True)
+                warnings.warn(
+                    "fzero: a compiled step on a simulated world of several ranks drew random numbers: "
+                    "every rank drew from one generator (rank 0's), unlike real ranks; run it eagerly "
+                    "for per-rank randomness", RuntimeWarning, stacklevel=2)
+            rng = torch.cat([left[0].unsqueeze(0), rng[1:]])
+        return replace(new_state, rng=(rng,)), metrics
+
+    return run
 
 
 _CONSUMED = "_fzero_consumed"

@@ -294,7 +294,7 @@ def test_make_train_step_bad_clip_norm(clip, comm):
 def test_loss_fn_must_return_scalar(bad_loss, comm):
     state = fzero.init_train_state(_params(), fzero.adamw(), comm)
     step = fzero.make_train_step(bad_loss, comm)
-    with pytest.raises(ValueError, match=r"loss_fn must return a 0-d tensor"):
+    with pytest.raises(ValueError, match=r"loss_fn must return a 0-d floating-point tensor"):
         step(state, comm.split_batch(_batch()))
 
 

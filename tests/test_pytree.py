@@ -204,7 +204,7 @@ def _expected_leaves(st):
     out += [v for d in st.opt.hyper for v in d.values()]
     out += [m for ms in st.opt.moments for m in ms]
     out += [getattr(st.scaler, n) for n in SCALER_TENSORS]
-    out += list(st.params)
+    out += list(st.params) + list(st.buffers) + list(st.rng)
     return out
 
 
@@ -214,6 +214,9 @@ def _assert_same_train_state(back, st):
     assert back.shard.layout == st.shard.layout
     assert back.opt.optimizer == st.opt.optimizer
     assert back.precision == st.precision
+    assert back.module == st.module
+    assert all(a is b for a, b in zip(back.buffers, st.buffers)) and len(back.buffers) == len(st.buffers)
+    assert all(a is b for a, b in zip(back.rng, st.rng)) and len(back.rng) == len(st.rng)
     assert back.layout == st.layout
     assert_same_scaler(back.scaler, st.scaler)
     # containers keep their types and every tensor is the very same object

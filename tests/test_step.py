@@ -9,6 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import fzero
+from fzero.step import compiled_step
 from helpers import batches, max_rel_err, mlp
 
 mse = torch.nn.functional.mse_loss
@@ -38,7 +39,7 @@ def test_compiled_equals_eager_without_recompiles(stage):
     _, comm, state, step = _setup(world, scaler=scaler, stage=stage)
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(step, fullgraph=True)
+    compiled = compiled_step(step)
     eager_state = state
     scales, skipped = [], []
     for i, batch in enumerate(batches(10, world, 3, torch.float32)):

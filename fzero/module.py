@@ -1,0 +1,235 @@
+"""What fzero knows of an ``nn.Module`` beyond its parameters, and the loss of a module.
+
+* :class:`ModuleSpec` (static): the module's buffers (names, persistence),
+  the names under which tied parameters and buffers appear in its
+  ``state_dict``, and the ``state_dict`` key order. Built once by
+  :func:`module_spec`; it is how a trained state is exported with every key
+  ``load_state_dict(strict=True)`` expects (GPT-2's ``lm_head.weight``).
+* Buffers are state: :func:`init_buffers` stacks each buffer per local rank
+  (``[R, *shape]``); the step hands each rank fresh copies to its forward,
+  which updates them in place (BatchNorm's running statistics and
+  ``num_batches_tracked``), and keeps the results. :func:`broadcast_buffers`
+  gives every rank rank 0's buffers (DDP's ``broadcast_buffers=True``) with
+  one ``broadcast`` per buffer dtype.
+* :func:`module_loss`: a loss function for any model output (tensor,
+  tuple/list, dict or ``transformers`` ``ModelOutput``), with a criterion
+  on the logits or with the model's own loss, and batches given as a tensor,
+  a tuple of positional arguments or a dict of keyword arguments.
+
+Imports: ``fzero.comm``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+from torch.func import functional_call
+
+from .comm import Communicator
+
+__all__ = [
+    "ModuleSpec",
+    "module_spec",
+    "init_buffers",
+    "broadcast_buffers",
+    "module_loss",
+    "model_output",
+]
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleSpec:
+    """Static facts about a module that its parameter layout does not hold.
+
+    ``buffers``: buffer names (deduplicated, ``named_buffers`` order);
+    ``persistent``: whether each is in the ``state_dict``; ``aliases``:
+    ``(alias, canonical)`` names of tied parameters and buffers (the
+    canonical name is the one ``named_parameters``/``named_buffers`` keep);
+    ``state_dict_keys``: the module's ``state_dict`` keys in order.
+    """
+
+    buffers: tuple[str, ...] = ()
+    persistent: tuple[bool, ...] = ()
+    aliases: tuple[tuple[str, str], ...] = ()
+    state_dict_keys: tuple[str, ...] = ()
+
+
+def _non_persistent(module: torch.nn.Module) -> set[str]:
+    out = set()
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        for name in getattr(m, "_non_persistent_buffers_set", ()):
+            out.add(f"{prefix}.{name}" if prefix else name)
+    return out
+
+
+def module_spec(module: torch.nn.Module) -> ModuleSpec:
+    """The :class:`ModuleSpec` of ``module``.
+
+    Raises ``TypeError`` naming a buffer fzero cannot carry per rank: a
+    sparse or non-strided tensor, or one that requires grad.
+    """
+    buffers = []
+    for name, b in module.named_buffers():
+        if b.layout != torch.strided:
+            raise TypeError(f"buffer {name!r}: only dense (strided) buffers can be carried per rank, got {b.layout}")
+        if b.requires_grad:
+            raise TypeError(f"buffer {name!r} requires grad: make it a parameter, or detach it")
+        buffers.append(name)
+    skip = _non_persistent(module)
+    canonical: dict[int, str] = {}
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        canonical.setdefault(id(t), name)
+    aliases = []
+    for name, t in [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]:
+        if canonical.get(id(t), name) != name:
+            aliases.append((name, canonical[id(t)]))
+    return ModuleSpec(
+        buffers=tuple(buffers),
+        persistent=tuple(n not in skip for n in buffers),
+        aliases=tuple(aliases),
+        state_dict_keys=tuple(module.state_dict(keep_vars=True).keys()),
+    )
+
+
+def init_buffers(module: torch.nn.Module, spec: ModuleSpec, rows: int) -> tuple[torch.Tensor, ...]:
+    """Each buffer of ``spec`` stacked for ``rows`` local ranks: ``[R, *shape]`` copies."""
+    named = dict(module.named_buffers())
+    return tuple(named[n].detach().unsqueeze(0).repeat(rows, *([1] * named[n].dim())) for n in spec.buffers)
+
+
+def broadcast_buffers(buffers: Sequence[torch.Tensor], comm: Communicator) -> tuple[torch.Tensor, ...]:
+    """Rank 0's buffers on every rank (DDP's ``broadcast_buffers``): one ``broadcast``
+    per dtype, of the buffers of that dtype flattened into one ``[R, n]`` row."""
+    if not buffers:
+        return ()
+    rows = buffers[0].shape[0]
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, b in enumerate(buffers):
+        by_dtype.setdefault(b.dtype, []).append(i)
+    out: list[Optional[torch.Tensor]] = [None] * len(buffers)
+    for idx in by_dtype.values():
+        flat = torch.cat([buffers[i].reshape(rows, -1) for i in idx], dim=1)
+        flat = comm.broadcast(flat, 0)
+        offset = 0
+        for i in idx:
+            n = buffers[i][0].numel()
+            out[i] = flat[:, offset : offset + n].reshape(buffers[i].shape)
+            offset += n
+    return tuple(out)  # type: ignore[arg-type]
+
+
+def model_output(out: Any, key: str) -> torch.Tensor:
+    """The tensor of a model output that a loss needs.
+
+    ``key="logits"`` (for a criterion) or ``"loss"`` (the model's own loss).
+    A tensor is itself; a dict or ``transformers`` ``ModelOutput`` gives
+    ``out[key]``; a tuple or list its first element. Raises ``ValueError``
+    naming the output's type and keys when there is no such tensor.
+    """
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, Mapping):
+        value = out.get(key)
+        if isinstance(value, torch.Tensor):
+            return value
+        raise ValueError(
+            f"module_loss: the model returned a {type(out).__name__} without a tensor {key!r} "
+            f"(keys: {sorted(k for k, v in out.items() if v is not None)}); "
+            + ("pass labels in the batch so that the model computes its loss, or give a criterion"
+               if key == "loss" else "give a loss_fn of your own that picks the output")
+        )
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise ValueError(
+        f"module_loss: cannot find a tensor in the model's output of type {type(out).__name__} "
+        "(expected a tensor, a tuple/list starting with one, or a dict/ModelOutput with "
+        f"{key!r})"
+    )
+
+
+def _accepts(forward: Callable[..., Any]) -> Optional[set[str]]:
+    """Keyword names ``forward`` accepts, or None if it takes ``**kwargs``."""
+    params = inspect.signature(forward).parameters.values()
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def module_loss(
+    module: torch.nn.Module,
+    criterion: Optional[Callable[..., torch.Tensor]] = None,
+) -> Callable[[Mapping[str, torch.Tensor], Any], torch.Tensor]:
+    """``loss_fn(tensors, batch)`` for ``module``, as :func:`fzero.make_train_step` takes it.
+
+    ``tensors`` maps the module's parameter and buffer names to tensors (the
+    step passes each rank's parameters in the compute dtype and fresh copies
+    of its buffers, which the forward may update in place).
+
+    With a ``criterion``, ``batch = (inputs, target)`` and the loss is
+    ``criterion(output, target)``, where the output is the model's tensor,
+    the first element of a tuple, or ``logits`` of a dict/``ModelOutput``.
+    Without one, ``batch = inputs`` and the loss is the model's own
+    (``output.loss``; e.g. a ``transformers`` model given ``labels``), or a
+    0-d tensor the model returns. ``inputs``: a tensor, a tuple of positional
+    arguments, or a dict of keyword arguments.
+
+    As FSDP2's ``cast_forward_inputs``, floating inputs are cast to the
+    compute dtype (the dtype of the parameters given); a 16-bit output is
+    upcast to float32 before the criterion, so the loss is fp32.
+    """
+    param_names = [n for n, _ in module.named_parameters()]
+    accepted = _accepts(module.forward)
+
+    def call(tensors: Mapping[str, torch.Tensor], inputs: Any) -> Any:
+        dtype = next((tensors[n].dtype for n in param_names if n in tensors), None)
+
+        def cast(x: Any) -> Any:
+            if dtype is not None and isinstance(x, torch.Tensor) and x.is_floating_point():
+                return x.to(dtype)
+            return x
+
+        if isinstance(inputs, Mapping):
+            if accepted is not None:
+                unknown = sorted(set(inputs) - accepted)
+                if unknown:
+                    raise ValueError(
+                        f"module_loss: the batch has keys {unknown} that "
+                        f"{type(module).__name__}.forward does not take (it takes {sorted(accepted)})"
+                    )
+            return functional_call(module, dict(tensors), (), {k: cast(v) for k, v in inputs.items()})
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        return functional_call(module, dict(tensors), tuple(cast(a) for a in args))
+
+    if criterion is None:
+        def own_loss(tensors: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:
+            loss = model_output(call(tensors, batch), "loss")
+            if loss.dim() != 0:
+                raise ValueError(
+                    f"module_loss: the model's own loss has shape {tuple(loss.shape)}, expected a 0-d "
+                    "tensor; give a criterion, or make the model reduce its loss"
+                )
+            return loss.float()
+
+        return own_loss
+
+    def loss_fn(tensors: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ValueError(
+                "module_loss(model, criterion): the batch must be (inputs, target); for a model "
+                "that computes its own loss, use module_loss(model) with the labels in the inputs"
+            )
+        inputs, target = batch
+        out = model_output(call(tensors, inputs), "logits")
+        if out.dtype in LOW_PRECISION:
+            out = out.float()
+        return criterion(out, target)
+
+    return loss_fn
