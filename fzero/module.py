@@ -26,7 +26,7 @@ import inspect
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
-from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 
 from .comm import Communicator
 
@@ -35,6 +35,7 @@ __all__ = [
     "module_spec",
     "init_buffers",
     "broadcast_buffers",
+    "ModuleLoss",
     "module_loss",
     "model_output",
 ]
@@ -163,10 +164,77 @@ def _accepts(forward: Callable[..., Any]) -> Optional[set[str]]:
     return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
+class ModuleLoss:
+    """The loss of a module for one rank's batch: what :func:`module_loss` returns.
+
+    Called as ``loss_fn(tensors, batch)`` it runs the module with ``tensors``
+    in place of its parameters and buffers (as ``functional_call``). The
+    step instead keeps the module bound to ``tensors`` (:meth:`bound`) from
+    forward to the end of backward and calls :meth:`forward_loss`: a
+    checkpointed region (``torch.utils.checkpoint``) reruns its forward
+    during backward, and must find the same tensors in the module then.
+    """
+
+    def __init__(self, module: torch.nn.Module, criterion: Optional[Callable[..., torch.Tensor]]):
+        self.module = module
+        self.criterion = criterion
+        self._param_names = [n for n, _ in module.named_parameters()]
+        self._accepted = _accepts(module.forward)
+
+    def bound(self, tensors: Mapping[str, torch.Tensor]) -> Any:
+        """A context in which the module's parameters and buffers are ``tensors`` (tied
+        names follow the canonical one, as in ``functional_call``)."""
+        return _reparametrize_module(self.module, dict(tensors), tie_weights=True)
+
+    def __call__(self, tensors: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:
+        with self.bound(tensors):
+            return self.forward_loss(tensors, batch)
+
+    def _run(self, dtype: Optional[torch.dtype], inputs: Any) -> Any:
+        def cast(x: Any) -> Any:
+            if dtype is not None and isinstance(x, torch.Tensor) and x.is_floating_point():
+                return x.to(dtype)
+            return x
+
+        if isinstance(inputs, Mapping):
+            if self._accepted is not None:
+                unknown = sorted(set(inputs) - self._accepted)
+                if unknown:
+                    raise ValueError(
+                        f"module_loss: the batch has keys {unknown} that {type(self.module).__name__}"
+                        f".forward does not take (it takes {sorted(self._accepted)})"
+                    )
+            return self.module(**{k: cast(v) for k, v in inputs.items()})
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        return self.module(*(cast(a) for a in args))
+
+    def forward_loss(self, tensors: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:
+        """The loss, with the module already bound to ``tensors`` (see :meth:`bound`)."""
+        dtype = next((tensors[n].dtype for n in self._param_names if n in tensors), None)
+        if self.criterion is None:
+            loss = model_output(self._run(dtype, batch), "loss")
+            if loss.dim() != 0:
+                raise ValueError(
+                    f"module_loss: the model's own loss has shape {tuple(loss.shape)}, expected a 0-d "
+                    "tensor; give a criterion, or make the model reduce its loss"
+                )
+            return loss.float()
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ValueError(
+                "module_loss(model, criterion): the batch must be (inputs, target); for a model "
+                "that computes its own loss, use module_loss(model) with the labels in the inputs"
+            )
+        inputs, target = batch
+        out = model_output(self._run(dtype, inputs), "logits")
+        if out.dtype in LOW_PRECISION:
+            out = out.float()
+        return self.criterion(out, target)
+
+
 def module_loss(
     module: torch.nn.Module,
     criterion: Optional[Callable[..., torch.Tensor]] = None,
-) -> Callable[[Mapping[str, torch.Tensor], Any], torch.Tensor]:
+) -> ModuleLoss:
     """``loss_fn(tensors, batch)`` for ``module``, as :func:`fzero.make_train_step` takes it.
 
     ``tensors`` maps the module's parameter and buffer names to tensors (the
@@ -179,57 +247,11 @@ def module_loss(
     Without one, ``batch = inputs`` and the loss is the model's own
     (``output.loss``; e.g. a ``transformers`` model given ``labels``), or a
     0-d tensor the model returns. ``inputs``: a tensor, a tuple of positional
-    arguments, or a dict of keyword arguments.
+    arguments, or a dict of keyword arguments (checked against the forward's
+    signature unless it takes ``**kwargs``).
 
     As FSDP2's ``cast_forward_inputs``, floating inputs are cast to the
     compute dtype (the dtype of the parameters given); a 16-bit output is
     upcast to float32 before the criterion, so the loss is fp32.
     """
-    param_names = [n for n, _ in module.named_parameters()]
-    accepted = _accepts(module.forward)
-
-    def call(tensors: Mapping[str, torch.Tensor], inputs: Any) -> Any:
-        dtype = next((tensors[n].dtype for n in param_names if n in tensors), None)
-
-        def cast(x: Any) -> Any:
-            if dtype is not None and isinstance(x, torch.Tensor) and x.is_floating_point():
-                return x.to(dtype)
-            return x
-
-        if isinstance(inputs, Mapping):
-            if accepted is not None:
-                unknown = sorted(set(inputs) - accepted)
-                if unknown:
-                    raise ValueError(
-                        f"module_loss: the batch has keys {unknown} that "
-                        f"{type(module).__name__}.forward does not take (it takes {sorted(accepted)})"
-                    )
-            return functional_call(module, dict(tensors), (), {k: cast(v) for k, v in inputs.items()})
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
-        return functional_call(module, dict(tensors), tuple(cast(a) for a in args))
-
-    if criterion is None:
-        def own_loss(tensors: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:
-            loss = model_output(call(tensors, batch), "loss")
-            if loss.dim() != 0:
-                raise ValueError(
-                    f"module_loss: the model's own loss has shape {tuple(loss.shape)}, expected a 0-d "
-                    "tensor; give a criterion, or make the model reduce its loss"
-                )
-            return loss.float()
-
-        return own_loss
-
-    def loss_fn(tensors: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise ValueError(
-                "module_loss(model, criterion): the batch must be (inputs, target); for a model "
-                "that computes its own loss, use module_loss(model) with the labels in the inputs"
-            )
-        inputs, target = batch
-        out = model_output(call(tensors, inputs), "logits")
-        if out.dtype in LOW_PRECISION:
-            out = out.float()
-        return criterion(out, target)
-
-    return loss_fn
+    return ModuleLoss(module, criterion)

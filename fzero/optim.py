@@ -69,12 +69,23 @@ _NORM_TYPES = (
 )
 
 
+def _is_norm(m: torch.nn.Module) -> bool:
+    # torch's normalisation types, and any class whose name says it normalises
+    # (LlamaRMSNorm, T5LayerNorm, a user's ScaleNorm): the convention every model zoo follows
+    return isinstance(m, _NORM_TYPES) or "norm" in type(m).__name__.lower()
+
+
 def no_weight_decay_for(module: torch.nn.Module) -> Predicate:
     """Predicate for ``module``'s no-decay group: every bias, and every parameter of a
-    normalisation module (LayerNorm, GroupNorm, BatchNorm/InstanceNorm, RMSNorm)."""
+    normalisation module.
+
+    A module is a normalisation module if it is one of torch's (LayerNorm,
+    GroupNorm, LocalResponseNorm, BatchNorm/InstanceNorm, RMSNorm) or if its
+    class name contains ``norm`` in any case (``LlamaRMSNorm``, ``T5LayerNorm``).
+    """
     names = set()
     for prefix, m in module.named_modules():
-        is_norm = isinstance(m, _NORM_TYPES)
+        is_norm = _is_norm(m)
         for name, _ in m.named_parameters(recurse=False):
             if is_norm or name == "bias":
                 names.add(f"{prefix}.{name}" if prefix else name)

@@ -24,6 +24,7 @@ Imports: comm, layout, module, optim, precision, pytree, rng, scaler, schedules,
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
@@ -32,7 +33,7 @@ import torch.utils._pytree as tp
 
 from .comm import Communicator
 from .layout import flatten_one, named_leaves
-from .module import ModuleSpec, broadcast_buffers as broadcast_module_buffers, init_buffers, module_loss, module_spec
+from .module import ModuleLoss, ModuleSpec, broadcast_buffers as broadcast_module_buffers, init_buffers, module_loss, module_spec
 from .optim import OptState, Optimizer, init_opt_state
 from .precision import MixedPrecision
 from .pytree import pytree_dataclass, replace, static_field
@@ -200,7 +201,9 @@ def local_flat_grads(loss_fn: LossFn, state: TrainState, batch: Any, rows: int) 
     copies (it may update them in place: BatchNorm); they are passed with
     the parameters in one ``{name: tensor}`` mapping, as ``functional_call``
     takes them. Eagerly, rank ``r``'s generator state is installed for its
-    forward and backward (:func:`fzero.rng.rank_rng`).
+    forward and backward (:func:`fzero.rng.rank_rng`). A :class:`ModuleLoss`
+    keeps its module bound to the rank's tensors until backward has finished,
+    so that activation checkpointing recomputes with them.
     """
     lay, shard, scaler = state.layout, state.shard, state.scaler
     dtype = state.precision.param_dtype
@@ -220,8 +223,10 @@ def local_flat_grads(loss_fn: LossFn, state: TrainState, batch: Any, rows: int) 
         bufs = [b[r].clone() for b in state.buffers]
         if bufs:
             tensors = {**tensors, **dict(zip(names, bufs))}
-        with rank_rng(state.rng[0][r] if swap_rng else None, device, new_rng), torch.enable_grad():
-            loss = loss_fn(tensors, batch_r)
+        bound = loss_fn.bound(tensors) if isinstance(loss_fn, ModuleLoss) else contextlib.nullcontext()
+        forward = loss_fn.forward_loss if isinstance(loss_fn, ModuleLoss) else loss_fn
+        with rank_rng(state.rng[0][r] if swap_rng else None, device, new_rng), torch.enable_grad(), bound:
+            loss = forward(tensors, batch_r)
             _check_loss(loss)
             loss = loss.float()
             grads = torch.autograd.grad(scale(scaler, loss), leaves, allow_unused=True)
@@ -411,7 +416,7 @@ def make_train_step(
             )
         return finish_step(state, acc, loss_sum, comm, clip_norm=clip_norm, donate=donate)
 
-    core: StepFn = compiled_step(step) if compile else step
+    core: StepFn = compiled_step(step, comm.local_ranks * accum_steps) if compile else step
     if not donate:
         return core
 
@@ -423,13 +428,19 @@ def make_train_step(
     return donating_step
 
 
-def compiled_step(step: StepFn) -> StepFn:
+def compiled_step(step: StepFn, backward_regions: int = 1) -> StepFn:
     """``torch.compile(step, fullgraph=True)`` with what fzero's step needs around it.
 
     * ``torch._dynamo.config.trace_autograd_ops=True`` while tracing: torch
       2.13's dynamo graph-breaks on ``torch.autograd.grad`` otherwise (it
       is off by default). The flag is set only for this function's calls;
       compiling a step from outside needs it set by the caller.
+    * Activation checkpointing: inductor rematerialises checkpointed regions of
+      a forward-loss-backward graph only if the graph has one backward region.
+      ``backward_regions`` (local ranks x micro-batches) > 1 turns that pass
+      off (``torch._functorch.config.remat_using_tags_for_fwd_loss_bwd_graph``):
+      the results are the same, inductor chooses what to keep. torch also
+      refuses random ops (dropout) inside a rematerialised region.
     * Each rank's generator (:mod:`fzero.rng`): dynamo cannot swap generator
       states inside a graph, so row 0's state is installed around the
       compiled call and the state the call leaves is stored back. With one
@@ -437,12 +448,14 @@ def compiled_step(step: StepFn) -> StepFn:
       (a compiled simulated world) every row draws from row 0's stream, and a
       warning says so the first time the step consumed randomness.
     """
+    dynamo_flags = {"trace_autograd_ops": True}
+    functorch_flags = {"remat_using_tags_for_fwd_loss_bwd_graph": backward_regions == 1}
     compiled = torch.compile(step, fullgraph=True)
     warned = []
 
     def run(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         device = state.params[0].device if state.params else state.shard.master[0].device
-        with torch._dynamo.config.patch(trace_autograd_ops=True):
+        with torch._dynamo.config.patch(**dynamo_flags), torch._functorch.config.patch(**functorch_flags):
             if not state.rng:
                 return compiled(state, batch)
             left: list[torch.Tensor] = []

@@ -39,7 +39,7 @@ def test_compiled_equals_eager_without_recompiles(stage):
     _, comm, state, step = _setup(world, scaler=scaler, stage=stage)
     torch._dynamo.reset()
     counters.clear()
-    compiled = compiled_step(step)
+    compiled = compiled_step(step, world)
     eager_state = state
     scales, skipped = [], []
     for i, batch in enumerate(batches(10, world, 3, torch.float32)):
