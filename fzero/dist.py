@@ -68,7 +68,7 @@ class TorchCommunicator(Communicator):
         # Eagerly, functional collectives return AsyncCollectiveTensor wrappers; states must hold
         # plain tensors (a wrapper in a state would make a compiled step trace a second graph).
         total = funcol.wait_tensor(total)
-        return total / self.world_size if op == "avg" else total
+        return total / self.world_size if op == "avg" and self.world_size > 1 else total
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         self._check_rows(x, "all_reduce")

@@ -21,9 +21,10 @@ Imports: ``fzero.comm``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
@@ -164,6 +165,38 @@ def _accepts(forward: Callable[..., Any]) -> Optional[set[str]]:
     return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
+_Slot = tuple[dict, str, str]  # (the owner's _parameters or _buffers, attribute, canonical name)
+
+
+def _tensor_slots(module: torch.nn.Module) -> tuple[_Slot, ...]:
+    """Where each parameter and buffer is registered, tied names included."""
+    canonical: dict[int, str] = {}
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        canonical.setdefault(id(t), name)
+    slots = []
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        for table in (m._parameters, m._buffers):
+            for attr, t in table.items():
+                if t is not None:
+                    slots.append((table, attr, canonical[id(t)]))
+    return tuple(slots)
+
+
+@contextlib.contextmanager
+def _swapped(slots: Sequence[_Slot], tensors: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    saved = []
+    try:
+        for table, attr, name in slots:
+            new = tensors.get(name)
+            if new is not None:
+                saved.append((table, attr, table[attr]))
+                table[attr] = new
+        yield
+    finally:
+        for table, attr, old in reversed(saved):
+            table[attr] = old
+
+
 class ModuleLoss:
     """The loss of a module for one rank's batch: what :func:`module_loss` returns.
 
@@ -180,11 +213,20 @@ class ModuleLoss:
         self.criterion = criterion
         self._param_names = [n for n, _ in module.named_parameters()]
         self._accepted = _accepts(module.forward)
+        self._slots = _tensor_slots(module)
 
     def bound(self, tensors: Mapping[str, torch.Tensor]) -> Any:
         """A context in which the module's parameters and buffers are ``tensors`` (tied
-        names follow the canonical one, as in ``functional_call``)."""
-        return _reparametrize_module(self.module, dict(tensors), tie_weights=True)
+        names follow the canonical one, as in ``functional_call``).
+
+        Eagerly, a direct swap of the registered tensors through slots found once
+        (``functional_call``'s general path re-walks the module on every call,
+        measured at about 15 % of a tiny GPT-2 step); under ``torch.compile``,
+        ``functional_call``'s own mechanism, which dynamo traces.
+        """
+        if torch.compiler.is_compiling():
+            return _reparametrize_module(self.module, dict(tensors), tie_weights=True)
+        return _swapped(self._slots, tensors)
 
     def __call__(self, tensors: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:
         with self.bound(tensors):

@@ -1,0 +1,94 @@
+"""torchrun worker for the user-model cases on gloo: USAGE user_models_worker.py OUT_DIR CASE...
+
+Each case also runs, where it compares with the simulated world, that world in
+the same process (same threads, same kernels), so the comparison needs no
+assumption about the parent process.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+from torch._dynamo.utils import counters
+
+import fzero
+import user_models as um
+from dist_harness import worker_main
+
+STEPS = 4
+
+
+def _train(model, comm, data, *, compile=False, opt=None, loss="lm", seed=7):
+    state = fzero.init_train_state(model, opt or fzero.adamw(lr=1e-2), comm, seed=seed)
+    crit = um.lm_criterion if loss == "lm" else torch.nn.functional.cross_entropy
+    step = fzero.make_train_step(fzero.module_loss(model, crit), comm, compile=compile)
+    losses = []
+    for batch in data:
+        state, m = step(state, comm.split_batch(batch))
+        losses.append(m["loss"].item())
+    return state, losses
+
+
+def _rows(state):
+    return {
+        "masters": [m.clone() for m in state.shard.master],
+        "buffers": [b.clone() for b in state.buffers],
+        "rng": [g.clone() for g in state.rng],
+    }
+
+
+def case_dropout_gpt2(comm):
+    data = um.token_batches(STEPS, comm.world_size * 2)
+    state, losses = _train(um.gpt2(dropout=0.1), comm, data)
+    out = {"gloo": _rows(state), "losses": losses}
+    if comm.rank == 0:
+        sim = fzero.SimulatedWorld(comm.world_size)
+        sim_state, sim_losses = _train(um.gpt2(dropout=0.1), sim, data)
+        out["sim"] = _rows(sim_state)
+        out["sim_losses"] = sim_losses
+    return out
+
+
+def case_bn_vs_ddp(comm):
+    """BatchNorm ResNet: fzero on gloo against DDP (broadcast_buffers=True) on gloo."""
+    model = um.resnet()
+    data = um.image_batches(STEPS, comm.world_size * 2, torch.float32)
+    state, _ = _train(model, comm, data, opt=fzero.sgd(lr=0.1, momentum=0.9), loss="image")
+    ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    for batch in data:
+        x, y = comm.split_batch(batch)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x[0]), y[0]).backward()
+        opt.step()
+    full = {k: v[0] for k, v in fzero.all_gather_params(state.shard, comm).items()}
+    ref = dict(ddp.module.named_parameters())
+    p_err = max(((full[k] - p).abs().max() / p.abs().max()).item() for k, p in ref.items())
+    bufs = dict(ddp.module.named_buffers())
+    b_err = 0.0
+    for name, b in zip(state.module.buffers, state.buffers):
+        r = bufs[name]
+        b_err = max(b_err, ((b[0].double() - r.double()).abs().max() / r.double().abs().max().clamp_min(1)).item())
+    return {"param_err": p_err, "buffer_err": b_err}
+
+
+def case_compiled_gpt2(comm):
+    data = um.token_batches(STEPS, comm.world_size * 2)
+    opt = fzero.sgd(lr=0.1, momentum=0.9)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, lc = _train(um.gpt2(), comm, data, compile=True, opt=opt)
+    graphs = counters["stats"]["unique_graphs"]
+    breaks = sum(counters["graph_break"].values())
+    recompiles = sum(counters["recompiles"].values())
+    eager, le = _train(um.gpt2(), comm, data, opt=opt)
+    err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(compiled.shard.master, eager.shard.master))
+    return {"graphs": graphs, "breaks": breaks, "recompiles": recompiles, "err": err, "lc": lc, "le": le}
+
+
+CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+if __name__ == "__main__":
+    worker_main(lambda name, comm: CASES[name](comm), sys.argv[1:])
