@@ -44,6 +44,7 @@ from .sharding import (
 )
 from . import schedules
 from .zero3 import Chain, Link, chain_from_sequential
+from .replicas import ReplicaDivergenceError, check_replicas, replicas_differ
 from .step import TrainState, consume, ensure_live, init_train_state, make_train_step, module_loss
 
 __version__ = "0.1.0"
@@ -81,6 +82,7 @@ __all__ = [
     "MemoryReport",
     "MixedPrecision",
     "OptState",
+    "ReplicaDivergenceError",
     "Optimizer",
     "ParamGroup",
     "ParamSlot",
@@ -95,6 +97,7 @@ __all__ = [
     "all_gather_params",
     "build_layout",
     "chain_from_sequential",
+    "check_replicas",
     "format_memory_table",
     "gather_flat_params",
     "global_norm",
@@ -109,6 +112,7 @@ __all__ = [
     "no_weight_decay",
     "no_weight_decay_for",
     "reduce_scatter_grads",
+    "replicas_differ",
     "scale",
     "schedules",
     "set_hyperparams",
