@@ -221,13 +221,12 @@ def _words(x: torch.Tensor, rows: int) -> torch.Tensor:
         x = x.view(torch.int64) if (x.shape[1] * es) % 8 == 0 else x.view(torch.uint8)
         es = x.element_size()
     n = x.shape[1]
-    # Eagerly, widen to 64-bit words by reinterpretation when the row length and offset allow
-    # it (the big fp32 buffers: free), else by conversion (exact: each narrow word becomes one
-    # int64). Compiled, always convert: inductor fuses the conversion into the sums.
-    if (
-        es < 8 and n % (8 // es) == 0 and n > 0 and not torch.compiler.is_compiling()
-        and (x.storage_offset() * es) % 8 == 0
-    ):
+    # Rows whose byte length is a multiple of 8 are read as 64-bit words (for the big fp32
+    # buffers a free reinterpretation), others as their own words widened to int64. The same
+    # words eagerly and compiled; a view at an offset that is not 8-byte aligned is copied first.
+    if es < 8 and n % (8 // es) == 0 and n > 0:
+        if not torch.compiler.is_compiling() and (x.storage_offset() * es) % 8:
+            x = x.clone()
         return x.view(torch.int64)
     w = x.view(_INT_OF_SIZE[es])
     return w if w.dtype == torch.int64 else w.to(torch.int64)
