@@ -54,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections import Counter
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 
@@ -67,6 +67,7 @@ __all__ = [
     "replica_digest",
     "replicas_differ",
     "check_replicas",
+    "with_replica_check",
 ]
 
 Policy = Literal["broadcast", "local"]
@@ -413,3 +414,47 @@ def check_replicas(
     raise ReplicaDivergenceError(
         f"replicas disagree (seen on rank {here}, world size {w}):\n  {lines}", found
     )
+
+
+def with_replica_check(
+    step: Callable[[Any, Any], tuple[Any, dict]],
+    comm: Communicator,
+    every: int = 1,
+    *,
+    mode: Literal["raise", "flag"] = "raise",
+    buffers: Policy = "broadcast",
+    rng: Policy = "local",
+) -> Callable[[Any, Any], tuple[Any, dict]]:
+    """``step`` followed, every ``every`` calls, by a replica check of the state it returns.
+
+    ``mode="raise"``: :func:`check_replicas` (eager; raises
+    :class:`ReplicaDivergenceError` naming the item and ranks). ``mode="flag"``:
+    ``metrics["replicas_differ"]`` (0-d float: 1.0 if replicas differ, 0.0 on
+    steps without a check) from :func:`replicas_differ`, with no host sync.
+    The call count lives in this Python wrapper, outside a compiled ``step``,
+    so nothing recompiles.
+    """
+    if not (isinstance(every, int) and every >= 1):
+        raise ValueError(f"with_replica_check: every must be a positive int, got {every!r}")
+    if mode not in ("raise", "flag"):
+        raise ValueError(f"with_replica_check: mode must be 'raise' or 'flag', got {mode!r}")
+    _check_policy("buffers", buffers)
+    _check_policy("rng", rng)
+    calls = 0
+
+    def checked_step(state: Any, batch: Any) -> tuple[Any, dict]:
+        nonlocal calls
+        new_state, metrics = step(state, batch)
+        calls += 1
+        due = calls % every == 0
+        if mode == "raise":
+            if due:
+                check_replicas(new_state, comm, buffers=buffers, rng=rng)
+            return new_state, metrics
+        flag = (
+            replicas_differ(new_state, comm, buffers=buffers, rng=rng).to(torch.float32)
+            if due else torch.zeros((), dtype=torch.float32)
+        )
+        return new_state, {**metrics, "replicas_differ": flag}
+
+    return checked_step

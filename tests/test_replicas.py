@@ -176,3 +176,34 @@ def test_gloo_w3_one_element_difference_caught_on_every_rank():
         assert b["broadcast"]["items"][0][:3] == ("buffers['bn.running_mean']", (0, 1), (2,))
         assert b["local"] == {"raised": False, "differ": False}
         assert out["stage3"]["clean"] == {"raised": False, "differ": False}
+
+
+@pytest.mark.parametrize("mode", ["raise", "flag"])
+def test_with_replica_check_every_n_steps(mode):
+    from fzero.replicas import with_replica_check
+    from fzero.testing import CorruptResult, FaultyWorld
+
+    model = mlp(torch.float32)
+    faulty = FaultyWorld(fzero.SimulatedWorld(3), [CorruptResult(step=2, rank=2, op="all_gather", index=1)])
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), faulty, alignment=4)
+    inner = faulty.wrap(fzero.make_train_step(fzero.module_loss(model, mse), faulty))
+    step = with_replica_check(inner, faulty, every=2, mode=mode)
+    data = [faulty.split_batch(b) for b in batches(4, 3, 2, torch.float32)]
+    state, m = step(state, data[0])  # call 1: no check
+    state, m = step(state, data[1])  # call 2: checked, clean
+    if mode == "flag":
+        assert m["replicas_differ"].item() == 0.0
+    state, m = step(state, data[2])  # call 3, corrupted (scope 2): not a checked call
+    if mode == "flag":
+        assert m["replicas_differ"].item() == 0.0
+    # checking every call catches a corruption in the call where it happens
+    step1 = with_replica_check(inner, faulty, every=1, mode=mode)
+    faulty.faults = (CorruptResult(step=faulty.step, rank=2, op="all_gather", index=1),)
+    if mode == "raise":
+        with pytest.raises(fzero.ReplicaDivergenceError, match="differs on rank 2"):
+            step1(state, data[3])
+    else:
+        _, m = step1(state, data[3])
+        assert m["replicas_differ"].item() == 1.0
+    with pytest.raises(ValueError, match="every"):
+        with_replica_check(inner, faulty, every=0)
