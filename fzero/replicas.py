@@ -148,32 +148,38 @@ def _frozen_paths(state: Any) -> list[str]:
     return [s.path for s in layout.slots if s.group < 0]
 
 
+_SCALER_STATIC = ("growth_factor", "backoff_factor", "growth_interval", "min_scale", "hysteresis", "dynamic")
+
+
 @torch.compiler.assume_constant_result
-def _static_signature(state: Any) -> int:
-    """A 64-bit hash of the static metadata every rank must share (a constant when compiled)."""
+def _signature_of(layout: Any, optimizer: Any, scaler_static: tuple, precision: Any) -> int:
+    """A 64-bit hash of the static metadata (a constant when compiled: every argument is
+    static pytree metadata, never a tensor)."""
     parts: list[str] = []
-    layout = getattr(state.shard, "layout", None)
     if layout is not None:
         parts.append(f"layout={layout.fingerprint}")
-    opt = getattr(state.opt, "optimizer", None)
-    if opt is not None:
-        groups = [(g.name, tuple(g.overrides)) for g in opt.groups]
+    if optimizer is not None:
+        groups = [(g.name, tuple(g.overrides)) for g in optimizer.groups]
         parts.append(
-            f"optimizer={opt.kind}|{tuple(opt.defaults)}|{groups}|{opt.nesterov}|{opt.maximize}|"
-            f"{opt.amsgrad}|{opt.momentum_buffer}"
+            f"optimizer={optimizer.kind}|{tuple(optimizer.defaults)}|{groups}|{optimizer.nesterov}|"
+            f"{optimizer.maximize}|{optimizer.amsgrad}|{optimizer.momentum_buffer}"
         )
-    sc = state.scaler
-    parts.append(
-        "scaler=" + "|".join(
-            repr(getattr(sc, k, None))
-            for k in ("growth_factor", "backoff_factor", "growth_interval", "min_scale", "hysteresis", "dynamic")
-        )
-    )
-    prec = getattr(state, "precision", None)
-    if prec is not None:
-        parts.append(f"precision={getattr(prec, 'param_dtype', None)}|{getattr(prec, 'reduce_dtype', None)}")
+    parts.append("scaler=" + "|".join(map(repr, scaler_static)))
+    if precision is not None:
+        parts.append(f"precision={getattr(precision, 'param_dtype', None)}|{getattr(precision, 'reduce_dtype', None)}")
     digest = hashlib.sha256("\n".join(parts).encode()).digest()
     return int.from_bytes(digest[:8], "little", signed=True)
+
+
+def _static_signature(state: Any) -> int:
+    """Hash of what every rank must share statically: layout fingerprint, optimizer kind,
+    defaults, group overrides and flags, the scaler's rule, the precision policy."""
+    return _signature_of(
+        getattr(state.shard, "layout", None),
+        getattr(state.opt, "optimizer", None),
+        tuple(getattr(state.scaler, k, None) for k in _SCALER_STATIC),
+        getattr(state, "precision", None),
+    )
 
 
 def replica_items(

@@ -150,6 +150,27 @@ def test_replicas_differ_compiles_without_graph_breaks():
     assert torch.equal(torch.compile(lambda s: replica_digest(s, comm), fullgraph=True)(bad), replica_digest(bad, comm))
 
 
+def test_replicas_differ_inside_a_compiled_step_one_graph():
+    """The in-step option: the flag of the state a step returns, as a metric, in the step's graph."""
+    from torch._dynamo.utils import counters
+
+    model = mlp(torch.float32)
+    comm = fzero.SimulatedWorld(2)
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, alignment=4)
+    core = fzero.make_train_step(fzero.module_loss(model, mse), comm)
+
+    def step(s, b):
+        new, metrics = core(s, b)
+        return new, {**metrics, "replicas_differ": fzero.replicas_differ(new, comm).float()}
+
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True)
+    for b in batches(3, 2, 2, torch.float32):
+        state, m = compiled(state, comm.split_batch(b))
+        assert m["replicas_differ"].item() == 0.0
+    assert counters["stats"]["unique_graphs"] == 1 and sum(counters["recompiles"].values()) == 0
+
+
 @pytest.mark.distributed
 def test_gloo_w3_one_element_difference_caught_on_every_rank():
     from dist_harness import run_torchrun
