@@ -110,7 +110,6 @@ class Divergence:
             text = f"{self.item} differs on {who} {ranks} from {'rank' if len(self.agree) == 1 else 'ranks'} {agree}"
         else:
             text = f"{self.item} differs on {who} {ranks} ({'rank' if len(self.agree) == 1 else 'ranks'} {agree} agree)"
-
         if self.located:
             text += f" [parameters: {', '.join(self.located)}]"
         return text
@@ -132,10 +131,13 @@ def _as_tuple(x: Any) -> tuple:
 
 
 def _names(state: Any, field: str, values: tuple, given: Any) -> list[str]:
-    """Names of ``buffers``/``rng`` entries: a dict's keys, ``state.<field>_names``, or indices."""
+    """Names of ``buffers``/``rng`` entries: a dict's keys, else the state's (or its
+    layout's) ``buffer_names``/``buffer_paths`` (``rng_names``), else indices."""
     if isinstance(given, dict):
         return [f"{field}[{k!r}]" for k in given]
-    names = getattr(state, f"{field}_names", None) or getattr(state, f"{field[:-1]}_names", None)
+    owners = (state, getattr(state.shard, "layout", None))
+    attrs = ("buffer_names", "buffer_paths", "buffers_names") if field == "buffers" else (f"{field}_names",)
+    names = next((getattr(o, a) for o in owners for a in attrs if getattr(o, a, None) is not None), None)
     if names is not None and len(names) == len(values):
         return [f"{field}[{n!r}]" for n in names]
     return [f"{field}[{i}]" for i in range(len(values))]
@@ -415,10 +417,10 @@ def check_replicas(
                 d, located=tuple(f"{p} on {'rank' if len(r) == 1 else 'ranks'} {', '.join(map(str, r))}"
                                  for p, r in located[g])
             )
-    here = ", ".join(map(str, comm.ranks))
+    here = ("rank " if len(comm.ranks) == 1 else "ranks ") + ", ".join(map(str, comm.ranks))
     lines = "\n  ".join(d.describe() for d in found)
     raise ReplicaDivergenceError(
-        f"replicas disagree (seen on rank {here}, world size {w}):\n  {lines}", found
+        f"replicas disagree (seen on {here}, world size {w}):\n  {lines}", found
     )
 
 
