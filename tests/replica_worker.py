@@ -52,6 +52,25 @@ def case_corrupt_gather(comm):
     return out
 
 
+def case_grad_and_delay(comm):
+    """An inf in rank 2's gradient at step 1 and rank 0 delayed 0.3 s at step 2, seen by every rank."""
+    from fzero.testing import Delay, GradFault
+
+    model, state = _state(comm)
+    faulty = FaultyWorld(comm, [GradFault(step=1, rank=2), Delay(step=2, rank=0, seconds=0.3)])
+    step = faulty.wrap(fzero.make_train_step(fzero.module_loss(model, mse), faulty, stage=2))
+    found, unchanged, seconds = [], [], []
+    for batch in batches(3, comm.world_size, 2, torch.float32):
+        before = state
+        t0 = time.perf_counter()
+        state, m = step(state, faulty.split_batch(batch))
+        seconds.append(time.perf_counter() - t0)
+        found.append(m["found_inf"].item())
+        unchanged.append(all(torch.equal(a, b) for a, b in zip(before.shard.master, state.shard.master)))
+    return {"found_inf": found, "unchanged": unchanged, "seconds": seconds,
+            "records": [(r.kind, r.step, r.rank) for r in faulty.records]}
+
+
 def case_scalars(comm):
     """Each replicated scalar changed on one rank: the scale on rank 0, lr on rank 2, step on rank 1."""
     _, state = _state(comm)

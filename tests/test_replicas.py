@@ -175,7 +175,8 @@ def test_replicas_differ_inside_a_compiled_step_one_graph():
 def test_gloo_w3_one_element_difference_caught_on_every_rank():
     from dist_harness import run_torchrun
 
-    res = run_torchrun(3, "replica_worker.py", ["corrupt_gather", "scalars", "buffers", "stage3"], timeout=240)
+    res = run_torchrun(3, "replica_worker.py", ["corrupt_gather", "scalars", "buffers", "stage3", "grad_and_delay"],
+                       timeout=240)
     for r, out in enumerate(res):
         for name, v in out.items():
             assert not (isinstance(v, dict) and "exception" in v), (r, name, v.get("exception"))
@@ -197,6 +198,10 @@ def test_gloo_w3_one_element_difference_caught_on_every_rank():
         assert b["broadcast"]["items"][0][:3] == ("buffers['bn.running_mean']", (0, 1), (2,))
         assert b["local"] == {"raised": False, "differ": False}
         assert out["stage3"]["clean"] == {"raised": False, "differ": False}
+        g = out["grad_and_delay"]  # FaultyWorld on real ranks: only the faulty rank injects
+        assert g["found_inf"] == [0.0, 1.0, 0.0] and g["unchanged"] == [False, True, False], g
+        assert g["seconds"][2] >= 0.3, g  # every rank waits for the delayed one
+        assert g["records"] == {0: [("delay", 2, 0)], 1: [], 2: [("grad", 1, 2)]}[r], g
 
 
 @pytest.mark.parametrize("mode", ["raise", "flag"])
