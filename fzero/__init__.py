@@ -45,6 +45,7 @@ from .sharding import (
 from . import schedules
 from .zero3 import Chain, Link, chain_from_sequential
 from .module import ModuleSpec, model_output
+from .replicas import ReplicaDivergenceError, check_replicas, replicas_differ
 from .rng import rank_seed
 from .step import (
     TrainState,
@@ -92,6 +93,7 @@ __all__ = [
     "MixedPrecision",
     "ModuleSpec",
     "OptState",
+    "ReplicaDivergenceError",
     "Optimizer",
     "ParamGroup",
     "ParamSlot",
@@ -109,6 +111,7 @@ __all__ = [
     "all_gather_params",
     "build_layout",
     "chain_from_sequential",
+    "check_replicas",
     "format_memory_table",
     "gather_flat_params",
     "global_norm",
@@ -123,6 +126,7 @@ __all__ = [
     "no_weight_decay",
     "no_weight_decay_for",
     "reduce_scatter_grads",
+    "replicas_differ",
     "scale",
     "schedules",
     "set_hyperparams",

@@ -38,6 +38,7 @@ from .optim import OptState, Optimizer, init_opt_state
 from .precision import MixedPrecision
 from .pytree import pytree_dataclass, replace, static_field
 from .scaler import ScalerState, init_scaler, scale, static_scaler, update_scale
+from .replicas import with_replica_check
 from .rng import init_rng, rank_rng
 from .schedules import Schedule
 from .zero3 import Chain, chain_loss_fn, stage3_grads
@@ -297,6 +298,8 @@ def make_train_step(
     donate: bool = False,
     compile: bool = False,
     broadcast_buffers: bool = True,
+    check_replicas_every: int = 0,
+    replica_check: str = "raise",
 ) -> StepFn:
     """A step ``(state, batch) -> (state, metrics)`` for ZeRO stage 1, 2 or 3.
 
@@ -337,6 +340,13 @@ def make_train_step(
     rank's module buffers are replaced by rank 0's (one ``broadcast`` per
     buffer dtype); each rank's forward then updates its own copy (BatchNorm
     statistics of its own batch). ``False``: every rank keeps its own buffers.
+
+    ``check_replicas_every=N``: every N steps, check that what every rank must
+    hold alike (scaler, step, hyperparameters, gathered parameters, frozen
+    parameters) agrees, with one small collective outside the (compiled)
+    step: ``replica_check="raise"`` raises :class:`fzero.ReplicaDivergenceError`
+    naming the item and the ranks; ``"flag"`` adds ``metrics["replicas_differ"]``
+    without a host sync (see :func:`fzero.replicas.with_replica_check`).
 
     The batch is checked at trace time: every tensor leaf must be ``[R, ...]``
     (``[R, K, ...]`` with ``accum_steps=K``), else a ``ValueError`` names it.
@@ -417,6 +427,8 @@ def make_train_step(
         return finish_step(state, acc, loss_sum, comm, clip_norm=clip_norm, donate=donate)
 
     core: StepFn = compiled_step(step, comm.local_ranks * accum_steps) if compile else step
+    if check_replicas_every:
+        core = with_replica_check(core, comm, check_replicas_every, mode=replica_check)
     if not donate:
         return core
 

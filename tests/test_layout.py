@@ -12,11 +12,11 @@ import math
 import pytest
 import torch
 from hypothesis import given
-from hypothesis import strategies as st
 
 import fzero
 from fzero.layout import flatten_one
 from fzero.sharding import flatten_group
+from fzero.testing.strategies import LayoutCase, layout_cases
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 MASTER = {F16: F32, BF16: F32, F32: F32, F64: F64}
@@ -68,61 +68,10 @@ def full_buffer(shard_rows: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class Case:
-    shapes: list[tuple[int, ...]]
-    dtypes: list[torch.dtype]
-    world: int
-    alignment: int
-    seed: int
-
-    @property
-    def n(self) -> int:
-        return len(self.shapes)
-
-    @property
-    def split(self) -> int:
-        return (self.n + 1) // 2
-
-    def tensors(self) -> list[torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed)
-        return [torch.randn(s, generator=g, dtype=F64).to(d) for s, d in zip(self.shapes, self.dtypes)]
-
-    def tree(self, leaves):
-        """A nested tree: {"a": [first half], "b": (second half)}; paths a.0, a.1, ..., b.0, ..."""
-        leaves = list(leaves)
-        return {"a": leaves[: self.split], "b": tuple(leaves[self.split :])}
-
-    @property
-    def paths(self) -> list[str]:
-        return [f"a.{i}" for i in range(self.split)] + [f"b.{i}" for i in range(self.n - self.split)]
-
-    def leaves_of(self, tree) -> list:
-        return list(tree["a"]) + list(tree["b"])
-
-    def grads(self, scale: float = 1.0) -> list[torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed + 1)
-        out = []
-        for s, d in zip(self.shapes, self.dtypes):
-            gd = F64 if d == F64 else F32
-            out.append((torch.randn((self.world, *s), generator=g, dtype=F64) * scale).to(gd))
-        return out
-
-
-shape_st = st.lists(st.integers(1, 7), min_size=0, max_size=3).map(tuple)
-dtype_st = st.sampled_from([F32, F64, BF16, F16])
-
-
-@st.composite
-def cases(draw) -> Case:
-    n = draw(st.integers(1, 6))
-    return Case(
-        shapes=draw(st.lists(shape_st, min_size=n, max_size=n)),
-        dtypes=draw(st.lists(dtype_st, min_size=n, max_size=n)),
-        world=draw(st.integers(1, 8)),
-        alignment=draw(st.sampled_from([1, 2, 16])),
-        seed=draw(st.integers(0, 2**20)),
-    )
+# The public strategies (fzero.testing.strategies): a parameter tree of 1-6 leaves (0-d and
+# odd shapes, mixed dtypes), a world size 1-8 and an alignment 1, 2 or 16.
+Case = LayoutCase
+cases = layout_cases
 
 
 # --------------------------------------------------------------------------------------
@@ -139,8 +88,8 @@ def test_shards_equal_padding_minimal_groups_and_offsets(case: Case):
     assert lay.world_size == W and lay.alignment == a
     # Slots: every leaf, in tree order, with its path/shape/dtype/numel.
     assert [s.path for s in lay.slots] == case.paths
-    assert [s.shape for s in lay.slots] == case.shapes
-    assert [s.dtype for s in lay.slots] == case.dtypes
+    assert [s.shape for s in lay.slots] == list(case.shapes)
+    assert [s.dtype for s in lay.slots] == list(case.dtypes)
     assert [s.numel for s in lay.slots] == [math.prod(s) for s in case.shapes]
 
     expected = ref_groups(case.dtypes)

@@ -112,12 +112,14 @@ def found(flag: bool) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 # strategies
 # --------------------------------------------------------------------------------------
-powers_of_two = st.integers(0, 24).map(lambda k: 2.0**k)
-init_scales = st.one_of(powers_of_two, st.floats(1.0, 2.0**24, allow_nan=False))
-growth_factors = st.floats(1.0, 4.0, exclude_min=True, allow_nan=False)
-backoff_factors = st.floats(0.0, 1.0, exclude_min=True, exclude_max=True, allow_nan=False)
-growth_intervals = st.integers(1, 5)
-inf_steps = st.lists(st.booleans(), min_size=1, max_size=40)
+from fzero.testing.strategies import (  # noqa: E402 - the public strategies
+    backoff_factors,
+    growth_factors,
+    growth_intervals,
+    init_scales,
+    overflow_patterns as inf_steps,
+    powers_of_two,
+)
 
 
 # ======================================================================================

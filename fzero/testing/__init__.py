@@ -1,5 +1,13 @@
 """Testing and measurement utilities (not used by training code).
 
+* :class:`FaultyWorld` (``fzero.testing.faults``): a communicator wrapper that
+  injects faults (non-finite gradients, a corrupted collective result, a
+  delayed rank) at given steps and records what it did;
+* :mod:`fzero.testing.strategies`: hypothesis strategies for property tests
+  of training code (needs ``hypothesis``: ``pip install fzero[testing]``;
+  ``import fzero.testing`` works without it);
+* :class:`GatherTracker` (live gathered bytes), :func:`run_torchrun`.
+
 Imports: ``fzero.comm``.
 """
 
@@ -15,9 +23,18 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .comm import Communicator, ReduceOp
+from ..comm import Communicator, ReduceOp
+from .faults import CorruptResult, Delay, FaultRecord, FaultyWorld, GradFault
 
-__all__ = ["GatherTracker", "run_torchrun"]
+__all__ = [
+    "CorruptResult",
+    "Delay",
+    "FaultRecord",
+    "FaultyWorld",
+    "GatherTracker",
+    "GradFault",
+    "run_torchrun",
+]
 
 
 def run_torchrun(
