@@ -235,3 +235,25 @@ def test_with_replica_check_every_n_steps(mode):
         assert m["replicas_differ"].item() == 1.0
     with pytest.raises(ValueError, match="every"):
         with_replica_check(inner, faulty, every=0)
+
+
+def test_make_train_step_checks_replicas_every_n_steps():
+    from fzero.testing import CorruptResult, FaultyWorld
+
+    model = mlp(torch.float32)
+    world = FaultyWorld(fzero.SimulatedWorld(3), [CorruptResult(step=1, rank=2, op="all_gather", index=5)])
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), world, alignment=4)
+    step = world.wrap(fzero.make_train_step(fzero.module_loss(model, mse), world, check_replicas_every=1))
+    data = batches(3, 3, 2, torch.float32)
+    state, _ = step(state, world.split_batch(data[0]))
+    with pytest.raises(fzero.ReplicaDivergenceError, match=r"params flat group 0 .* differs on rank 2"):
+        step(state, world.split_batch(data[1]))
+    flagged = fzero.make_train_step(fzero.module_loss(model, mse), fzero.SimulatedWorld(3),
+                                    check_replicas_every=2, replica_check="flag")
+    comm = fzero.SimulatedWorld(3)
+    s = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, alignment=4)
+    flags = []
+    for b in data:
+        s, m = flagged(s, comm.split_batch(b))
+        flags.append(m["replicas_differ"].item())
+    assert flags == [0.0, 0.0, 0.0]

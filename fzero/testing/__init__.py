@@ -119,5 +119,9 @@ class GatherTracker(Communicator):
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         return self.inner.reduce_scatter(x, op)
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        # module buffers, not parameters: passed through untouched and uncounted
+        return self.inner.broadcast(x, src)
+
     def check_layout(self, layout: Any) -> None:
         self.inner.check_layout(layout)

@@ -243,5 +243,9 @@ class FaultyWorld(Communicator):
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return self._collective("all_gather", x, self.inner.all_gather)
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        # module buffers, not parameters: passed through untouched and uncounted
+        return self.inner.broadcast(x, src)
+
     def check_layout(self, layout: Any) -> None:
         self.inner.check_layout(layout)
