@@ -146,7 +146,9 @@ class SimulatedWorld(Communicator):
 
     Deterministic, and equal to gloo bit for bit at W=2 (a sum of two terms
     rounds the same in any order); for W>2 the summation order may differ
-    from the backend's, within rounding.
+    from the backend's, within rounding. With one rank, reductions are the
+    identity and return their input itself (no copy); ``all_gather`` always
+    allocates.
     """
 
     def __init__(self, world_size: int):
@@ -171,6 +173,10 @@ class SimulatedWorld(Communicator):
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         self._check_rows(x, "all_reduce")
+        if op not in ("sum", "avg", "max"):
+            raise ValueError(f"unknown reduce op {op!r}")
+        if self.world_size == 1:  # the identity: no copy (a full pass per gradient buffer)
+            return x
         return self._reduce0(x, op).unsqueeze(0).repeat(self.world_size, *([1] * (x.dim() - 1)))
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
@@ -178,6 +184,8 @@ class SimulatedWorld(Communicator):
         if op == "max":
             raise ValueError("reduce_scatter supports 'sum' and 'avg'")
         n = self._chunk(x, "reduce_scatter")
+        if self.world_size == 1:
+            return x
         return self._reduce0(x.reshape(self.world_size, self.world_size, n), op)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:

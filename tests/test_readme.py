@@ -1,0 +1,28 @@
+"""The README's API screen runs as written (a transformers model trained with fzero)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_api_screen_runs():
+    text = README.read_text()
+    section = text[text.index("## The API in one screen"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - our own documentation
+    model, state, comm = scope["model"], scope["state"], scope["comm"]
+    import fzero
+
+    exported = fzero.export_model_state_dict(state, comm)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, exported[k]), k
+    assert torch.isfinite(scope["metrics"]["loss"])
