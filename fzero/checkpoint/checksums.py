@@ -4,7 +4,8 @@ while it is read.
 A DCP data file is a sequence of records, one per saved tensor chunk or object entry;
 ``.metadata`` maps each entry ``(key, chunk offset)`` to ``(file, byte offset, length)``.
 Saving: :class:`ChecksumWriter` passes every byte a rank writes through ``zlib.crc32``
-on its way to the file (no second read), one CRC per record (DCP starts each record
+on its way to the file (no second read; for large writes in a second thread, at the same
+time as the write itself), one CRC per record (DCP starts each record
 with ``tell()``, and ``torch.save`` writes sequentially). The CRCs travel with DCP's
 write results to the coordinator, which writes them to ``checksums.json`` before DCP
 writes ``.metadata``, last. Loading: :class:`VerifyingReader` reads each record whole,
@@ -13,12 +14,17 @@ A damaged record raises :class:`CheckpointCorruptError` naming the directory, th
 data file and the entry; :func:`verify_checkpoint` checks every record, in one
 process, without a process group.
 
-Algorithm, chosen by measurement (a 300 MB state saved in 1.3-1.4 s on this project's
-CPU; ``benchmarks/bench_checkpoint_checksum.py``): CRC-32 costs 43 ms per 100 MB,
-Adler-32 61 ms, SHA-256 87 ms, BLAKE2b 98 ms, MD5 130 ms; a sum of int32 words with
-torch 94 ms. CRC-32 detects every burst error up to 32 bits (a flipped byte, a torn
-sector) and any other damage with probability 1 - 2**-32. It guards against accidents,
-not against an adversary.
+Algorithm, chosen by measurement (``benchmarks/bench_checkpoint.py``; this project's
+machine, 2 cores shared with other jobs, so every number varies by 1.5x): saving a 300 MB
+state takes 0.7-1.9 s (0.24-0.63 s per 100 MB). Per 100 MB in memory: CRC-32 43-69 ms,
+Adler-32 57-85 ms, SHA-256 84-149 ms, BLAKE2b 98-160 ms, MD5 130-223 ms, a torch sum of
+int32 words 94-283 ms; ``torch.hash_tensor``'s XOR of 64-bit words 14 ms, but it misses two
+flips of one bit position and needs torch >= 2.9. CRC-32, the cheapest real checksum, is
+10 % of a save on a quiet machine when computed in line; computed in a second thread
+while the same bytes are written, it adds nothing measurable when a core is free, and up
+to its full cost (10-27 %) when none is. CRC-32 detects every burst error up to 32 bits (a
+flipped byte, a torn sector) and any other damage with probability 1 - 2**-32. It guards
+against accidents, not against an adversary.
 
 Imports: :mod:`fzero.checkpoint.errors`.
 """
@@ -31,6 +37,7 @@ import io
 import json
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
@@ -49,6 +56,9 @@ ALGORITHM = "crc32"
 CHECKSUMS_FILE = "checksums.json"
 
 
+_OVERLAP_BYTES = 1 << 20  # writes this large are checksummed in a second thread, overlapping the write
+
+
 def _crc(data: Any, value: int = 0) -> int:
     return zlib.crc32(data, value)
 
@@ -57,20 +67,36 @@ class _CountingStream(io.RawIOBase):
     """A file opened for writing that keeps one CRC per record: a record starts at each
     ``tell()`` (DCP calls it before and after writing each record)."""
 
-    def __init__(self, raw: Any, records: dict[int, list[int]]):
+    def __init__(self, raw: Any, records: dict[int, list[int]], pool: Optional[ThreadPoolExecutor]):
         super().__init__()
-        self.raw, self.records = raw, records
+        self.raw, self.records, self.pool = raw, records, pool
         self.pos = raw.tell()
         self.current = self.records.setdefault(self.pos, [0, 0])  # [length, crc]
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
-        n = self.raw.write(view)
-        n = len(view) if n is None else n
+        if self.pool is not None and len(view) >= _OVERLAP_BYTES:
+            # The CRC runs in another thread while this one writes the same bytes (both release
+            # the GIL); it is awaited before returning, while the caller's buffer is still valid.
+            crc = self.pool.submit(_crc, view, self.current[1])
+            try:
+                n = self._write_all(view)
+            finally:
+                value = crc.result()
+            self.current[1] = value
+        else:
+            n = self._write_all(view)
+            self.current[1] = _crc(view, self.current[1])
         self.current[0] += n
-        self.current[1] = _crc(view[:n], self.current[1])
         self.pos += n
         return n
+
+    def _write_all(self, view: memoryview) -> int:
+        done = 0
+        while done < len(view):
+            n = self.raw.write(view[done:])
+            done += len(view) - done if n is None else n
+        return done
 
     def tell(self) -> int:
         if self.current[0]:
@@ -97,6 +123,7 @@ class _ChecksumFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
         self.records: dict[str, dict[int, list[int]]] = {}
+        self.pool: Optional[ThreadPoolExecutor] = None
 
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
@@ -105,7 +132,7 @@ class _ChecksumFileSystem(FileSystem):
                 yield stream
             return
         with super().create_stream(path, mode) as raw:
-            stream = _CountingStream(raw, self.records.setdefault(Path(path).name, {}))
+            stream = _CountingStream(raw, self.records.setdefault(Path(path).name, {}), self.pool)
             yield stream
             stream.close()
 
@@ -126,7 +153,9 @@ class ChecksumWriter(dcp.FileSystemWriter):
         self.fs = _ChecksumFileSystem()
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        results = super().write_data(plan, planner).wait()
+        with ThreadPoolExecutor(1, thread_name_prefix="fzero-crc") as self.fs.pool:
+            results = super().write_data(plan, planner).wait()
+        self.fs.pool = None
         checked = []
         for wr in results:
             info = wr.storage_data
