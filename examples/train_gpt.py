@@ -262,7 +262,7 @@ def run(args: argparse.Namespace) -> dict:
     reports = [fzero.memory_report(lay, optimizer, stage=s, precision=precision, world_size=world)
                for s in (1, 2, 3)]
     say(f"\ntraining-state memory per rank, {world} ranks, compute {args.dtype}, AdamW "
-        f"(this run: stage {args.stage}):")
+        f"(this run: stage {args.stage}); held: kept between steps, in-step: only inside a step:")
     say(fzero.format_memory_table(reports))
 
     # The full fp32 parameters, gathered from the shards (a collective: every rank joins).
