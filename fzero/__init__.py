@@ -53,6 +53,7 @@ _CHECKPOINT_API = (
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointMismatchError",
+    "CheckpointNotFoundError",
     "IncompleteCheckpointError",
     "checkpoint_info",
     "consolidate_checkpoint",

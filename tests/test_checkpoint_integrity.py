@@ -152,6 +152,17 @@ def test_intact_checkpoint_verifies(saved):
     assert all(torch.equal(a, b) for a, b in zip(loaded.shard.master, state.shard.master))
 
 
+def test_every_read_failure_is_a_checkpoint_error(saved, tmp_path):
+    path, comm, _ = saved
+    with pytest.raises(ckpt.CheckpointNotFoundError, match="nowhere"):
+        load_checkpoint(tmp_path / "nowhere", fresh(comm), comm)
+    assert issubclass(ckpt.CheckpointNotFoundError, FileNotFoundError)
+    assert issubclass(ckpt.CheckpointNotFoundError, CheckpointError)
+    (path / ".metadata").write_bytes(bytes((path / ".metadata").stat().st_size))  # zero-filled
+    with pytest.raises(CheckpointError, match=r"unreadable .metadata"):
+        ckpt.read_manifest(path)
+
+
 def test_public_helpers_reachable_from_fzero():
     for name in ("read_manifest", "resolve_checkpoint", "verify_checkpoint", "consolidate_checkpoint",
                  "checkpoint_info", "CheckpointCorruptError"):

@@ -21,11 +21,17 @@ One module per concept:
   process group; the command line ``python -m fzero.checkpoint {info,verify,consolidate}``.
 
 Errors: every failure to read a checkpoint is a :class:`CheckpointError` (a ``ValueError``):
-:class:`IncompleteCheckpointError`, :class:`CheckpointMismatchError`,
-:class:`CheckpointCorruptError`.
+:class:`IncompleteCheckpointError` (and :class:`CheckpointNotFoundError`, also a
+``FileNotFoundError``), :class:`CheckpointMismatchError`, :class:`CheckpointCorruptError`.
 """
 
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, IncompleteCheckpointError
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+)
 from .manifest import read_manifest, resolve_checkpoint
 from .offline import (
     checkpoint_info,
@@ -41,6 +47,7 @@ from . import publish  # noqa: F401 - tests patch its functions
 __all__ = [
     "CheckpointError",
     "IncompleteCheckpointError",
+    "CheckpointNotFoundError",
     "CheckpointMismatchError",
     "CheckpointCorruptError",
     "save_checkpoint",

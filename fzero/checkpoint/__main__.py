@@ -66,7 +66,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             out = consolidate_checkpoint(args.path, args.out, optim=args.optim)
             print(f"wrote {out}" + (f" and {args.optim}" if args.optim else ""))
-    except (CheckpointError, FileNotFoundError) as e:
+    except CheckpointError as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 0

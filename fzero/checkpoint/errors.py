@@ -8,7 +8,13 @@ Imports: nothing of fzero.
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "IncompleteCheckpointError", "CheckpointMismatchError", "CheckpointCorruptError"]
+__all__ = [
+    "CheckpointError",
+    "IncompleteCheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointMismatchError",
+    "CheckpointCorruptError",
+]
 
 
 class CheckpointError(ValueError):
@@ -17,6 +23,10 @@ class CheckpointError(ValueError):
 
 class IncompleteCheckpointError(CheckpointError):
     """The checkpoint is missing its metadata or data (an interrupted save, a damaged copy)."""
+
+
+class CheckpointNotFoundError(IncompleteCheckpointError, FileNotFoundError):
+    """There is no checkpoint at the path (also a ``FileNotFoundError``)."""
 
 
 class CheckpointMismatchError(CheckpointError):

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..comm import Communicator
 from ..step import TrainState
-from .errors import CheckpointMismatchError, IncompleteCheckpointError
+from .errors import CheckpointMismatchError, CheckpointNotFoundError, IncompleteCheckpointError
 from .planners import _Pieces, dcp_load
 from .publish import LATEST, _read_latest
 
@@ -126,10 +126,11 @@ def resolve_checkpoint(path: PathLike) -> Path:
     """The checkpoint directory ``path`` designates: ``path/LATEST``'s target when
     ``path`` is a root, else ``path`` itself. Raises :class:`IncompleteCheckpointError`
     when it has no DCP ``.metadata`` (written last, so its absence means the save
-    did not finish) and ``FileNotFoundError`` when ``path`` does not exist."""
+    did not finish) and :class:`CheckpointNotFoundError` (a ``FileNotFoundError`` too)
+    when ``path`` does not exist."""
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"no checkpoint at {p}: the path does not exist")
+        raise CheckpointNotFoundError(f"no checkpoint at {p}: the path does not exist")
     name = _read_latest(p) if p.is_dir() else None
     d = p / name if name is not None else p
     if name is not None and not d.is_dir():

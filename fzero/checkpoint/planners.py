@@ -243,8 +243,10 @@ def _converted(e: BaseException, what: str, where: Optional[tuple[str, str]]) ->
     cause = causes[0]
     text = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
     if where is not None:
-        # DCP failed decoding a record: damaged bytes of a checkpoint saved without checksums.
         key, file = where
+        if isinstance(cause, OSError):
+            return CheckpointError(f"{what}: reading entry {key!r} in data file {file}: {text}")
+        # DCP failed decoding a record: damaged bytes of a checkpoint saved without checksums.
         return CheckpointCorruptError(f"{what}: entry {key!r} in data file {file} cannot be decoded ({text})")
     return CheckpointError(f"{what}: {text}")
 
