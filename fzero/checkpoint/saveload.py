@@ -49,6 +49,7 @@ EXTRA_PREFIX = "extra/"
 HYPERPARAMS = ("checkpoint", "template")
 _HYPER_PREFIX = "fzero/hyper/"
 
+
 def _sharded(state: TrainState, comm: Communicator, master: Sequence[torch.Tensor],
              moments: Sequence[Sequence[torch.Tensor]]) -> dict[str, _Pieces]:
     """``fzero/master/{path}`` and ``fzero/{moment}/{path}`` for every trainable parameter."""
@@ -122,7 +123,11 @@ def _save_state_dict(
 
 
 def _replicated(state: TrainState) -> dict[str, torch.Tensor]:
-    """Tensors every rank holds whole: step, hyperparameters, scaler leaves, frozen parameters."""
+    """Tensors every rank holds whole: step, hyperparameters, scaler leaves, frozen parameters.
+
+    The one list of replicated entries: saving writes them, loading reads into tensors
+    shaped like them. A new replicated leaf of the state is one line here and one in
+    :func:`_assemble`, which puts the loaded values back."""
     sd = {"fzero/step": state.opt.step}
     for k, h in enumerate(state.opt.hyper):
         for name, v in h.items():
@@ -156,6 +161,7 @@ def save_checkpoint(
     keys without ``/``) of tensors, python scalars, strings, None and lists/tuples/
     dicts of them; it is taken as replicated: give per-rank values distinct keys.
 
+    Every record gets a CRC-32, checked when it is read (see :mod:`.checksums`).
     Atomic: the checkpoint is written to ``root/.tmp-{name}`` and renamed once every
     rank has finished, then ``LATEST`` is replaced atomically; until then the
     previous checkpoint stays the latest and intact. Saving over the checkpoint
