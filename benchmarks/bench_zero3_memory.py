@@ -70,7 +70,8 @@ def main() -> None:
     for r in reports:
         formula = fzero.zero_paper_bytes(r.num_params, r.stage, r.world_size)
         print(f"  stage {r.stage}: report - padding = {(r.total - r.padding) / mib:.3f} MiB, "
-              f"ZeRO paper formula = {formula / mib:.3f} MiB")
+              f"ZeRO paper formula = {formula / mib:.3f} MiB; the state holds {r.held_total / mib:.3f} MiB "
+              f"between steps, {r.transient_total / mib:.3f} MiB of the formula lives only inside a step")
 
 
 if __name__ == "__main__":

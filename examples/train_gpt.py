@@ -47,8 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="simulated world in this process, or torch.distributed under torchrun")
     p.add_argument("--world-size", type=int, default=2, help="ranks of the simulated world")
     p.add_argument("--stage", type=int, choices=[1, 2, 3], default=2, help="ZeRO stage")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
-                   help="compute dtype (the master copy stays fp32; fp16 uses dynamic loss scaling)")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="compute dtype (the master copy stays fp32; fp16 uses dynamic loss scaling); "
+                        "auto: bf16 where the hardware computes it natively, else fp32")
     p.add_argument("--accum", type=int, default=1, help="micro-batches accumulated per optimizer step")
     p.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) the step")
@@ -167,6 +168,15 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(threads)  # main() may run inside another program (the tests)
 
 
+def choose_dtype(requested: str) -> tuple[str, str]:
+    """The compute dtype to use and why: ``auto`` picks bf16 where it is native (CUDA with
+    bf16, a CPU with AVX512-BF16 or AMX) and fp32 elsewhere, where bf16 is emulated and slower."""
+    if requested != "auto":
+        return requested, "as requested (--dtype)"
+    native, why = fzero.native_bf16()
+    return ("bf16" if native else "fp32"), f"--dtype auto: {why}"
+
+
 def run(args: argparse.Namespace) -> dict:
     if args.comm == "torch":
         import torch.distributed as dist
@@ -180,6 +190,8 @@ def run(args: argparse.Namespace) -> dict:
     lead = comm.ranks[0] == 0
     say = print if lead else (lambda *a, **k: None)
     t_start = time.perf_counter()
+    args.dtype, why = choose_dtype(args.dtype)
+    say(f"compute dtype: {args.dtype} ({why})")
 
     text = CharText()
     cfg = GPTConfig(vocab=text.vocab, d_model=args.d_model, n_layers=args.layers,
@@ -250,7 +262,7 @@ def run(args: argparse.Namespace) -> dict:
     reports = [fzero.memory_report(lay, optimizer, stage=s, precision=precision, world_size=world)
                for s in (1, 2, 3)]
     say(f"\ntraining-state memory per rank, {world} ranks, compute {args.dtype}, AdamW "
-        f"(this run: stage {args.stage}):")
+        f"(this run: stage {args.stage}); held: kept between steps, in-step: only inside a step:")
     say(fzero.format_memory_table(reports))
 
     # The full fp32 parameters, gathered from the shards (a collective: every rank joins).

@@ -30,7 +30,7 @@ from .optim import (
     set_hyperparams,
     sgd,
 )
-from .precision import MixedPrecision
+from .precision import MixedPrecision, native_bf16
 from .pytree import NAMESPACE, tree_map
 from .scaler import ScalerState, init_scaler, scale, static_scaler, unscale_and_check, update_scale
 from .sharding import (
@@ -61,14 +61,23 @@ __version__ = "0.1.0"
 
 # Checkpointing pulls in torch.distributed.checkpoint (slow to import): loaded on first use.
 _CHECKPOINT_API = (
+    "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointMismatchError",
+    "CheckpointNotFoundError",
     "IncompleteCheckpointError",
+    "checkpoint_info",
+    "consolidate_checkpoint",
+    "consolidate_model_state_dict",
+    "consolidate_torch_optim_state_dict",
     "export_model_state_dict",
     "export_torch_optim_state_dict",
     "import_torch_optim_state_dict",
     "load_checkpoint",
+    "read_manifest",
+    "resolve_checkpoint",
     "save_checkpoint",
+    "verify_checkpoint",
 )
 
 
@@ -123,6 +132,7 @@ __all__ = [
     "make_train_step",
     "memory_report",
     "module_loss",
+    "native_bf16",
     "no_weight_decay",
     "no_weight_decay_for",
     "reduce_scatter_grads",

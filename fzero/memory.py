@@ -8,9 +8,27 @@ compute and communication it gives the paper's ``4Ψ + 12Ψ/N`` (stage 1),
 padded layout. ``padding`` says how much of that total is padding (averaged
 over ranks), so ``total - padding`` is the formula on the real parameter count.
 
-Transient buffers are not state and are not counted: fzero's stages 1-2 step
-also holds, during backward, the full local gradients in the compute dtype
-before they are reduced.
+Each kind is split into what the :class:`~fzero.step.TrainState` *holds* between
+steps and what lives only *inside* a step (``held`` and ``transient``; ``by_kind``
+is their sum, the paper's model):
+
+=====  ===========================================  ===========================================
+stage  held between steps                           transient (inside a step only)
+=====  ===========================================  ===========================================
+1      full compute-dtype params; master, moments   full gradient buffer (reduce dtype)
+       shards (``4Ψ + 12Ψ/N`` with Adam, 16-bit)    (``2Ψ``)
+2      full compute-dtype params; master, moments   gradient shard (``2Ψ/N``)
+       shards (``2Ψ + 12Ψ/N``)
+3      master and moment shards only (``12Ψ/N``)    compute-dtype param shard and gradient
+                                                    shard (``4Ψ/N``): the step casts the
+                                                    master on the fly and reduces per link
+=====  ===========================================  ===========================================
+
+Not counted at all (they depend on the model and the batch, not on Ψ alone):
+activations; in stages 1-2 the full local gradients in the compute dtype during
+backward, before they are reduced; in stage 3 the gathered parameters of about
+two links at a time (``GatherTracker`` measures them,
+``benchmarks/bench_zero3_memory.py``).
 
 Imports: ``fzero.layout``, ``fzero.optim``, ``fzero.precision``.
 """
@@ -33,18 +51,33 @@ KINDS = ("params", "grads", "master", "moments")
 
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
-    """Bytes per rank. ``by_kind``: params, grads, master, moments (padded buffers);
-    ``padding``: the part of their sum that is padding, averaged over ranks."""
+    """Bytes per rank. ``by_kind``: params, grads, master, moments (padded buffers), the
+    paper's model; ``held``: the part of each kind the state keeps between steps;
+    ``transient``: the part that exists only inside a step (``held + transient ==
+    by_kind`` for every kind); ``padding``: the part of the total that is padding,
+    averaged over ranks."""
 
     stage: int
     world_size: int
     num_params: int
     by_kind: dict[str, float]
     padding: float
+    held: dict[str, float] = dataclasses.field(default_factory=dict)
+    transient: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> float:
         return sum(self.by_kind.values())
+
+    @property
+    def held_total(self) -> float:
+        """Bytes the training state holds between steps."""
+        return sum(self.held.values())
+
+    @property
+    def transient_total(self) -> float:
+        """Bytes of the paper's model that live only inside a step."""
+        return sum(self.transient.values())
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -66,6 +99,8 @@ def memory_report(
     parameters are full in stages 1-2 and sharded in stage 3; the gradient
     buffer (in ``precision.reduce_dtype``, default the master dtype) is full in
     stage 1 and sharded in stages 2-3; master and moments are always sharded.
+    Held between steps: master and moments, and the parameters in stages 1-2;
+    the rest is transient (see the module doc).
     """
     if stage not in (1, 2, 3):
         raise ValueError(f"memory_report: stage must be 1, 2 or 3, got {stage!r}")
@@ -87,7 +122,15 @@ def memory_report(
         for kind, (itemsize, sharded) in rows.items():
             by_kind[kind] += itemsize * (shard if sharded else full)
             padding += itemsize * (pad / n if sharded else pad)
-    return MemoryReport(stage, n, layout.num_params, by_kind, padding)
+    held = {kind: by_kind[kind] if _held(kind, stage) else 0.0 for kind in KINDS}
+    transient = {kind: by_kind[kind] - held[kind] for kind in KINDS}
+    return MemoryReport(stage, n, layout.num_params, by_kind, padding, held, transient)
+
+
+def _held(kind: str, stage: int) -> bool:
+    """Whether the state keeps ``kind`` between steps: master and moments always; the
+    gathered compute-dtype parameters in stages 1-2 (``TrainState.params``); gradients never."""
+    return kind in ("master", "moments") or (kind == "params" and stage < 3)
 
 
 def zero_paper_bytes(num_params: int, stage: int, world_size: int, k: int = 12) -> float:
@@ -98,11 +141,15 @@ def zero_paper_bytes(num_params: int, stage: int, world_size: int, k: int = 12) 
 
 
 def format_memory_table(reports: list[MemoryReport]) -> str:
-    """A plain-text table of reports (MiB per rank)."""
+    """A plain-text table of reports (MiB per rank): each kind, then what the state holds
+    between steps, what lives only inside a step, and the total (the paper's model)."""
     mib = 2.0**20
-    head = f"{'stage':>5} {'ranks':>5} " + " ".join(f"{k:>9}" for k in KINDS) + f" {'padding':>9} {'total':>9}"
+    head = (f"{'stage':>5} {'ranks':>5} " + " ".join(f"{k:>9}" for k in KINDS)
+            + f" {'padding':>9} {'held':>9} {'in-step':>9} {'total':>9}")
     lines = [head + "   (MiB per rank)"]
     for r in reports:
-        cells = " ".join(f"{r.by_kind[k] / mib:9.3f}" for k in KINDS)
-        lines.append(f"{r.stage:>5} {r.world_size:>5} {cells} {r.padding / mib:9.3f} {r.total / mib:9.3f}")
+        cells = " ".join(f"{r.by_kind[k] / mib:8.3f}{' ' if r.held[k] or not r.by_kind[k] else '*'}" for k in KINDS)
+        lines.append(f"{r.stage:>5} {r.world_size:>5} {cells} {r.padding / mib:9.3f} "
+                     f"{r.held_total / mib:9.3f} {r.transient_total / mib:9.3f} {r.total / mib:9.3f}")
+    lines.append("* only inside a step; held: the training state between steps")
     return "\n".join(lines)

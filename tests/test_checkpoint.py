@@ -407,7 +407,7 @@ def test_crash_between_rename_and_latest(tmp_path, monkeypatch):
     def crash(root: Path, name: str) -> None:
         raise RuntimeError("killed before LATEST was written")
 
-    monkeypatch.setattr(ckpt, "_write_latest", crash)
+    monkeypatch.setattr(ckpt.publish, "_write_latest", crash)
     with pytest.raises(RuntimeError, match="killed before LATEST"):
         save_checkpoint(second, tmp_path, comm, name="b")
     monkeypatch.undo()

@@ -50,3 +50,26 @@ def test_sgd_without_momentum_has_no_moments_and_fp32_defaults():
     assert rep.by_kind["moments"] == 0
     assert rep.by_kind["master"] == 4 * sum(g.shard_numel for g in layout.groups)
     assert rep.by_kind["params"] == 4 * layout.num_padded  # fp32 compute by default
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_held_is_what_the_state_keeps_between_steps(stage, world):
+    """held + transient = the paper's model; held = the bytes of the TrainState's buffers
+    (stage 3: 12 Psi / N, no 16-bit parameters or gradients between steps)."""
+    model = mlp(sizes=(37, 101, 29, 5))
+    comm = fzero.SimulatedWorld(world)
+    chain = fzero.chain_from_sequential(model, torch.nn.functional.mse_loss)
+    state = fzero.init_train_state(model, fzero.adam(), comm, stage=stage, chain=chain, precision=BF16)
+    rep = fzero.memory_report(state.layout, state.opt.optimizer, stage=stage, precision=BF16)
+    for kind in rep.by_kind:
+        assert rep.held[kind] + rep.transient[kind] == rep.by_kind[kind]
+    assert rep.transient["grads"] == rep.by_kind["grads"]  # gradients never outlive a step
+    buffers = [*state.params, *state.shard.master, *(m for ms in state.opt.moments for m in ms)]
+    assert rep.held_total == sum(t.numel() * t.element_size() for t in buffers) / comm.local_ranks
+    padded = state.layout.num_padded
+    expected = {1: 2 * padded + 12 * padded / world, 2: 2 * padded + 12 * padded / world, 3: 12 * padded / world}
+    assert rep.held_total == pytest.approx(expected[stage])
+    assert rep.held_total + rep.transient_total == pytest.approx(fzero.zero_paper_bytes(padded, stage, world))
+    table = fzero.format_memory_table([rep])
+    assert "held" in table and "in-step" in table

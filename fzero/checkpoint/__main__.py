@@ -1,0 +1,76 @@
+"""The command line: a checkpoint without the training job, no process group.
+
+    python -m fzero.checkpoint info PATH
+    python -m fzero.checkpoint verify PATH
+    python -m fzero.checkpoint consolidate PATH OUT.pt [--optim OPTIM.pt]
+
+PATH: a checkpoint root (its ``LATEST`` is used) or one checkpoint directory. Exit
+status 0 on success, 1 when the checkpoint is incomplete, corrupt or not fzero's
+(the message names the directory, the file and the entry), 2 on usage errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Optional
+
+from .errors import CheckpointError
+from .offline import checkpoint_info, consolidate_checkpoint, verify_checkpoint
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def _info(path: str) -> None:
+    info = checkpoint_info(path)
+    print(f"checkpoint  {info['directory']}")
+    print(f"saved at    world size {info['world_size']}, stage {info['stage']}, step {info['step']}")
+    print(f"parameters  {info['num_params']} tensors, {info['num_elements']:,} elements "
+          f"({info['trainable_elements']:,} trainable)")
+    print(f"optimizer   {info['optimizer']}, " + "; ".join(
+        f"group {k}: " + ", ".join(f"{n} {v:g}" for n, v in h.items()) for k, h in enumerate(info["hyperparameters"])))
+    prec = info["precision"]
+    print(f"precision   compute {prec['param_dtype'] or 'parameter dtype'}, reduce {prec['reduce_dtype'] or 'master dtype'}")
+    print("stored      " + ", ".join(f"{k} {_mib(v)}" for k, v in info["bytes_by_kind"].items()))
+    print(f"files       {len(info['files'])}, {_mib(sum(info['files'].values()))}; "
+          f"checksums {'yes' if info['checksums'] else 'no (saved before fzero wrote them)'}")
+    if info["extra"]:
+        print(f"extra       {', '.join(info['extra'])}")
+    width = max(len(p["path"]) for p in info["params"]) if info["params"] else 0
+    for p in info["params"]:
+        group = "frozen" if p["group"] < 0 else f"group {p['group']}"
+        print(f"  {p['path']:<{width}}  {str(list(p['shape'])):<16} {p['dtype']:<15} {group}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fzero.checkpoint", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="world size, stage, step, parameters, sizes").add_argument("path")
+    sub.add_parser("verify", help="check every checksum").add_argument("path")
+    c = sub.add_parser("consolidate", help="write a plain model state dict (torch.save)")
+    c.add_argument("path")
+    c.add_argument("out", help="the model state dict file (e.g. model.pt)")
+    c.add_argument("--optim", metavar="OPTIM.pt", help="also write the torch.optim state dict there")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "info":
+            _info(args.path)
+        elif args.command == "verify":
+            t0 = time.perf_counter()
+            n = verify_checkpoint(args.path)
+            print(f"ok: every checksum of {args.path} matches ({_mib(n)} checked in {time.perf_counter() - t0:.2f} s)")
+        else:
+            out = consolidate_checkpoint(args.path, args.out, optim=args.optim)
+            print(f"wrote {out}" + (f" and {args.optim}" if args.optim else ""))
+    except CheckpointError as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

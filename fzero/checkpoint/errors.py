@@ -1,0 +1,38 @@
+"""The checkpoint errors. All are ``Exception`` subclasses (``ValueError``), so recovery code
+with ``except Exception:`` sees every failure to read a checkpoint; DCP's own
+``CheckpointException`` (a ``BaseException``) is converted where DCP is called
+(:mod:`fzero.checkpoint.planners`).
+
+Imports: nothing of fzero.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "IncompleteCheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointMismatchError",
+    "CheckpointCorruptError",
+]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be read or loaded into the given state."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """The checkpoint is missing its metadata or data (an interrupted save, a damaged copy)."""
+
+
+class CheckpointNotFoundError(IncompleteCheckpointError, FileNotFoundError):
+    """There is no checkpoint at the path (also a ``FileNotFoundError``)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint belongs to another model, optimizer, scaler or precision policy."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """The checkpoint's bytes are damaged: a checksum differs, or a record cannot be decoded.
+    The message names the checkpoint directory, the data file and the entry (parameter)."""

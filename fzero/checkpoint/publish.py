@@ -1,0 +1,138 @@
+"""Atomic publication of a checkpoint directory, and the coordination of ranks around it.
+
+``save_checkpoint(state, root, comm, name=...)`` writes into ``root/.tmp-{name}``;
+after every rank has finished (DCP's final collective, then a barrier) the
+coordinator renames it to ``root/{name}`` and then atomically replaces
+``root/LATEST`` (temporary file, fsync, ``os.replace``). A save killed at any
+point leaves ``LATEST`` naming the previous, complete checkpoint.
+
+Imports: :mod:`fzero.comm`, :mod:`fzero.dist`, :mod:`fzero.checkpoint.errors`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from ..comm import Communicator, CountingCommunicator
+from ..dist import TorchCommunicator
+from .errors import IncompleteCheckpointError
+
+LATEST = "LATEST"
+_TMP_PREFIX = ".tmp-"
+_OLD_PREFIX = ".old-"
+
+def _process_group(comm: Communicator) -> Optional[dist.ProcessGroup]:
+    """The process group of ``comm``; None when one process holds every rank (the simulated world)."""
+    inner = comm
+    while isinstance(inner, CountingCommunicator):
+        inner = inner.inner
+    if isinstance(inner, TorchCommunicator):
+        return inner.group
+    if comm.local_ranks == comm.world_size:
+        return None
+    raise TypeError(
+        f"checkpoints need a communicator that holds every rank in one process or a "
+        f"TorchCommunicator; got {comm!r}"
+    )
+
+
+def _is_coordinator(pg: Optional[dist.ProcessGroup]) -> bool:
+    return pg is None or dist.get_rank(pg) == 0
+
+
+def _on_coordinator(pg: Optional[dist.ProcessGroup], what: str, fn: Callable[[], None]) -> None:
+    """Run ``fn`` on the coordinator (rank 0 of ``pg``); every rank returns after it, or raises
+    if it failed. Collective: one ``broadcast_object_list`` of the outcome (none in one process)."""
+    error: Optional[BaseException] = None
+    if _is_coordinator(pg):
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - every rank must learn of it, then it is re-raised
+            error = e
+    if pg is not None:
+        box = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(box, group_src=0, group=pg)
+        if error is None and box[0] is not None:
+            raise RuntimeError(f"{what} failed on the coordinator rank: {box[0]}")
+    if error is not None:
+        raise error
+
+
+def _check_name(name: str) -> None:
+    if (
+        not isinstance(name, str) or not name or name != os.path.basename(name)
+        or name.startswith(".") or name == LATEST
+    ):
+        raise ValueError(
+            f"checkpoint name must be a plain directory name (no '/', not starting with '.', "
+            f"not {LATEST!r}), got {name!r}"
+        )
+
+
+def _read_latest(root: Path) -> Optional[str]:
+    try:
+        name = (root / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+    try:
+        _check_name(name)
+    except ValueError:
+        raise IncompleteCheckpointError(f"{root / LATEST} holds {name!r}: not a checkpoint name") from None
+    return name
+
+
+def _fsync_dir(path: Path) -> None:
+    # A rename is durable only once its directory is synced.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_latest(root: Path, name: str) -> None:
+    """Point ``root/LATEST`` at ``name`` atomically: temporary file, fsync, ``os.replace``."""
+    tmp = root / f".{LATEST}.{uuid.uuid4().hex}"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    _fsync_dir(root)
+
+
+def _prepare_tmp(root: Path, tmp: Path) -> None:
+    """A fresh empty ``tmp``; leftovers of interrupted saves in ``root`` are removed
+    (a root belongs to one run: one save at a time)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith((_TMP_PREFIX, _OLD_PREFIX)):
+            shutil.rmtree(p)
+        elif p.is_file() and p.name.startswith(f".{LATEST}."):
+            p.unlink()
+    tmp.mkdir()
+
+
+def _publish(root: Path, tmp: Path, name: str) -> None:
+    """Rename the finished ``tmp`` to ``root/name``, then point ``LATEST`` at it.
+
+    A stale directory of that name (not the one ``LATEST`` names: that was
+    refused earlier) is moved aside first and removed last.
+    """
+    _fsync_dir(tmp)
+    final = root / name
+    aside = None
+    if final.exists():
+        aside = root / f"{_OLD_PREFIX}{name}-{uuid.uuid4().hex}"
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _write_latest(root, name)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)

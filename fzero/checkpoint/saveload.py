@@ -1,0 +1,316 @@
+"""Saving and loading a :class:`~fzero.step.TrainState`: the state as a flat DCP state dict.
+
+Keys: ``fzero/master/{path}`` and ``fzero/{moment}/{path}`` (each trainable parameter's
+master and moments as a logical 1-D tensor of its ``numel``; each rank writes the pieces
+inside the flat range it owns, never padding); the replicated tensors listed by
+:func:`_replicated` (step, hyperparameters, scaler leaves, frozen parameters), written
+once; ``extra/...`` (the caller's); ``fzero/manifest``.
+
+Imports: :mod:`fzero.step` and below, the other modules of this package.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from ..comm import Communicator
+from ..pytree import replace
+from ..sharding import check_world, gather_flat_params
+from ..step import TrainState, consume, ensure_live
+from .errors import CheckpointMismatchError
+from .manifest import (
+    MANIFEST_KEY,
+    PathLike,
+    _check_entries,
+    _manifest,
+    _manifest_difference,
+    _read_manifest,
+    checked_metadata,
+)
+from .planners import _param_pieces, _Pieces, dcp_load, dcp_save
+from .publish import (
+    _TMP_PREFIX,
+    LATEST,
+    _check_name,
+    _on_coordinator,
+    _prepare_tmp,
+    _process_group,
+    _publish,
+    _read_latest,
+)
+
+EXTRA_PREFIX = "extra/"
+HYPERPARAMS = ("checkpoint", "template")
+_HYPER_PREFIX = "fzero/hyper/"
+
+
+def _sharded(state: TrainState, comm: Communicator, master: Sequence[torch.Tensor],
+             moments: Sequence[Sequence[torch.Tensor]]) -> dict[str, _Pieces]:
+    """``fzero/master/{path}`` and ``fzero/{moment}/{path}`` for every trainable parameter."""
+    lay, names = state.layout, state.opt.optimizer.moment_names
+    sd = {f"fzero/master/{p}": v for p, v in _param_pieces(lay, master, comm.ranks).items()}
+    for j, name in enumerate(names):
+        rows = [ms[j] for ms in moments]
+        sd.update({f"fzero/{name}/{p}": v for p, v in _param_pieces(lay, rows, comm.ranks).items()})
+    return sd
+
+
+def _flatten_extra(extra: Mapping[str, Any], prefix: str = EXTRA_PREFIX) -> dict[str, Any]:
+    """``{"extra/a/b": leaf}`` for a nested dict; checks that ``torch.load(weights_only=True)``
+    will read every non-tensor value back (primitives and lists/tuples/dicts of them)."""
+    out: dict[str, Any] = {}
+    for k, v in extra.items():
+        if not isinstance(k, str) or not k or "/" in k:
+            raise ValueError(f"extra: keys must be non-empty strings without '/', got {k!r} under {prefix!r}")
+        key = prefix + k
+        if isinstance(v, Mapping) and v:
+            out.update(_flatten_extra(v, key + "/"))
+        else:
+            _check_loadable(key, v)
+            out[key] = v.detach() if isinstance(v, torch.Tensor) else v
+    return out
+
+
+_PRIMITIVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def _check_loadable(key: str, v: Any) -> None:
+    if isinstance(v, (torch.Tensor, *_PRIMITIVES)):
+        return
+    if isinstance(v, (list, tuple)):
+        for i, x in enumerate(v):
+            _check_loadable(f"{key}[{i}]", x)
+        return
+    if isinstance(v, dict):
+        for k, x in v.items():
+            _check_loadable(f"{key}[{k!r}]", k)
+            _check_loadable(f"{key}[{k!r}]", x)
+        return
+    raise TypeError(
+        f"{key}: {type(v).__name__} cannot be checkpointed; extra values must be tensors, python "
+        "scalars/strings/None, or lists/tuples/dicts of them (store other objects' state, e.g. "
+        "numpy arrays as tensors)"
+    )
+
+
+def _unflatten_extra(flat: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in sorted(flat):
+        parts = key[len(EXTRA_PREFIX):].split("/")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = flat[key]
+    return out
+
+
+def _save_state_dict(
+    state: TrainState, comm: Communicator, extra: Optional[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """The flat DCP state dict of ``state``: views of its tensors, no copy."""
+    sd: dict[str, Any] = {MANIFEST_KEY: json.dumps(_manifest(state, comm), sort_keys=True)}
+    sd.update(_sharded(state, comm, state.shard.master, state.opt.moments))
+    sd.update(_replicated(state))
+    if extra:
+        sd.update(_flatten_extra(extra))
+    return sd
+
+
+def _replicated(state: TrainState) -> dict[str, torch.Tensor]:
+    """Tensors every rank holds whole: step, hyperparameters, scaler leaves, frozen parameters.
+
+    The one list of replicated entries: saving writes them, loading reads into tensors
+    shaped like them. A new replicated leaf of the state is one line here and one in
+    :func:`_assemble`, which puts the loaded values back."""
+    sd = {"fzero/step": state.opt.step}
+    for k, h in enumerate(state.opt.hyper):
+        for name, v in h.items():
+            sd[f"{_HYPER_PREFIX}{k}/{name}"] = v
+    sc = state.scaler
+    sd.update({
+        "fzero/scaler/scale": sc.scale,
+        "fzero/scaler/growth_tracker": sc.growth_tracker,
+        "fzero/scaler/hysteresis_left": sc.hysteresis_left,
+    })
+    for s, f in zip(state.layout.frozen_slots, state.shard.frozen):
+        sd[f"fzero/frozen/{s.path}"] = f
+    return sd
+
+
+def save_checkpoint(
+    state: TrainState,
+    root: PathLike,
+    comm: Communicator,
+    *,
+    name: Optional[str] = None,
+    extra: Optional[Mapping[str, Any]] = None,
+) -> Path:
+    """Save ``state`` (and ``extra``) as ``root/name`` and point ``root/LATEST`` at it.
+
+    Every rank calls it. Each rank writes only what its own shards hold of each
+    parameter's master and moments (never padding); replicated tensors (step,
+    hyperparameters, scaler, frozen parameters, ``extra``) are written once, by
+    one rank. Nothing is gathered.
+    ``name`` defaults to ``step-{opt.step:08d}``. ``extra``: a nested dict (string
+    keys without ``/``) of tensors, python scalars, strings, None and lists/tuples/
+    dicts of them; it is taken as replicated: give per-rank values distinct keys.
+
+    Every record gets a CRC-32, checked when it is read (see :mod:`.checksums`).
+    Atomic: the checkpoint is written to ``root/.tmp-{name}`` and renamed once every
+    rank has finished, then ``LATEST`` is replaced atomically; until then the
+    previous checkpoint stays the latest and intact. Saving over the checkpoint
+    ``LATEST`` names is refused (``FileExistsError``): it could not stay intact.
+
+    Collectives (on a process group): DCP's save (a gather and scatter of plans,
+    a gather of write results), one barrier, and two ``broadcast_object_list``
+    of the coordinator's outcome. Returns the checkpoint's directory.
+    """
+    ensure_live(state)
+    check_world(state.shard, comm)
+    pg = _process_group(comm)
+    root = Path(root)
+    if name is None:
+        name = f"step-{int(state.opt.step):08d}"
+    _check_name(name)
+    # Every rank decides alike (same files), before any collective: no rank is left waiting.
+    if _read_latest(root) == name:
+        raise FileExistsError(
+            f"{root / name} is the latest checkpoint ({root / LATEST}); saving over it would leave "
+            "no complete checkpoint while it is rewritten: choose another name"
+        )
+    tmp = root / f"{_TMP_PREFIX}{name}"
+    state_dict = _save_state_dict(state, comm, extra)
+    _on_coordinator(pg, "preparing the checkpoint directory", lambda: _prepare_tmp(root, tmp))
+    dcp_save(state_dict, tmp, pg)
+    if pg is not None:
+        dist.barrier(group=pg)  # every rank's files are complete before the rename
+    _on_coordinator(pg, "publishing the checkpoint", lambda: _publish(root, tmp, name))
+    return root / name
+
+
+def _destination(t: torch.Tensor, donate: bool) -> torch.Tensor:
+    """Where a sharded buffer is loaded: the template's own (donated) or a fresh one; zeros
+    either way, since the padding the new layout adds must be zero (update rules keep it so)."""
+    return t.zero_() if donate else torch.zeros_like(t)
+
+
+def load_checkpoint(
+    path: PathLike,
+    template: TrainState,
+    comm: Communicator,
+    *,
+    hyperparams: str = "checkpoint",
+    donate: bool = False,
+) -> tuple[TrainState, dict[str, Any]]:
+    """Load a checkpoint into a state shaped like ``template``; returns ``(state, extra)``.
+
+    ``path``: a root written by :func:`save_checkpoint` (its ``LATEST`` is loaded) or
+    one checkpoint directory. ``template``: built for *this* world with
+    :func:`fzero.init_train_state` (same model, optimizer, scaler configuration and
+    precision as the saved run; any world size and alignment). Each rank reads only
+    the slices its new shards own; padding is zero. ``params`` is rebuilt (one
+    ``all_gather`` per flat group), or kept empty if the template's is empty (ZeRO stage 3).
+
+    ``hyperparams``: ``"checkpoint"`` (default, as ``torch.optim``'s ``load_state_dict``)
+    restores the saved hyperparameters (learning rate, betas, weight decay...);
+    ``"template"`` keeps the template's, e.g. to fine-tune with a new learning rate.
+    Schedules set hyperparameters from the step count either way.
+
+    ``donate``: False (default) leaves the template untouched, and loading holds the
+    template's buffers and the loaded ones at once (twice the state). True loads into
+    the template's own master and moment buffers and frees its gathered parameters
+    before regathering, so the peak is one state plus one saved chunk; the template is
+    then consumed (fzero functions given it raise ``ValueError``), as a donated state is.
+
+    Checks first, on every rank alike: :class:`IncompleteCheckpointError` if
+    ``.metadata`` or a data file is missing or truncated; :class:`CheckpointMismatchError`
+    naming the first difference for another model/optimizer/scaler/precision. While
+    reading, every record's checksum: :class:`CheckpointCorruptError` naming the entry
+    and the data file. Every failure is a :class:`CheckpointError` (an ``Exception``).
+    Collectives: DCP's load (plans scatter, a final gather), then the gathers.
+    """
+    if hyperparams not in HYPERPARAMS:
+        raise ValueError(f"load_checkpoint: hyperparams must be one of {HYPERPARAMS}, got {hyperparams!r}")
+    ensure_live(template)
+    check_world(template.shard, comm)
+    pg = _process_group(comm)
+    d, metadata = _validated(path, template, comm)
+    replicated = {k: torch.empty_like(v) for k, v in _replicated(template).items()}
+    if hyperparams == "template":
+        replicated = {k: v for k, v in replicated.items() if not k.startswith(_HYPER_PREFIX)}
+    shapes = _sharded(template, comm, template.shard.master, template.opt.moments)
+    _check_entries(d, metadata, {**shapes, **replicated})
+    masters = tuple(_destination(m, donate) for m in template.shard.master)
+    moments = tuple(tuple(_destination(m, donate) for m in ms) for ms in template.opt.moments)
+    sd: dict[str, Any] = {**_sharded(template, comm, masters, moments), **replicated}
+    extra = _extra_destinations(metadata)
+    sd.update(extra)
+    dcp_load(sd, d, pg)  # raises CheckpointError naming the entry and file
+    if hyperparams == "template":
+        replicated.update({k: v.clone() for k, v in _replicated(template).items() if k.startswith(_HYPER_PREFIX)})
+    if donate:
+        for p in template.params:
+            p.set_()  # derived data, regathered below: freed before the gather allocates
+    state = _assemble(template, comm, masters, moments, replicated)
+    if donate:
+        state = consume(template, state)
+    return state, _unflatten_extra({k: sd[k] for k in extra})
+
+
+def _validated(path: PathLike, template: TrainState, comm: Communicator) -> tuple[Path, Metadata]:
+    """The checkpoint directory and its DCP metadata, once complete and matching ``template``."""
+    d, metadata = checked_metadata(path)
+    diff = _manifest_difference(_read_manifest(d, metadata), _manifest(template, comm))
+    if diff is not None:
+        raise CheckpointMismatchError(
+            f"checkpoint {d} does not match this training state: {diff} (checkpoint vs this state)"
+        )
+    return d, metadata
+
+
+def _extra_destinations(metadata: Metadata) -> dict[str, Any]:
+    """Where the caller's entries are read to: a tensor of the saved size and dtype, or
+    a placeholder that DCP replaces by the unpickled object."""
+    out: dict[str, Any] = {}
+    for k, md in sorted(metadata.state_dict_metadata.items()):
+        if k.startswith(EXTRA_PREFIX):
+            is_tensor = isinstance(md, TensorStorageMetadata)
+            out[k] = torch.empty(md.size, dtype=md.properties.dtype) if is_tensor else None
+    return out
+
+
+def _assemble(
+    template: TrainState,
+    comm: Communicator,
+    masters: tuple[torch.Tensor, ...],
+    moments: tuple[tuple[torch.Tensor, ...], ...],
+    replicated: Mapping[str, torch.Tensor],
+) -> TrainState:
+    """``template`` with the loaded leaves, and ``params`` regathered (one ``all_gather``
+    per flat group) unless the template keeps none (stage 3)."""
+    lay, opt = template.layout, template.opt
+    hyper = tuple(
+        {name: replicated[f"fzero/hyper/{k}/{name}"] for name in h} for k, h in enumerate(opt.hyper)
+    )
+    frozen = tuple(replicated[f"fzero/frozen/{s.path}"] for s in lay.frozen_slots)
+    shard = replace(template.shard, master=masters, frozen=frozen)
+    scaler = replace(
+        template.scaler,
+        scale=replicated["fzero/scaler/scale"],
+        growth_tracker=replicated["fzero/scaler/growth_tracker"],
+        hysteresis_left=replicated["fzero/scaler/hysteresis_left"],
+    )
+    params = gather_flat_params(shard, comm, template.precision.param_dtype) if len(template.params) else ()
+    return replace(
+        template,
+        shard=shard,
+        opt=replace(opt, step=replicated["fzero/step"], hyper=hyper, moments=moments),
+        scaler=scaler,
+        params=params,
+    )
