@@ -78,6 +78,7 @@ _CHECKPOINT_API = (
     "resolve_checkpoint",
     "save_checkpoint",
     "verify_checkpoint",
+    "write_back",
 )
 
 

@@ -41,10 +41,16 @@ from .offline import (
     verify_checkpoint,
 )
 from .saveload import load_checkpoint, save_checkpoint
-from .torch_optim import export_model_state_dict, export_torch_optim_state_dict, import_torch_optim_state_dict
+from .torch_optim import (
+    export_model_state_dict,
+    export_torch_optim_state_dict,
+    import_torch_optim_state_dict,
+    write_back,
+)
 from . import publish  # noqa: F401 - tests patch its functions
 
 __all__ = [
+    "write_back",
     "CheckpointError",
     "IncompleteCheckpointError",
     "CheckpointNotFoundError",

@@ -79,6 +79,16 @@ def _manifest(state: TrainState, comm: Communicator) -> dict[str, Any]:
             "param_dtype": _dtype_name(prec.param_dtype),
             "reduce_dtype": _dtype_name(prec.reduce_dtype),
         },
+        # the module's persistent buffers (rank 0's are saved) and how to rebuild its
+        # state_dict (tied names, key order): what the offline tools need
+        "module": {
+            "buffers": [
+                [n, list(b.shape[1:]), str(b.dtype)]
+                for n, b, keep in zip(state.module.buffers, state.buffers, state.module.persistent) if keep
+            ],
+            "aliases": [list(a) for a in state.module.aliases],
+            "state_dict_keys": list(state.module.state_dict_keys),
+        },
         "structure": str(lay.spec),
         "saved_world_size": comm.world_size,
         # Stage 3 keeps no gathered parameters between steps; stages 1 and 2 hold the same state.
@@ -115,6 +125,12 @@ def _manifest_difference(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> O
     diff = _params_difference(saved["params"], mine["params"])
     if diff is not None:
         return f"model: {diff}"
+    theirs = {b[0]: b for b in saved.get("module", {}).get("buffers", [])}
+    for b in mine["module"]["buffers"]:
+        if b[0] not in theirs:
+            return f"model: buffer {b[0]!r} is not in the checkpoint"
+        if theirs[b[0]] != b:
+            return f"model: buffer {b[0]!r}: {theirs[b[0]][1:]} vs {b[1:]}"
     for section in ("optimizer", "scaler", "precision"):
         for key, value in mine[section].items():  # in _manifest's order: kind before details
             if saved[section].get(key) != value:

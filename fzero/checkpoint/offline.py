@@ -23,7 +23,9 @@ from .checksums import CHECKSUMS_FILE, verify_checkpoint_dir
 from .errors import IncompleteCheckpointError
 from .manifest import PathLike, _read_manifest, checked_metadata
 from .planners import dcp_load
-from .torch_optim import torch_optim_dict, torch_order
+from ..module import ModuleSpec
+from .saveload import BUFFER_PREFIX
+from .torch_optim import module_state_dict, torch_optim_dict, torch_order
 
 __all__ = ["checkpoint_info", "consolidate_model_state_dict", "consolidate_torch_optim_state_dict",
            "consolidate_checkpoint", "verify_checkpoint"]
@@ -115,14 +117,25 @@ def consolidate_model_state_dict(path: PathLike) -> dict[str, torch.Tensor]:
 
 def _model(d: Path, metadata: Metadata, man: dict[str, Any]) -> dict[str, torch.Tensor]:
     params = man["params"]
+    module = man.get("module", {})
+    buffers = module.get("buffers", [])
     keys = [f"fzero/master/{p}" if g >= 0 else f"fzero/frozen/{p}" for p, shape, _, g in params if _numel(shape)]
+    keys += [f"{BUFFER_PREFIX}{n}" for n, shape, _ in buffers if _numel(shape)]
     flat = _read(d, metadata, keys)
     out: dict[str, torch.Tensor] = {}
     for p, shape, dtype, g in params:
         key = f"fzero/master/{p}" if g >= 0 else f"fzero/frozen/{p}"
         t = flat.pop(key) if _numel(shape) else torch.empty(0, dtype=_dtype(dtype))
         out[p] = t.reshape(shape).to(_dtype(dtype))  # the master freed as each parameter is cast
-    return out
+    bufs = {}
+    for n, shape, dtype in buffers:
+        key = f"{BUFFER_PREFIX}{n}"
+        bufs[n] = flat.pop(key).reshape(shape) if _numel(shape) else torch.empty(shape, dtype=_dtype(dtype))
+    spec = ModuleSpec(
+        aliases=tuple(tuple(a) for a in module.get("aliases", [])),
+        state_dict_keys=tuple(module.get("state_dict_keys", [])),
+    )
+    return module_state_dict(out, bufs, spec)
 
 
 def consolidate_torch_optim_state_dict(path: PathLike) -> dict[str, Any]:

@@ -122,6 +122,15 @@ def _save_state_dict(
     return sd
 
 
+BUFFER_PREFIX = "fzero/buffer/"
+
+
+def persistent_buffers(state: TrainState) -> list[tuple[str, torch.Tensor]]:
+    """``[(name, [R, ...])]``: the module buffers a ``state_dict`` holds (rank rows)."""
+    spec = state.module
+    return [(n, b) for n, b, keep in zip(spec.buffers, state.buffers, spec.persistent) if keep]
+
+
 def _replicated(state: TrainState) -> dict[str, torch.Tensor]:
     """Tensors every rank holds whole: step, hyperparameters, scaler leaves, frozen parameters.
 
@@ -140,6 +149,8 @@ def _replicated(state: TrainState) -> dict[str, torch.Tensor]:
     })
     for s, f in zip(state.layout.frozen_slots, state.shard.frozen):
         sd[f"fzero/frozen/{s.path}"] = f
+    for name, b in persistent_buffers(state):
+        sd[f"{BUFFER_PREFIX}{name}"] = b[0]  # rank 0's (DCP writes a replicated key once)
     return sd
 
 
@@ -307,10 +318,16 @@ def _assemble(
         hysteresis_left=replicated["fzero/scaler/hysteresis_left"],
     )
     params = gather_flat_params(shard, comm, template.precision.param_dtype) if len(template.params) else ()
+    saved = dict(persistent_buffers(template))
+    buffers = tuple(
+        replicated[f"{BUFFER_PREFIX}{n}"].unsqueeze(0).expand_as(b).clone() if n in saved else b
+        for n, b in zip(template.module.buffers, template.buffers)
+    )
     return replace(
         template,
         shard=shard,
         opt=replace(opt, step=replicated["fzero/step"], hyper=hyper, moments=moments),
         scaler=scaler,
         params=params,
+        buffers=buffers,
     )

@@ -20,6 +20,7 @@ from ..layout import Layout, flat_shard, group_views
 from ..optim import Optimizer
 from ..pytree import replace
 from ..sharding import check_world, gather_flat_params
+from ..module import ModuleSpec
 from ..step import TrainState, ensure_live
 from .errors import CheckpointMismatchError
 
@@ -80,13 +81,16 @@ def _torch_param_group(optimizer: Any, hyper: Mapping[str, torch.Tensor]) -> dic
 
 
 def export_model_state_dict(state: TrainState, comm: Communicator) -> dict[str, torch.Tensor]:
-    """The full parameters ``{path: tensor}`` in tree order, as ``module.state_dict()``
-    holds them (parameters only; a module's buffers are not part of fzero's state).
+    """``module.state_dict()`` of the trained model: what ``load_state_dict(strict=True)`` takes.
 
-    Values are the fp32 master's, cast to each parameter's own dtype and shape;
-    frozen parameters are copied. Collectives: one ``all_gather`` per flat group,
-    one at a time; every exported trainable tensor is a view of its group's
-    gathered buffer, so at most one full copy of the parameters exists.
+    Parameters: the fp32 master's values cast to each parameter's own dtype and
+    shape; frozen parameters copied. For a module: its persistent buffers (rank
+    0's, as DDP's checkpoints hold them), every tied name (GPT-2's
+    ``lm_head.weight``, the same tensor as ``transformer.wte.weight``, as torch
+    has it), in the module's ``state_dict`` order. Collectives: one
+    ``all_gather`` per flat group, one at a time; every exported trainable
+    tensor is a view of its group's gathered buffer, so at most one full copy of
+    the parameters exists.
     """
     ensure_live(state)
     check_world(state.shard, comm)
@@ -98,7 +102,40 @@ def export_model_state_dict(state: TrainState, comm: Communicator) -> dict[str, 
             out[lay.slots[i].path] = v.to(lay.slots[i].dtype)
     for s, f in zip(lay.frozen_slots, state.shard.frozen):
         out[s.path] = f.detach().clone()
-    return {s.path: out[s.path] for s in lay.slots}
+    spec = state.module
+    buffers = {n: b[0].clone() for n, b, keep in zip(spec.buffers, state.buffers, spec.persistent) if keep}
+    return module_state_dict({s.path: out[s.path] for s in lay.slots}, buffers, spec)
+
+
+def module_state_dict(
+    params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], spec: ModuleSpec
+) -> dict[str, torch.Tensor]:
+    """Parameters and buffers by canonical name, completed with tied names and put in
+    the module's ``state_dict`` order (tree order for a pytree, whose spec is empty)."""
+    out = {**params, **buffers}
+    for alias, canonical in spec.aliases:
+        if canonical in out:
+            out[alias] = out[canonical]
+    if not spec.state_dict_keys:
+        return out
+    return {k: out[k] for k in spec.state_dict_keys if k in out}
+
+
+def write_back(state: TrainState, comm: Communicator, module: torch.nn.Module) -> torch.nn.Module:
+    """Copy the trained parameters and buffers (rank 0's) into ``module`` in place.
+
+    ``module`` is the model the state was built from (or one of the same
+    architecture): ``load_state_dict(strict=True)`` of :func:`export_model_state_dict`,
+    then the non-persistent buffers, which a ``state_dict`` leaves out.
+    Collectives: those of :func:`export_model_state_dict`. Returns ``module``.
+    """
+    module.load_state_dict(export_model_state_dict(state, comm), strict=True)
+    named = dict(module.named_buffers())
+    with torch.no_grad():
+        for n, b, keep in zip(state.module.buffers, state.buffers, state.module.persistent):
+            if not keep and n in named:
+                named[n].copy_(b[0])
+    return module
 
 
 def export_torch_optim_state_dict(state: TrainState, comm: Communicator) -> dict[str, Any]:
