@@ -426,7 +426,14 @@ def make_train_step(
             )
         return finish_step(state, acc, loss_sum, comm, clip_norm=clip_norm, donate=donate)
 
-    core: StepFn = compiled_step(step, comm.local_ranks * accum_steps) if compile else step
+    core: StepFn = step
+    if compile:
+        compiled = compiled_step(step, comm.local_ranks * accum_steps)
+
+        def core(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+            # before the graph: a bad shape raises our error, not a recompile that fails inside
+            check_batch(batch, comm.local_ranks, accum_steps)
+            return compiled(state, batch)
     if check_replicas_every:
         core = with_replica_check(core, comm, check_replicas_every, mode=replica_check)
     if not donate:
