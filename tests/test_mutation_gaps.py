@@ -173,3 +173,137 @@ def test_no_weight_decay_for_module_types():
     assert pred("0.bias") and pred("1.weight") and pred("1.bias") and pred("3.weight") and pred("4.weight")
     assert pred("5.weight")
     assert not pred("0.weight") and not pred("2.weight")
+
+
+# --------------------------------------------------------------------------------------
+# fzero/sharding.py: the public pieces, directly (the steps use them; these pin each one)
+# --------------------------------------------------------------------------------------
+def _tree_params():
+    g = torch.Generator().manual_seed(3)
+    return {
+        "a": torch.randn(3, 2, generator=g),
+        "b": torch.randn(5, generator=g, dtype=torch.float64),
+        "f": torch.randn(2, generator=g),  # frozen
+        "c": torch.randn(4, generator=g),
+    }
+
+
+TRAINABLE = {"a": True, "b": True, "f": False, "c": True}.__getitem__
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+def test_gather_and_merge_round_trip(W):
+    from fzero.sharding import merge_params, trainable_views
+
+    params = _tree_params()
+    comm = fzero.SimulatedWorld(W)
+    shard = fzero.init_shard(params, comm, trainable=TRAINABLE, alignment=2)
+    assert len(shard.frozen) == 1 and torch.equal(shard.frozen[0], params["f"])
+    flats = fzero.gather_flat_params(shard, comm)
+    assert [f.dtype for f in flats] == [g.dtype for g in shard.layout.groups]
+    assert all(f.shape == (W, g.padded_numel) for f, g in zip(flats, shard.layout.groups))
+    half = fzero.gather_flat_params(shard, comm, torch.bfloat16)
+    assert all(h.dtype == torch.bfloat16 and torch.equal(h, f.to(torch.bfloat16)) for h, f in zip(half, flats))
+    for row in range(W):
+        views = trainable_views(shard.layout, flats, row)
+        assert sorted(views) == ["a", "b", "c"]
+        for k, v in views.items():
+            assert torch.equal(v, params[k])
+            assert v.untyped_storage().data_ptr() == flats[shard.layout.slots[shard.layout.paths.index(k)].group][
+                row].untyped_storage().data_ptr()
+        tree = merge_params(shard.layout, views, shard.frozen, torch.float64)
+        assert list(tree) == ["a", "b", "f", "c"]
+        assert tree["f"].dtype == torch.float64 and torch.equal(tree["f"], params["f"].double())
+        assert merge_params(shard.layout, views, shard.frozen)["f"].dtype == torch.float32
+    full = fzero.all_gather_params(shard, comm, dtype=torch.float64)
+    for k, v in params.items():
+        assert full[k].shape == (W, *v.shape) and full[k].dtype == torch.float64
+        assert torch.equal(full[k], v.double().expand(W, *v.shape))
+
+
+def test_stack_rows():
+    from fzero.sharding import stack_rows
+
+    x = torch.arange(4.0)
+    one = stack_rows([x])
+    assert one.shape == (1, 4) and one.data_ptr() == x.data_ptr()  # a view on a real rank
+    two = stack_rows([x, x + 1])
+    assert two.shape == (2, 4) and torch.equal(two[1], x + 1)
+
+
+def test_local_sq_norm_and_global_norm():
+    from fzero.sharding import local_sq_norm
+
+    g = torch.Generator().manual_seed(0)
+    shards = [torch.randn(3, 5, generator=g), torch.randn(3, 2, generator=g, dtype=torch.float64)]
+    sq = local_sq_norm(shards)
+    assert sq.shape == (3,) and sq.dtype == torch.float64
+    expected = sum(s.double().square().sum(dim=1) for s in shards)
+    torch.testing.assert_close(sq, expected, rtol=1e-6, atol=0)
+    comm = fzero.SimulatedWorld(3)
+    norm = fzero.global_norm(shards, comm)
+    assert norm.shape == () and norm.dtype == torch.float32
+    assert norm.item() == pytest.approx(expected.sum().sqrt().item(), rel=1e-6)
+    # non-finite anywhere, or an fp32 shard norm beyond fp32's range, gives a non-finite norm
+    bad = [shards[0].clone(), shards[1]]
+    bad[0][2, 1] = float("nan")
+    assert not torch.isfinite(local_sq_norm(bad)[2]) and torch.isfinite(local_sq_norm(bad)[:2]).all()
+    huge = [torch.full((1, 2), 3e38)]
+    assert torch.isinf(local_sq_norm(huge)).all()
+    assert torch.isinf(fzero.global_norm(huge, fzero.SimulatedWorld(1)))
+
+
+def test_check_world_errors():
+    from fzero.sharding import check_world
+
+    comm = fzero.SimulatedWorld(2)
+    shard = fzero.init_shard({"w": torch.ones(6)}, comm, alignment=1)
+    check_world(shard, comm)
+    with pytest.raises(ValueError, match="world size is 3"):
+        check_world(shard, fzero.SimulatedWorld(3))
+    consumed = replace(shard, master=(torch.empty(0),))
+    with pytest.raises(ValueError, match="donated"):
+        check_world(consumed, comm)
+    wrong = replace(shard, master=(torch.ones(2, 4),))
+    with pytest.raises(ValueError, match=r"has shape \(2, 4\), expected \(2, 3\)"):
+        check_world(wrong, comm)
+    # the public functions check first
+    with pytest.raises(ValueError, match="donated"):
+        fzero.reduce_scatter_grads(consumed, {"w": torch.ones(2, 6)}, comm)
+    with pytest.raises(ValueError, match="donated"):
+        fzero.gather_flat_params(consumed, comm)
+
+
+def test_reduce_scatter_grads_dtypes_and_mean():
+    comm = fzero.SimulatedWorld(2)
+    shard = fzero.init_shard({"w": torch.zeros(5)}, comm, alignment=1)
+    grads = {"w": torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0], [3.0, 2.0, 1.0, 0.0, -1.0]])}
+    for via in (False, True):
+        (out,) = fzero.reduce_scatter_grads(shard, grads, comm, via_all_reduce=via)
+        assert out.dtype == torch.float32 and out.shape == (2, 3)
+        assert out.tolist() == [[2.0, 2.0, 2.0], [2.0, 2.0, 0.0]]
+        (lo,) = fzero.reduce_scatter_grads(shard, grads, comm, reduce_dtype=torch.bfloat16, via_all_reduce=via)
+        assert lo.dtype == torch.float32 and lo.tolist() == [[2.0, 2.0, 2.0], [2.0, 2.0, 0.0]]
+        (hi,) = fzero.reduce_scatter_grads(shard, grads, comm, reduce_dtype=torch.float64, via_all_reduce=via)
+        assert hi.dtype == torch.float32 and hi.tolist() == [[2.0, 2.0, 2.0], [2.0, 2.0, 0.0]]
+
+
+def test_shard_step_checks_and_step_count():
+    comm = fzero.SimulatedWorld(2)
+    opt = fzero.sgd(lr=0.5)
+    shard = fzero.init_shard({"w": torch.ones(4)}, comm, optimizer=opt, alignment=1)
+    st = fzero.init_opt_state(opt, shard.master)
+    g = (torch.ones(2, 2),)
+    with pytest.raises(ValueError, match="got 2 gradient shards for 1 flat groups"):
+        fzero.shard_step(shard, st, g + g)
+    with pytest.raises(ValueError, match="another layout"):
+        fzero.shard_step(shard, replace(st, moments=((), ())), g)
+    with pytest.raises(ValueError, match=r"has shape \(2, 3\)"):
+        fzero.shard_step(shard, st, (torch.ones(2, 3),))
+    s1, o1 = fzero.shard_step(shard, st, (torch.ones(2, 2, dtype=torch.float64),))
+    assert s1.master[0].dtype == torch.float32 and torch.equal(s1.master[0], torch.full((2, 2), 0.5))
+    assert int(o1.step) == 1 and int(st.step) == 0 and torch.equal(shard.master[0], torch.ones(2, 2))
+    s2, o2 = fzero.shard_step(s1, o1, g, torch.tensor(1.0))
+    assert int(o2.step) == 1 and torch.equal(s2.master[0], s1.master[0])
+    s3, o3 = fzero.shard_step(s2, o2, g, torch.tensor(0.0), donate=True)
+    assert int(o3.step) == 2 and s3.master[0] is s2.master[0] and torch.equal(s3.master[0], torch.zeros(2, 2))

@@ -55,7 +55,7 @@ TEST_MAP = {
     "fzero/optim.py": ["tests/test_errors.py", "tests/test_mutation_gaps.py", "tests/test_optim_compiled.py"],
     "fzero/layout.py": ["tests/test_errors.py", "tests/test_mutation_gaps.py", "tests/test_layout.py"],
     "fzero/sharding.py": ["tests/test_errors.py", "tests/test_mutation_gaps.py", "tests/test_layout.py",
-                          "tests/test_optim_compiled.py", "tests/test_parity.py"],
+                          "tests/test_optim_compiled.py"],
     "fzero/step.py": ["tests/test_step.py", "tests/test_training_features.py", "tests/test_donation.py"],
 }
 
