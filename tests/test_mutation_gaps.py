@@ -43,6 +43,7 @@ def test_init_scaler_accepts_edges():
     assert s.hysteresis_left.dtype == torch.int32 and int(s.hysteresis_left) == 1
     assert s.dynamic and s.min_scale == 4.0 and s.hysteresis == 1 and s.growth_interval == 1
     assert int(fzero.init_scaler(hysteresis=3).hysteresis_left) == 3
+    assert fzero.init_scaler(1.0, min_scale=2.0**-20).min_scale == 2.0**-20  # a floor below 1 is fine
     d = fzero.init_scaler()
     assert d.scale.item() == 2.0**16 and d.growth_factor == 2.0 and d.backoff_factor == 0.5
     assert d.growth_interval == 2000 and d.min_scale is None and d.hysteresis is None
