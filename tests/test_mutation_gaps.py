@@ -308,3 +308,27 @@ def test_shard_step_checks_and_step_count():
     assert int(o2.step) == 1 and torch.equal(s2.master[0], s1.master[0])
     s3, o3 = fzero.shard_step(s2, o2, g, torch.tensor(0.0), donate=True)
     assert int(o3.step) == 2 and s3.master[0] is s2.master[0] and torch.equal(s3.master[0], torch.zeros(2, 2))
+
+
+def test_unscale_and_check_empty_tree_raises():
+    with pytest.raises(ValueError, match="no tensors"):
+        fzero.unscale_and_check(fzero.init_scaler(2.0), {}, fzero.SimulatedWorld(2))
+
+
+# --------------------------------------------------------------------------------------
+# fzero/layout.py
+# --------------------------------------------------------------------------------------
+def test_describe_rows_and_fingerprint_format():
+    from fzero.layout import build_layout
+
+    lay = build_layout(_tree_params(), 2, trainable=TRAINABLE, alignment=2)
+    head, *rows = lay.describe()
+    assert head[:4] == ("world_size", 2, "alignment", 2)
+    by_path = {r[0]: r for r in rows}
+    assert by_path["f"][3:] == (-1, -1, 0)  # frozen: no flat group, no optimizer group
+    assert by_path["a"][1:] == ((3, 2), "torch.float32", by_path["a"][3], 0, 0) and by_path["a"][3] >= 0
+    assert by_path["b"][2] == "torch.float64"
+    fp = lay.fingerprint
+    assert len(fp) == 32 and int(fp, 16) >= 0
+    assert lay == build_layout(_tree_params(), 2, trainable=TRAINABLE, alignment=2)
+    assert hash(lay) == hash(fp)
