@@ -332,3 +332,15 @@ def test_describe_rows_and_fingerprint_format():
     assert len(fp) == 32 and int(fp, 16) >= 0
     assert lay == build_layout(_tree_params(), 2, trainable=TRAINABLE, alignment=2)
     assert hash(lay) == hash(fp)
+
+
+def test_first_difference_tree_structure_only():
+    from fzero.layout import build_layout
+
+    x, y = torch.ones(2), torch.ones(3)
+    as_list = build_layout([x, y], 1)
+    as_dict = build_layout({"0": x, "1": y}, 1)
+    assert as_list.paths == as_dict.paths
+    assert as_list != as_dict
+    assert as_list.first_difference(as_dict) == "the parameter tree structure differs (same paths, other container types)"
+    assert as_list.first_difference(build_layout([x.clone(), y.clone()], 1)) is None
