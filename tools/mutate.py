@@ -36,6 +36,7 @@ import copy
 import hashlib
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -298,6 +299,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--sample", type=int, default=0, help="run a deterministic sample of N mutants")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default="", help="comma-separated mutant ids")
+    ap.add_argument("--exclude-from", action="append", default=[],
+                    help="an earlier run's output: leave out the mutants it ran (to sample further)")
     ap.add_argument("--timeout", type=float, default=0, help="seconds per mutant (default: 3x baseline + 30)")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments, e.g. \"-m 'not distributed'\"")
@@ -315,12 +318,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{len(mutants)} mutants")
         return 0
     chosen = mutants
+    done: set[str] = set()
+    for path in args.exclude_from:
+        done |= set(re.findall(r"^\[\d+/\d+\] ([0-9a-f]{8}) ", Path(path).read_text(), re.M))
+    if done:
+        chosen = [m for m in mutants if m.key not in done]
     if args.only:
         keys = set(args.only.split(","))
         chosen = [m for m in mutants if m.key in keys]
-    elif args.sample and args.sample < len(mutants):
-        idx = sorted(random.Random(args.seed).sample(range(len(mutants)), args.sample))
-        chosen = [mutants[i] for i in idx]
+    if args.sample and args.sample < len(chosen) and not args.only:
+        idx = sorted(random.Random(args.seed).sample(range(len(chosen)), args.sample))
+        chosen = [chosen[i] for i in idx]
     tests = args.tests or TEST_MAP.get(module)
     if not tests:
         ap.error(f"no test files mapped for {module}; pass --tests")
