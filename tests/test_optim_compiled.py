@@ -90,12 +90,14 @@ def _both_steps(shard, opt_state, grads, found_inf):
 
 @pytest.fixture(scope="module")
 def compiled_both():
-    limit = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = 64  # one graph per static flag set
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+    limit = getattr(cfg, name)
+    setattr(cfg, name, 64)  # one graph per static flag set
     try:
         yield torch.compile(_both_steps, fullgraph=True)
     finally:
-        torch._dynamo.config.recompile_limit = limit
+        setattr(cfg, name, limit)
 
 
 def _run_fzero(opt, step_fn, found_inf_none=False):
