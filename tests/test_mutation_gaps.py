@@ -328,6 +328,10 @@ def test_describe_rows_and_fingerprint_format():
     assert by_path["f"][3:] == (-1, -1, 0)  # frozen: no flat group, no optimizer group
     assert by_path["a"][1:] == ((3, 2), "torch.float32", by_path["a"][3], 0, 0) and by_path["a"][3] >= 0
     assert by_path["b"][2] == "torch.float64"
+    assert [s.path for s in lay.trainable_slots] == ["a", "b", "c"]
+    assert [s.path for s in lay.frozen_slots] == ["f"]
+    assert lay.num_params == 6 + 5 + 4
+    assert lay.num_padded == sum(g.padded_numel for g in lay.groups) and lay.num_padded >= lay.num_params
     fp = lay.fingerprint
     assert len(fp) == 32 and int(fp, 16) >= 0
     assert lay == build_layout(_tree_params(), 2, trainable=TRAINABLE, alignment=2)
