@@ -285,6 +285,11 @@ def test_reduce_scatter_grads_dtypes_and_mean():
         assert out.tolist() == [[2.0, 2.0, 2.0], [2.0, 2.0, 0.0]]
         (lo,) = fzero.reduce_scatter_grads(shard, grads, comm, reduce_dtype=torch.bfloat16, via_all_reduce=via)
         assert lo.dtype == torch.float32 and lo.tolist() == [[2.0, 2.0, 2.0], [2.0, 2.0, 0.0]]
+        # the reduction really runs in reduce_dtype: 1 + 2**-10 is 1.0 in bfloat16, not in float32
+        fine = {"w": torch.full((2, 5), 1.0 + 2.0**-10)}
+        (b16,) = fzero.reduce_scatter_grads(shard, fine, comm, reduce_dtype=torch.bfloat16, via_all_reduce=via)
+        (f32,) = fzero.reduce_scatter_grads(shard, fine, comm, via_all_reduce=via)
+        assert b16[0].tolist() == [1.0] * 3 and f32[0].tolist() == [1.0 + 2.0**-10] * 3
         (hi,) = fzero.reduce_scatter_grads(shard, grads, comm, reduce_dtype=torch.float64, via_all_reduce=via)
         assert hi.dtype == torch.float32 and hi.tolist() == [[2.0, 2.0, 2.0], [2.0, 2.0, 0.0]]
 
