@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as tp
 
 import fzero
 import pytest
@@ -353,3 +354,25 @@ def test_first_difference_tree_structure_only():
     assert as_list != as_dict
     assert as_list.first_difference(as_dict) == "the parameter tree structure differs (same paths, other container types)"
     assert as_list.first_difference(build_layout([x.clone(), y.clone()], 1)) is None
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, torch.bfloat16])
+def test_reduce_scatter_grads_sends_what_it_says(reduce_dtype):
+    """``via_all_reduce`` picks the collective (ZeRO-1's all-reduce + slice), in every reduce dtype."""
+    inner = fzero.SimulatedWorld(2)
+    counting = fzero.CountingCommunicator(inner)
+    shard = fzero.init_shard({"w": torch.zeros(5)}, inner, alignment=1)
+    grads = {"w": torch.ones(2, 5)}
+    for via, op in ((True, "all_reduce"), (False, "reduce_scatter")):
+        counting.reset()
+        (out,) = fzero.reduce_scatter_grads(shard, grads, counting, reduce_dtype=reduce_dtype, via_all_reduce=via)
+        assert [r.op for r in counting.records] == [op]
+        assert counting.records[0].dtype == (reduce_dtype or torch.float32)
+        assert out.tolist() == [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
+
+
+def test_path_str_of_every_key_kind():
+    from fzero.layout import path_str
+
+    keys = (tp.MappingKey("a"), tp.SequenceKey(0), tp.GetAttrKey("w"), "other")
+    assert path_str(keys) == "a.0.w.other"
