@@ -172,9 +172,13 @@ class Optimizer:
         """
         if self.kind != "sgd" and not torch.compiler.is_compiling():
             kernel = torch._fused_adamw_ if self.kind == "adamw" else torch._fused_adam_
+            # One tensor per local rank: the kernel splits each tensor into vector-width blocks
+            # and a scalar tail that can round differently, so a simulated rank must be its own
+            # tensor, exactly as on a real rank, for the worlds to agree bitwise.
+            rows = [list(t.unbind(0)) for t in (param, grad, *moments)]
             kernel(
-                [param], [grad], [moments[0]], [moments[1]], [moments[2]] if self.amsgrad else [],
-                [(step + 1).to(torch.float32)],
+                rows[0], rows[1], rows[2], rows[3], rows[4] if self.amsgrad else [],
+                [(step + 1).to(torch.float32)] * len(rows[0]),
                 lr=hyper["lr"].item(), beta1=hyper["beta1"].item(), beta2=hyper["beta2"].item(),
                 weight_decay=hyper["weight_decay"].item(), eps=hyper["eps"].item(),
                 amsgrad=self.amsgrad, maximize=self.maximize,

@@ -131,7 +131,7 @@ def case_compiled_s3(comm):
 
 def _sim_compare(comm, **kw):
     state, hist, changed = cases.train(comm, **kw)
-    return {"masters": cases.masters(state), "history": hist, "changed": changed}
+    return {"masters": cases.masters(state), "history": hist, "changed": changed, "threads": torch.get_num_threads()}
 
 
 def case_eager_s2(comm):

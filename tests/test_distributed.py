@@ -42,11 +42,16 @@ def _case(results, name):
     return [res[name] for res in results]
 
 
+SIM_THREADS = 1  # the workers' intra-op thread count (dist_harness.worker_main)
+
+
 def _sim(world, **kw):
     """The same case on the simulated world, with the workers' intra-op thread count
-    (CPU kernels split work by thread, so a different count rounds differently)."""
+    (CPU kernels split work by thread, so a different count rounds differently; the other
+    condition of bitwise equality, one tensor per rank in position-dependent kernels, is
+    fzero's: see design.md)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(SIM_THREADS)
     try:
         comm = fzero.SimulatedWorld(world)
         state, hist, changed = cases.train(comm, **kw)
@@ -57,6 +62,7 @@ def _sim(world, **kw):
 
 def _compare(per_rank, sim_masters, exact, tol=1e-6):
     for r, res in enumerate(per_rank):
+        assert res["threads"] == SIM_THREADS, f"rank {r} ran with {res['threads']} threads"
         for g, (mine, sim) in enumerate(zip(res["masters"], sim_masters)):
             assert mine.shape == (1, sim.shape[1])
             if exact:

@@ -1,0 +1,237 @@
+"""Every update rule path against ``torch.optim`` in float64, eagerly and compiled.
+
+Which code runs where (``fzero/optim.py``, ``fzero/sharding.py::shard_step``):
+
+* eager, ``donate=False`` or ``True``: ``Optimizer.update_`` -> torch's fused
+  Adam(W) kernel, or the written-out SGD rule copied back;
+* compiled, ``donate=False``: ``Optimizer.update`` out of place (``_adam_update``
+  / ``_sgd_update``) selected by ``torch.where``;
+* compiled, ``donate=True``: ``Optimizer.update_``'s written-out branch.
+
+One compiled function runs both shard_step forms, so each static flag set
+compiles once. The reference is ``torch.optim`` (single-tensor implementation)
+on the full parameter; fzero's two ranks each update their half.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fzero
+from fzero.pytree import replace
+
+N = 37  # odd: rank 1 owns one padding element; not a multiple of any vector width
+W = 2
+STEPS = 4
+SKIP_AT = 2  # found_inf on this step: nothing may change
+RTOL = 1e-12
+
+# (name, fzero optimizer, torch.optim class, torch kwargs): every static flag set,
+# with non-default values for every hyperparameter.
+CASES = [
+    ("sgd_wd", fzero.sgd(lr=0.1, weight_decay=0.05), torch.optim.SGD, dict(lr=0.1, weight_decay=0.05)),
+    ("sgd_maximize", fzero.sgd(lr=0.1, weight_decay=0.05, maximize=True), torch.optim.SGD,
+     dict(lr=0.1, weight_decay=0.05, maximize=True)),
+    ("sgd_momentum_dampening", fzero.sgd(lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.05),
+     torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.05)),
+    ("sgd_nesterov_maximize", fzero.sgd(lr=0.1, momentum=0.8, weight_decay=0.05, nesterov=True, maximize=True),
+     torch.optim.SGD, dict(lr=0.1, momentum=0.8, weight_decay=0.05, nesterov=True, maximize=True)),
+    ("adam_wd", fzero.adam(lr=0.05, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.1), torch.optim.Adam,
+     dict(lr=0.05, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.1)),
+    ("adam_amsgrad", fzero.adam(lr=0.05, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.1, amsgrad=True),
+     torch.optim.Adam, dict(lr=0.05, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.1, amsgrad=True)),
+    ("adam_maximize_amsgrad", fzero.adam(lr=0.05, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.1, amsgrad=True,
+                                         maximize=True),
+     torch.optim.Adam, dict(lr=0.05, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.1, amsgrad=True, maximize=True)),
+    ("adamw_wd", fzero.adamw(lr=0.05, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.3), torch.optim.AdamW,
+     dict(lr=0.05, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.3)),
+    ("adamw_maximize", fzero.adamw(lr=0.05, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.3, maximize=True),
+     torch.optim.AdamW, dict(lr=0.05, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.3, maximize=True)),
+    ("adamw_amsgrad", fzero.adamw(lr=0.05, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.3, amsgrad=True),
+     torch.optim.AdamW, dict(lr=0.05, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.3, amsgrad=True)),
+]
+
+
+def _data():
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(N, generator=g, dtype=torch.float64)
+    # Gradients of varied sign and magnitude; some shrink so that amsgrad's maximum matters.
+    grads = [torch.randn(N, generator=g, dtype=torch.float64) * (2.0 if i == 0 else 0.5 ** i) for i in range(STEPS)]
+    return w, grads
+
+
+def _torch_reference(cls, kw):
+    w, grads = _data()
+    p = w.clone().requires_grad_(True)
+    opt = cls([p], foreach=False, **kw)
+    for i, g in enumerate(grads):
+        if i == SKIP_AT:
+            continue
+        p.grad = g.clone()
+        opt.step()
+    return p.detach()
+
+
+def _shards(full: torch.Tensor, shard_numel: int) -> torch.Tensor:
+    padded = torch.zeros(W * shard_numel, dtype=full.dtype)
+    padded[: full.numel()] = full
+    return padded.reshape(W, shard_numel)
+
+
+def _both_steps(shard, opt_state, grads, found_inf):
+    """shard_step pure and donating (on copies) in one function: one compile covers both paths."""
+    pure = fzero.shard_step(shard, opt_state, grads, found_inf)
+    donor = replace(shard, master=tuple(m.clone() for m in shard.master))
+    donor_opt = replace(opt_state, moments=tuple(tuple(x.clone() for x in mm) for mm in opt_state.moments))
+    donated = fzero.shard_step(donor, donor_opt, grads, found_inf, donate=True)
+    return pure, donated
+
+
+@pytest.fixture(scope="module")
+def compiled_both():
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+    limit = getattr(cfg, name)
+    setattr(cfg, name, 64)  # one graph per static flag set
+    try:
+        yield torch.compile(_both_steps, fullgraph=True)
+    finally:
+        setattr(cfg, name, limit)
+
+
+def _run_fzero(opt, step_fn, found_inf_none=False):
+    w, grads = _data()
+    comm = fzero.SimulatedWorld(W)
+    shard = fzero.init_shard({"w": w}, comm, optimizer=opt, alignment=1)
+    opt_state = fzero.init_opt_state(opt, shard.master)
+    n = shard.master[0].shape[1]
+    history = []
+    for i, g in enumerate(grads):
+        skip = i == SKIP_AT
+        gs = (_shards(torch.full_like(g, float("nan")) if skip else g, n),)
+        if found_inf_none and not skip:
+            found = None
+        else:
+            found = torch.tensor(1.0 if skip else 0.0)
+        (p_shard, p_opt), (d_shard, d_opt) = step_fn(shard, opt_state, gs, found)
+        history.append((shard, opt_state, p_shard, p_opt, d_shard, d_opt, skip))
+        shard, opt_state = p_shard, p_opt
+    return history
+
+
+def _full(shard) -> torch.Tensor:
+    return shard.master[0].reshape(-1)[:N]
+
+
+def _check(history, expected, bitwise_pure_vs_donated):
+    for before, before_opt, p_shard, p_opt, d_shard, d_opt, skip in history:
+        for tag, s, o in (("pure", p_shard, p_opt), ("donated", d_shard, d_opt)):
+            if skip:
+                assert torch.equal(s.master[0], before.master[0]), tag
+                for a, b in zip(o.moments[0], before_opt.moments[0]):
+                    assert torch.equal(a, b), tag
+                assert int(o.step) == int(before_opt.step), tag
+            else:
+                assert int(o.step) == int(before_opt.step) + 1, tag
+            # padding stays zero in the master and every moment
+            assert s.master[0][1, -1].item() == 0.0
+            for m in o.moments[0]:
+                assert m[1, -1].item() == 0.0
+        if bitwise_pure_vs_donated:
+            assert torch.equal(p_shard.master[0], d_shard.master[0])
+            for a, b in zip(p_opt.moments[0], d_opt.moments[0]):
+                assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(p_shard.master[0], d_shard.master[0], rtol=RTOL, atol=0)
+    final = history[-1]
+    for tag, s in (("pure", final[2]), ("donated", final[4])):
+        got = _full(s)
+        err = ((got - expected).abs().max() / expected.abs().max()).item()
+        assert err <= RTOL, (tag, err)
+
+
+@pytest.mark.parametrize("name,opt,cls,kw", CASES, ids=[c[0] for c in CASES])
+def test_eager_update_matches_torch_optim_float64(name, opt, cls, kw):
+    expected = _torch_reference(cls, kw)
+    _check(_run_fzero(opt, _both_steps), expected, bitwise_pure_vs_donated=True)
+    # without a found_inf tensor at all (the step count advances unconditionally)
+    _check(_run_fzero(opt, _both_steps, found_inf_none=True), expected, bitwise_pure_vs_donated=True)
+
+
+@pytest.mark.parametrize("name,opt,cls,kw", CASES, ids=[c[0] for c in CASES])
+def test_out_of_place_update_eagerly_matches_torch_optim(name, opt, cls, kw):
+    """``Optimizer.update`` called directly (the written-out rule, eagerly), one row per rank."""
+    expected = _torch_reference(cls, kw)
+    w, grads = _data()
+    p = torch.stack([w, -w])  # two independent rows: the second sees negated data
+    moments = tuple(torch.zeros_like(p) for _ in opt.moment_names)
+    state = fzero.init_opt_state(opt, [p])
+    step = torch.zeros((), dtype=torch.int64)
+    for i, g in enumerate(grads):
+        if i == SKIP_AT:
+            continue
+        g2 = torch.stack([g, -g])
+        p, moments = opt.update(p, g2, moments, state.hyper[0], step)
+        step = step + 1
+    assert len(moments) == len(opt.moment_names)
+    for row, sign in ((0, 1.0), (1, -1.0)):
+        err = ((p[row] * sign - expected).abs().max() / expected.abs().max()).item()
+        assert err <= RTOL, (row, err)
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_fused_update_of_rows_equals_each_row_alone(kind, amsgrad):
+    """A simulated world's ``[R, n]`` shard updates each row exactly as a real rank updates
+    its own ``[1, n]`` tensor. torch's fused kernel splits a tensor into vector blocks and a
+    scalar tail that may round differently; called on the whole ``[R, n]`` buffer it put the
+    end of a row in a vector block where a real rank has its tail (the gloo bitwise test failed).
+    """
+    make = fzero.adam if kind == "adam" else fzero.adamw
+    opt = make(lr=0.01, betas=(0.9, 0.999), weight_decay=0.1, amsgrad=amsgrad)
+    g = torch.Generator().manual_seed(0)
+    R, n = 8, 76  # 76 = 4 * 16 + 12: every row has a tail on its own
+    p = torch.randn(R, n, generator=g)
+    moments = tuple(torch.zeros(R, n) for _ in opt.moment_names)
+    state = fzero.init_opt_state(opt, [p])
+    rows = [(p[r : r + 1].clone(), tuple(m[r : r + 1].clone() for m in moments)) for r in range(R)]
+    for step in range(6):
+        grad = torch.randn(R, n, generator=g) * 10.0 ** -step
+        opt.update_(p, grad, moments, state.hyper[0], torch.tensor(step))
+        for r, (pr, mr) in enumerate(rows):
+            opt.update_(pr, grad[r : r + 1].clone(), mr, state.hyper[0], torch.tensor(step))
+    for r, (pr, mr) in enumerate(rows):
+        assert torch.equal(pr[0], p[r]), r
+        for a, b in zip(mr, moments):
+            assert torch.equal(a[0], b[r]), r
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_beta1_zero_is_accepted_and_matches_torch(kind):
+    """beta1 = 0 (no first moment) is valid in torch.optim and here."""
+    make, cls = (fzero.adam, torch.optim.Adam) if kind == "adam" else (fzero.adamw, torch.optim.AdamW)
+    kw = dict(lr=0.05, betas=(0.0, 0.95), eps=1e-3, weight_decay=0.1)
+    opt = make(**kw)
+    assert dict(opt.defaults)["beta1"] == 0.0
+    expected = _torch_reference(cls, kw)
+    _check(_run_fzero(opt, _both_steps), expected, bitwise_pure_vs_donated=True)
+
+
+def test_group_names():
+    opt = fzero.adamw(groups=[
+        fzero.ParamGroup(fzero.no_weight_decay, (("weight_decay", 0.0),), name="no_decay"),
+        (lambda p: p.startswith("head"), {"lr": 0.5}),
+    ])
+    assert opt.num_groups == 3
+    assert [opt.group_name(i) for i in range(3)] == ["default", "no_decay", "group2"]
+    assert opt.group_of("head.weight") == 2 and opt.group_of("x.bias") == 1 and opt.group_of("x.weight") == 0
+    assert opt.hyperparams(2)["lr"] == 0.5 and opt.hyperparams(0)["lr"] == 1e-3
+    assert opt.hyperparams(1)["weight_decay"] == 0.0 and opt.hyperparams(0)["weight_decay"] == 1e-2
+
+
+# Last: compiling is the slow part (tools/mutate.py runs this file with -x).
+@pytest.mark.parametrize("name,opt,cls,kw", CASES, ids=[c[0] for c in CASES])
+def test_compiled_update_matches_torch_optim_float64(name, opt, cls, kw, compiled_both):
+    expected = _torch_reference(cls, kw)
+    _check(_run_fzero(opt, compiled_both), expected, bitwise_pure_vs_donated=False)
