@@ -5,6 +5,7 @@ Usage: replica_worker.py OUT_DIR CASE [CASE ...] (see dist_harness.worker_main).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -91,9 +92,10 @@ def case_buffers(comm):
     """A module buffer differing on rank 2: an error when buffers must agree, fine when local."""
     _, state = _state(comm)
     buf = torch.full((1, 3), 1.0 + (comm.rank == 2))
-    object.__setattr__(state, "buffers", (buf,))
-    object.__setattr__(state, "buffer_names", ("bn.running_mean",))
-    return {"broadcast": _outcome(state, comm), "local": _outcome(state, comm, buffers="local")}
+    state = dataclasses.replace(
+        state, buffers=(buf,), module=fzero.ModuleSpec(buffers=("bn.running_mean",), persistent=(True,))
+    )
+    return {"broadcast": _outcome(state, comm, buffers="broadcast"), "local": _outcome(state, comm, buffers="local")}
 
 
 def case_stage3(comm):
