@@ -167,7 +167,14 @@ class Layout:
 
     @property
     def fingerprint(self) -> str:
-        return _fingerprint(self.describe())
+        # computed once per layout (immutable): compared at every state creation, hashed by
+        # static-metadata checks and by the replica check (not functools.cached_property:
+        # its lock is a context manager dynamo cannot enter on Python 3.11)
+        fp = self.__dict__.get("_fingerprint")
+        if fp is None:
+            fp = _fingerprint(self.describe())
+            object.__setattr__(self, "_fingerprint", fp)
+        return fp
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Layout) and self.fingerprint == other.fingerprint
