@@ -9,7 +9,10 @@ parameters, AdamW, fp32, one intra-op thread):
 * ``replicas_differ``: one ``fzero.replicas_differ`` (digest, one
   ``all_reduce(max)``, result left on the device as a step would keep it);
 * ``step + check``: a step followed by ``check_replicas``, as a training loop
-  that checks every step would run.
+  that checks every step would run;
+* ``in-step``: a step made with ``make_train_step(check_replicas_every=1)``, whose
+  digest rides on the step's own scalar all-reduce (``in-step/step``: its extra
+  cost over the plain step, from two medians: noisy around zero).
 
 Worlds: ``SimulatedWorld(2)`` in this process (stages 1 and 2), and with
 ``--gloo`` two gloo ranks under ``torchrun`` (the script relaunches itself;
@@ -49,15 +52,19 @@ def measure(comm: fzero.Communicator, stage: int, steps: int, rounds: int, sync=
     model = build_model(cfg)
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-3, weight_decay=0.1), comm, stage=stage)
     step = fzero.make_train_step(fzero.module_loss(model, make_criterion(cfg.vocab)), comm, stage=stage)
+    checked = fzero.make_train_step(fzero.module_loss(model, make_criterion(cfg.vocab)), comm, stage=stage,
+                                    check_replicas_every=1)
     batches = [comm.split_batch(random_batch(cfg, seed)) for seed in range(4)]
     for b in batches[:2]:  # warm-up
         state, _ = step(state, b)
+        state, _ = checked(state, b)
     fzero.check_replicas(state, comm)
     fzero.replicas_differ(state, comm)
     k = fzero.replicas.replica_digest(state, comm).shape[1]
     tiny = torch.zeros(comm.local_ranks, 2 * k, dtype=torch.float64)
     times: dict[str, list[float]] = {
         "step": [], "check_replicas": [], "replicas_differ": [], "all_reduce": [], "step + check": [],
+        "step, in-step check": [],
     }
     i = 0
     for _ in range(rounds):
@@ -65,7 +72,7 @@ def measure(comm: fzero.Communicator, stage: int, steps: int, rounds: int, sync=
             for _ in range(steps):
                 b = batches[i % len(batches)]
                 i += 1
-                if sync is not None and mode not in ("step", "step + check"):
+                if sync is not None and not mode.startswith("step"):
                     sync()
                 t0 = time.perf_counter()
                 if mode == "step":
@@ -76,6 +83,8 @@ def measure(comm: fzero.Communicator, stage: int, steps: int, rounds: int, sync=
                     differ = fzero.replicas_differ(state, comm)
                 elif mode == "all_reduce":
                     comm.all_reduce(tiny, "max")
+                elif mode == "step, in-step check":
+                    state, _ = checked(state, b)
                 else:
                     state, _ = step(state, b)
                     fzero.check_replicas(state, comm)
@@ -86,13 +95,14 @@ def measure(comm: fzero.Communicator, stage: int, steps: int, rounds: int, sync=
 
 def table(rows: list[tuple[str, dict[str, float]]]) -> str:
     head = (f"{'world':<22} {'step':>9} {'check':>9} {'differ':>9} {'tiny AR':>9} {'step+check':>11} "
-            f"{'check/step':>11} {'differ/step':>12}")
+            f"{'check/step':>11} {'differ/step':>12} {'in-step':>9} {'in-step/step':>13}")
     lines = [head, "-" * len(head)]
     for name, r in rows:
         lines.append(
             f"{name:<22} {r['step']:>9.2f} {r['check_replicas']:>9.3f} {r['replicas_differ']:>9.3f} "
             f"{r['all_reduce']:>9.3f} {r['step + check']:>11.2f} {100 * r['check_replicas'] / r['step']:>10.2f}% "
-            f"{100 * r['replicas_differ'] / r['step']:>11.2f}%"
+            f"{100 * r['replicas_differ'] / r['step']:>11.2f}% {r['step, in-step check']:>9.2f} "
+            f"{100 * (r['step, in-step check'] / r['step'] - 1):>12.2f}%"
         )
     return "\n".join(lines)
 

@@ -38,7 +38,7 @@ from .optim import OptState, Optimizer, init_opt_state
 from .precision import MixedPrecision
 from .pytree import pytree_dataclass, replace, static_field
 from .scaler import ScalerState, init_scaler, scale, static_scaler, update_scale
-from .replicas import with_replica_check
+from .replicas import ReplicaDivergenceError, check_replicas, digest_parts, parts_differ
 from .rng import init_rng, rank_rng
 from .schedules import Schedule
 from .zero3 import Chain, chain_loss_fn, stage3_grads
@@ -341,12 +341,13 @@ def make_train_step(
     buffer dtype); each rank's forward then updates its own copy (BatchNorm
     statistics of its own batch). ``False``: every rank keeps its own buffers.
 
-    ``check_replicas_every=N``: every N steps, check that what every rank must
-    hold alike (scaler, step, hyperparameters, gathered parameters, frozen
-    parameters) agrees, with one small collective outside the (compiled)
-    step: ``replica_check="raise"`` raises :class:`fzero.ReplicaDivergenceError`
-    naming the item and the ranks; ``"flag"`` adds ``metrics["replicas_differ"]``
-    without a host sync (see :func:`fzero.replicas.with_replica_check`).
+    ``check_replicas_every=N``: every step digests what every rank must hold
+    alike (scaler, step, hyperparameters, gathered parameters, frozen
+    parameters) in the state it is given, and the digest rides on the step's
+    one scalar ``all_reduce`` (no collective of its own; compile-safe):
+    ``metrics["replicas_differ"]``. ``replica_check="raise"`` reads it every N
+    steps (the only host sync) and raises :class:`fzero.ReplicaDivergenceError`
+    naming the item and the ranks; ``"flag"`` only reports it.
 
     The batch is checked at trace time: every tensor leaf must be ``[R, ...]``
     (``[R, K, ...]`` with ``accum_steps=K``), else a ``ValueError`` names it.
@@ -407,6 +408,7 @@ def make_train_step(
             raise ValueError(f"make_train_step(stage={stage}): this state was built for stage 3 and keeps "
                              "no gathered parameters; build it with init_train_state(..., stage=1 or 2)")
         check_batch(batch, comm.local_ranks, accum_steps)
+        parts = digest_parts(state, comm) if check_replicas_every else None
         state = apply_schedules(state, schedules)
         micro = stage3_micro if stage == 3 else stage12_micro
         state, acc, loss_sum = micro(state, micro_batch(batch, 0))
@@ -424,7 +426,7 @@ def make_train_step(
                 average_flat_grads(a, comm, reduce_dtype or g.master_dtype, g.master_dtype, stage == 1)
                 for g, a in zip(state.layout.groups, acc)
             )
-        return finish_step(state, acc, loss_sum, comm, clip_norm=clip_norm, donate=donate)
+        return finish_step(state, acc, loss_sum, comm, clip_norm=clip_norm, donate=donate, replica_parts=parts)
 
     core: StepFn = step
     if compile:
@@ -435,7 +437,7 @@ def make_train_step(
             check_batch(batch, comm.local_ranks, accum_steps)
             return compiled(state, batch)
     if check_replicas_every:
-        core = with_replica_check(core, comm, check_replicas_every, mode=replica_check)
+        core = _checking_replicas(core, comm, check_replicas_every, replica_check)
     if not donate:
         return core
 
@@ -445,6 +447,34 @@ def make_train_step(
         return consume(state, new_state), metrics
 
     return donating_step
+
+
+def _checking_replicas(step: StepFn, comm: Communicator, every: int, mode: str) -> StepFn:
+    """Every ``every`` calls, read the step's ``replicas_differ`` (a host sync; none on the
+    other calls) and, if set, name what differs with :func:`fzero.check_replicas`."""
+    if not (isinstance(every, int) and every >= 1):
+        raise ValueError(f"make_train_step: check_replicas_every must be a positive int, got {every!r}")
+    if mode not in ("raise", "flag"):
+        raise ValueError(f"make_train_step: replica_check must be 'raise' or 'flag', got {mode!r}")
+    if mode == "flag":
+        return step
+    calls = [0]
+
+    def run(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        new_state, metrics = step(state, batch)
+        calls[0] += 1
+        if calls[0] % every == 0 and bool(metrics["replicas_differ"]):
+            # the digest was of the state this step was given: name what differs there (a
+            # donating step has updated only master shards and moments in place, which are
+            # never compared, and consumes the state after this wrapper returns)
+            check_replicas(state, comm)
+            raise ReplicaDivergenceError(
+                "replicas disagreed at the start of this step (the digest carried by its all-reduce), "
+                "but a second look found no difference", []
+            )
+        return new_state, metrics
+
+    return run
 
 
 def compiled_step(step: StepFn, backward_regions: int = 1) -> StepFn:
@@ -540,6 +570,7 @@ def finish_step(
     *,
     clip_norm: Optional[float],
     donate: bool,
+    replica_parts: Optional[torch.Tensor] = None,
 ) -> tuple[TrainState, dict[str, torch.Tensor]]:
     """The part of a step after gradient reduction, shared by every stage.
 
@@ -555,7 +586,10 @@ def finish_step(
     # One all-reduce of (sum of squares of the *scaled* gradients, loss) per rank. The sum is
     # non-finite exactly when some rank has a non-finite gradient (or a shard norm beyond
     # fp32's range, which clip_grad_norm_ would call infinite too): found_inf comes agreed.
-    sums = comm.all_reduce(torch.stack([local_sq_norm(shards), losses.double()], dim=1), "sum")[0]
+    local = torch.stack([local_sq_norm(shards), losses.double()], dim=1)
+    if replica_parts is not None:  # the replica digest rides along: no collective of its own
+        local = torch.cat([local, replica_parts], dim=1)
+    sums = comm.all_reduce(local, "sum")[0]
     scale64 = scaler.scale.double()
     norm64 = sums[0].sqrt() / scale64
     loss = (sums[1] / comm.world_size).float()
@@ -578,4 +612,6 @@ def finish_step(
         "grad_norm": norm64.float(),
         "lr": state.opt.hyper[0]["lr"].float(),
     }
+    if replica_parts is not None:
+        metrics["replicas_differ"] = parts_differ(sums[2:], comm.world_size).float()
     return new_state, metrics

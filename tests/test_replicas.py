@@ -238,22 +238,55 @@ def test_with_replica_check_every_n_steps(mode):
 
 
 def test_make_train_step_checks_replicas_every_n_steps():
+    """The digest rides on the step's own all-reduce: a corrupted all-gather at the end of
+    step 1 is seen by step 2, which raises naming the parameter group and the rank."""
     from fzero.testing import CorruptResult, FaultyWorld
 
     model = mlp(torch.float32)
     world = FaultyWorld(fzero.SimulatedWorld(3), [CorruptResult(step=1, rank=2, op="all_gather", index=5)])
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), world, alignment=4)
-    step = world.wrap(fzero.make_train_step(fzero.module_loss(model, mse), world, check_replicas_every=1))
-    data = batches(3, 3, 2, torch.float32)
-    state, _ = step(state, world.split_batch(data[0]))
+    counting = fzero.CountingCommunicator(world)
+    step = world.wrap(fzero.make_train_step(fzero.module_loss(model, mse), counting, check_replicas_every=1))
+    data = batches(4, 3, 2, torch.float32)
+    state, m0 = step(state, world.split_batch(data[0]))
+    assert [r.op for r in counting.records] == ["reduce_scatter", "all_reduce", "all_gather"]  # nothing added
+    state, m1 = step(state, world.split_batch(data[1]))  # its all-gather is corrupted on rank 2
+    assert m0["replicas_differ"].item() == 0.0 and m1["replicas_differ"].item() == 0.0
     with pytest.raises(fzero.ReplicaDivergenceError, match=r"params flat group 0 .* differs on rank 2"):
-        step(state, world.split_batch(data[1]))
-    flagged = fzero.make_train_step(fzero.module_loss(model, mse), fzero.SimulatedWorld(3),
-                                    check_replicas_every=2, replica_check="flag")
+        step(state, world.split_batch(data[2]))
+
+
+def test_in_step_flag_compiles_and_reports_every_step():
+    from torch._dynamo.utils import counters
+
+    model = mlp(torch.float32)
     comm = fzero.SimulatedWorld(3)
-    s = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, alignment=4)
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, alignment=4)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, check_replicas_every=1,
+                                 replica_check="flag", compile=True)
+    torch._dynamo.reset()
+    counters.clear()
     flags = []
-    for b in data:
-        s, m = flagged(s, comm.split_batch(b))
+    for i, b in enumerate(batches(3, 3, 2, torch.float32)):
+        if i == 2:  # rank 1's gathered parameters drift by one bit
+            p = state.params[0].clone()
+            p[1, 3] = torch.nextafter(p[1, 3], torch.tensor(2.0))
+            state = replace(state, params=(p,))
+        state, m = step(state, comm.split_batch(b))
         flags.append(m["replicas_differ"].item())
-    assert flags == [0.0, 0.0, 0.0]
+    assert flags == [0.0, 0.0, 1.0]
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_digest_parts_agree_exactly_iff_every_rank_holds_the_same(world):
+    from fzero.replicas import digest_parts, parts_differ
+
+    model = mlp(torch.float32)
+    comm = fzero.SimulatedWorld(world)
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, alignment=4)
+    assert not bool(parts_differ(digest_parts(state, comm).sum(0), world))
+    p = state.params[0].clone()
+    p[world - 1, 0] = torch.nextafter(p[world - 1, 0], torch.tensor(2.0))
+    bad = replace(state, params=(p,))
+    assert bool(parts_differ(digest_parts(bad, comm).sum(0), world))
