@@ -118,13 +118,14 @@ def test_parity_float64(kind, stage, world):
     assert losses == pytest.approx(ref_losses, rel=1e-6)  # the loss metric is fp32
 
 
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_parity_float32(kind):
+def test_parity_float32(kind, opt):
     build, loss_kind = KINDS[kind]
     model = build()
     world = 2
     data = _data(loss_kind, world, torch.float32)
-    make_fz, make_torch = OPTIMIZERS["adamw"]
+    make_fz, make_torch = OPTIMIZERS[opt]
     ref, replicas, _ = um.oracle_run(model, make_torch, data, world, um.oracle_loss(loss_kind))
     state, comm, _ = fzero_run(model, make_fz(), data, world, loss_kind, stage=2)
     assert_params_match(state, comm, ref, 1e-5)
