@@ -404,6 +404,13 @@ def make_train_step(
         if stage == 3 and state.params:
             raise ValueError("make_train_step(stage=3): this state keeps gathered parameters; build it "
                              "with init_train_state(..., stage=3)")
+        if stage == 3 and state.buffers:
+            raise ValueError(
+                f"make_train_step(stage=3): the model has buffers {list(state.module.buffers)[:4]}; "
+                "stage 3's chain runs links with the module's own buffers and would update them "
+                "outside the state (twice, with the recomputed forward): use stage 1 or 2 for "
+                "models with buffers"
+            )
         if stage < 3 and not state.params:
             raise ValueError(f"make_train_step(stage={stage}): this state was built for stage 3 and keeps "
                              "no gathered parameters; build it with init_train_state(..., stage=1 or 2)")

@@ -65,3 +65,13 @@ def test_batch_check_is_free_under_compile():
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     with pytest.raises(ValueError, match=r"split_batch"):
         step(state, batches(1, 2, 2, torch.float32)[0])
+
+
+def test_stage3_refuses_models_with_buffers():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
+    comm = fzero.SimulatedWorld(2)
+    chain = fzero.chain_from_sequential(model, mse)
+    state = fzero.init_train_state(model, fzero.sgd(lr=0.1), comm, stage=3, chain=chain)
+    step = fzero.make_train_step(chain, comm, stage=3)
+    with pytest.raises(ValueError, match=r"stage=3\): the model has buffers \['1.running_mean'"):
+        step(state, comm.split_batch(batches(1, 2, 2, torch.float32)[0]))
