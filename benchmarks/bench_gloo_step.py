@@ -16,6 +16,10 @@ hyperparameters, the same initial weights and the same per-rank micro-batches:
 * ``fsdp2``              ``fully_shard`` on every block and the root, CPU mesh
 * ``fzero s1/s2 eager`` and ``fzero s1/s2 compiled`` (``torch.compile(step,
                          fullgraph=True)``), ``fzero.adamw``, ``TorchCommunicator()``
+* ``fzero s3 eager/compiled``  stage 3 with one shard unit per block (as FSDP2)
+
+``--model hf-gpt2`` runs a ``transformers`` GPT-2 (tied embeddings) of the same
+size instead of the TinyGPT, in every system.
 
 Every system runs ``warmup + steps`` steps from the same init on the same data
 (the Markov-chain random tokens of ``models.random_batch``). All systems are
@@ -70,7 +74,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from models import DEFAULT_CONFIG, build_model, lm_loss, make_criterion, random_batch  # noqa: E402
+from models import DEFAULT_CONFIG, build, lm_loss, make_criterion, random_batch  # noqa: E402
 
 # Same hyperparameters for every system.
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.1
@@ -90,6 +94,8 @@ SYSTEMS = [
     ("fzero-s2c", "fzero s2 compiled"),
     ("fzero-s2d", "fzero s2 eager+donate"),
     ("fzero-s2cd", "fzero s2 comp.+donate"),
+    ("fzero-s3", "fzero s3 eager"),
+    ("fzero-s3c", "fzero s3 compiled"),
 ]
 
 
@@ -102,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(k for k, _ in SYSTEMS),
                    help="comma-separated subset of: " + ", ".join(k for k, _ in SYSTEMS))
     p.add_argument("--seed", type=int, default=0, help="model init seed (data seeds derive from it)")
+    p.add_argument("--model", default="tiny", choices=["tiny", "hf-gpt2"],
+                   help="TinyGPT, or a transformers GPT-2 (tied embeddings) of the same size")
     p.add_argument("--timeout", type=float, default=420.0, help="kill torchrun and all ranks after this many s")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -157,7 +165,7 @@ def make_torch_runner(kind: str, ctx: dict) -> Runner:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     cfg, micro = ctx["cfg"], ctx["micro"]
-    model = build_model(cfg, ctx["seed"])
+    model = build(ctx["model"], cfg, ctx["seed"])
     r = Runner()
     if kind == "local":
         net = model
@@ -219,15 +227,17 @@ def make_fzero_runner(stage: int, compiled: bool, donate: bool, ctx: dict) -> Ru
 
     cfg = ctx["cfg"]
     comm = TorchCommunicator()
-    model = build_model(cfg, ctx["seed"])
+    model = build(ctx["model"], cfg, ctx["seed"])
     opt = fzero.adamw(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-    holder = {"state": fzero.init_train_state(model, opt, comm)}
+    units = (type(model.blocks[0]),) if stage == 3 else None  # as FSDP2: one unit per block
+    holder = {"state": fzero.init_train_state(model, opt, comm, stage=stage, units=units)}
     step_fn = fzero.make_train_step(
         fzero.module_loss(model, make_criterion(cfg.vocab)), comm, stage=stage, donate=donate, compile=compiled
     )
     batches = [comm.split_batch(b) for b in ctx["global_batches"]]  # [1, B/W, T] views
     r = Runner()
-    r.note = f"stage {stage}" + (", fullgraph" if compiled else "") + (", donating" if donate else "")
+    r.note = f"stage {stage}" + (", units: blocks" if units else "") + (", fullgraph" if compiled else "") \
+        + (", donating" if donate else "")
 
     def step(i: int) -> None:
         holder["state"], holder["metrics"] = step_fn(holder["state"], batches[i])
@@ -333,7 +343,7 @@ def reference_timings(ctx: dict, n_params: int, reps: int = 15) -> dict:
     import torch.distributed as dist
 
     cfg, micro = ctx["cfg"], ctx["micro"]
-    model = build_model(cfg, ctx["seed"])
+    model = build(ctx["model"], cfg, ctx["seed"])
     world, rank = dist.get_world_size(), dist.get_rank()
     out = {}
 
@@ -369,7 +379,7 @@ def count_fzero_volume(ctx: dict) -> dict:
     out = {}
     for stage in (1, 2):
         counting = fzero.CountingCommunicator(TorchCommunicator())
-        model = build_model(cfg, ctx["seed"])
+        model = build(ctx["model"], cfg, ctx["seed"])
         state = fzero.init_train_state(model, fzero.adamw(lr=LR, weight_decay=WEIGHT_DECAY), counting)
         step = fzero.make_train_step(fzero.module_loss(model, make_criterion(cfg.vocab)), counting, stage=stage)
         counting.reset()
@@ -401,8 +411,8 @@ def worker(args: argparse.Namespace) -> None:
     total = args.warmup + args.steps
     global_batches = [random_batch(cfg, seed=10_000 * (args.seed + 1) + i) for i in range(total)]
     micro = [(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]) for x, y in global_batches]
-    ctx = {"cfg": cfg, "seed": args.seed, "global_batches": global_batches, "micro": micro}
-    n_params = sum(p.numel() for p in build_model(cfg, args.seed).parameters())
+    ctx = {"cfg": cfg, "seed": args.seed, "global_batches": global_batches, "micro": micro, "model": args.model}
+    n_params = sum(p.numel() for p in build(args.model, cfg, args.seed).parameters())
     rounds = max(1, min(args.rounds, args.steps))
     log(f"torch {torch.__version__}, gloo, world {world}, {torch.get_num_threads()} thread/rank; "
         f"{args.warmup} warm-up + {args.steps} timed steps per system, timed in {rounds} interleaved rounds")
@@ -470,7 +480,7 @@ def report(args, cfg, n_params: int, results: dict, volume: dict | None, refs: d
     ddp_ms, zero_ms = med.get("ddp"), med.get("zero")
 
     print()
-    print(f"model: TinyGPT vocab={cfg.vocab} d_model={cfg.d_model} n_layers={cfg.n_layers} "
+    print(f"model: {'TinyGPT' if args.model == 'tiny' else 'transformers GPT-2 (tied)'} vocab={cfg.vocab} d_model={cfg.d_model} n_layers={cfg.n_layers} "
           f"n_heads={cfg.n_heads} seq_len={cfg.seq_len}; global batch {cfg.global_batch} "
           f"({cfg.global_batch // WORLD} sequences/rank); {n_params:,} parameters "
           f"({n_params * 4 / 1e6:.2f} MB fp32)")
@@ -520,7 +530,7 @@ def report(args, cfg, n_params: int, results: dict, volume: dict | None, refs: d
     ref_key = "ddp" if "ddp" in trained else next(iter(trained), None)
     if ref_key is None:
         return
-    model = build_model(cfg, args.seed)
+    model = build(args.model, cfg, args.seed)
     ex, ey = random_batch(cfg, seed=999_983)
     evals = {}
     with torch.no_grad():

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "HFGPT2",
     "GPTConfig",
     "DEFAULT_CONFIG",
     "TinyGPT",
@@ -146,6 +147,43 @@ def build_model(cfg: GPTConfig = DEFAULT_CONFIG, seed: int = 0) -> TinyGPT:
     model = TinyGPT(cfg.vocab, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.seq_len)
     model.reset_parameters(torch.Generator().manual_seed(seed))
     return model
+
+
+class HFGPT2(nn.Module):
+    """A ``transformers`` GPT-2 (tied embeddings) of the same size as :class:`TinyGPT`,
+    returning logits, so every benchmarked system runs it as it runs the TinyGPT.
+    ``blocks``: its transformer blocks (what FSDP2 and fzero stage 3 shard as units)."""
+
+    def __init__(self, cfg: "GPTConfig", seed: int):
+        super().__init__()
+        import logging
+
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        torch.manual_seed(seed)
+        self.hf = GPT2LMHeadModel(GPT2Config(
+            vocab_size=cfg.vocab, n_positions=cfg.seq_len, n_embd=cfg.d_model, n_layer=cfg.n_layers,
+            n_head=cfg.n_heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            bos_token_id=0, eos_token_id=0,
+        )).train()
+        self.hf.config.use_cache = False
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.hf.transformer.h
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=tokens).logits
+
+
+def build(kind: str, cfg: "GPTConfig", seed: int = 0) -> nn.Module:
+    """``kind="tiny"``: :func:`build_model`; ``"hf-gpt2"``: :class:`HFGPT2` of the same size."""
+    if kind == "tiny":
+        return build_model(cfg, seed)
+    if kind == "hf-gpt2":
+        return HFGPT2(cfg, seed)
+    raise ValueError(f"unknown model {kind!r}: tiny or hf-gpt2")
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,15 @@ class Communicator:
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def all_gather_start(self, x: torch.Tensor) -> torch.Tensor:
+        """``all_gather`` that may return before the data has arrived: the result waits for
+        it at its first use (stage 3 prefetches the next unit with it). Default: ``all_gather``."""
+        return self.all_gather(x)
+
+    def wait(self, x: torch.Tensor) -> torch.Tensor:
+        """The plain tensor of an ``all_gather_start`` result, once its data has arrived."""
+        return x
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``[R, n] -> [R, n]``: every row becomes rank ``src``'s row.
 

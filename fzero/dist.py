@@ -98,6 +98,19 @@ class TorchCommunicator(Communicator):
         out = _all_gather(x[0].contiguous(), 0, self.group)
         return self._finish(out, "sum").unsqueeze(0)
 
+    def all_gather_start(self, x: torch.Tensor) -> torch.Tensor:
+        """Eagerly, the functional collective's ``AsyncCollectiveTensor``, unwaited: the
+        first operation on it waits (under compile: ``all_gather``)."""
+        if torch.compiler.is_compiling():
+            return self.all_gather(x)
+        self._check_rows(x, "all_gather")
+        if x.dim() != 2:
+            raise ValueError(f"all_gather: expected shape [R, n], got {tuple(x.shape)}")
+        return _all_gather(x[0].contiguous(), 0, self.group).view(1, -1)
+
+    def wait(self, x: torch.Tensor) -> torch.Tensor:
+        return funcol.wait_tensor(x)
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         self._check_rows(x, "broadcast")
         if not 0 <= src < self.world_size:

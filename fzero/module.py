@@ -52,13 +52,15 @@ class ModuleSpec:
     ``persistent``: whether each is in the ``state_dict``; ``aliases``:
     ``(alias, canonical)`` names of tied parameters and buffers (the
     canonical name is the one ``named_parameters``/``named_buffers`` keep);
-    ``state_dict_keys``: the module's ``state_dict`` keys in order.
+    ``state_dict_keys``: the module's ``state_dict`` keys in order;
+    ``units``: the names of the stage-3 shard units (:mod:`fzero.units`).
     """
 
     buffers: tuple[str, ...] = ()
     persistent: tuple[bool, ...] = ()
     aliases: tuple[tuple[str, str], ...] = ()
     state_dict_keys: tuple[str, ...] = ()
+    units: tuple[str, ...] = ()
 
 
 def _non_persistent(module: torch.nn.Module) -> set[str]:

@@ -41,6 +41,7 @@ from .scaler import ScalerState, init_scaler, scale, static_scaler, update_scale
 from .replicas import ReplicaDivergenceError, check_replicas, digest_parts, parts_differ
 from .rng import init_rng, rank_rng
 from .schedules import Schedule
+from .units import UnitPolicy, select_units, unit_buckets, unit_grads
 from .zero3 import Chain, chain_loss_fn, stage3_grads
 from .sharding import (
     ShardState,
@@ -110,6 +111,7 @@ def init_train_state(
     *,
     stage: int = 2,
     chain: Optional[Chain] = None,
+    units: Optional[UnitPolicy] = None,
     precision: MixedPrecision = MixedPrecision(),
     scaler: Optional[ScalerState] = None,
     trainable: Optional[Callable[[str], bool]] = None,
@@ -135,11 +137,23 @@ def init_train_state(
     """
     if stage not in (1, 2, 3):
         raise ValueError(f"init_train_state: stage must be 1, 2 or 3, got {stage!r}")
-    if stage == 3 and chain is None:
-        raise ValueError("init_train_state: stage 3 needs the model's `chain` (see fzero.chain_from_sequential)")
+    if stage == 3 and chain is None and units is None:
+        raise ValueError(
+            "init_train_state: stage 3 needs shard units: units=(BlockClass,) or a predicate "
+            "(name, module) -> bool (or a fzero.Chain)"
+        )
+    if units is not None and chain is not None:
+        raise ValueError("init_train_state: give `units` or `chain`, not both")
+    unit_names: tuple[str, ...] = ()
+    bucket_of = chain.bucket_of if chain is not None else None
+    if units is not None:
+        if not isinstance(params, torch.nn.Module):
+            raise TypeError(f"init_train_state: `units` chooses submodules of an nn.Module, got {type(params).__name__}")
+        unit_names = select_units(params, units)
+        buckets = unit_buckets(params, unit_names)
+        bucket_of = buckets.__getitem__
     shard = init_shard(
-        params, comm, trainable=trainable, optimizer=optimizer, alignment=alignment,
-        bucket_of=chain.bucket_of if chain is not None else None,
+        params, comm, trainable=trainable, optimizer=optimizer, alignment=alignment, bucket_of=bucket_of,
     )
     opt = init_opt_state(optimizer, shard.master)
     if scaler is None:
@@ -147,7 +161,7 @@ def init_train_state(
     gathered = gather_flat_params(shard, comm, precision.param_dtype) if stage < 3 else ()
     spec, buffers = ModuleSpec(), ()
     if isinstance(params, torch.nn.Module):
-        spec = module_spec(params)
+        spec = replace(module_spec(params), units=unit_names)
         buffers = init_buffers(params, spec, comm.local_ranks)
     rng = () if seed is None else (init_rng(seed, comm.ranks, _device_of(params)),)
     return TrainState(shard, opt, scaler, gathered, buffers, rng, precision, spec)
@@ -360,10 +374,11 @@ def make_train_step(
         raise ValueError(f"make_train_step: accum_steps must be a positive int, got {accum_steps!r}")
     if defer_reduce and stage == 3:
         raise ValueError("make_train_step: stage 3 reduces every micro-step (defer_reduce needs full gradients)")
-    if stage == 3 and not isinstance(loss_fn, Chain):
+    if stage == 3 and not isinstance(loss_fn, (Chain, ModuleLoss)):
         raise TypeError(
-            "make_train_step: stage 3 gathers parameters link by link and needs a fzero.Chain "
-            "(e.g. fzero.chain_from_sequential(model, criterion)) instead of a loss function"
+            "make_train_step: stage 3 gathers each shard unit's parameters in the unit's forward and "
+            "needs the module: give fzero.module_loss(model, ...) (with a state built by "
+            "init_train_state(model, ..., stage=3, units=...)), or a fzero.Chain"
         )
     schedules = dict(schedules or {})
     if isinstance(loss_fn, Chain) and stage < 3:
@@ -378,6 +393,34 @@ def make_train_step(
         return tp.tree_map(lambda x: x[:, k] if isinstance(x, torch.Tensor) else x, batch)
 
     def stage3_micro(state: TrainState, batch: Any) -> tuple[TrainState, tuple[torch.Tensor, ...], torch.Tensor]:
+        if chain is None:
+            if not state.module.units:
+                raise ValueError(
+                    "make_train_step(stage=3): this state has no shard units; build it with "
+                    "init_train_state(model, ..., stage=3, units=...)"
+                )
+            if broadcast_buffers and state.buffers:
+                state = replace(state, buffers=broadcast_module_buffers(state.buffers, comm))
+            if torch.compiler.is_compiling():
+                # Module hooks and saved-tensor hooks do not trace: in a graph, every bucket is
+                # gathered inside the step and inductor keeps it to its last use in backward
+                # (FSDP's reshard_after_forward=False); between steps the state holds shards only.
+                gathered = gather_flat_params(state.shard, comm, state.precision.param_dtype)
+                out = local_flat_grads(loss_fn, replace(state, params=gathered), batch, comm.local_ranks)
+                reduce_dtype = state.precision.reduce_dtype
+                return replace(state, buffers=out.buffers, rng=out.rng), tuple(
+                    average_flat_grads(f, comm, reduce_dtype or g.master_dtype, g.master_dtype)
+                    for g, f in zip(state.layout.groups, out.flat)
+                ), out.losses
+            out = unit_grads(
+                loss_fn, state.shard, comm, batch, units=state.module.units, buffers=state.buffers,
+                buffer_names=state.module.buffers,
+                rng=state.rng[0] if state.rng and not torch.compiler.is_compiling() else None,
+                scale_loss=lambda loss: scale(state.scaler, loss),
+                param_dtype=state.precision.param_dtype, reduce_dtype=state.precision.reduce_dtype,
+                rank_rng=rank_rng,
+            )
+            return replace(state, buffers=out.buffers, rng=out.rng or state.rng), out.shards, out.losses
         shards, losses = stage3_grads(
             chain, state.shard, comm, batch, lambda loss: scale(state.scaler, loss),
             param_dtype=state.precision.param_dtype, reduce_dtype=state.precision.reduce_dtype,
@@ -404,7 +447,7 @@ def make_train_step(
         if stage == 3 and state.params:
             raise ValueError("make_train_step(stage=3): this state keeps gathered parameters; build it "
                              "with init_train_state(..., stage=3)")
-        if stage == 3 and state.buffers:
+        if stage == 3 and chain is not None and state.buffers:
             raise ValueError(
                 f"make_train_step(stage=3): the model has buffers {list(state.module.buffers)[:4]}; "
                 "stage 3's chain runs links with the module's own buffers and would update them "

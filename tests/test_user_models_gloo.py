@@ -11,7 +11,8 @@ from dist_harness import run_torchrun
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed
 
-CASES = ["dropout_gpt2", "bn_vs_ddp", "compiled_gpt2"]
+CASES = ["dropout_gpt2", "bn_vs_ddp", "compiled_gpt2", "stage3_dropout_gpt2", "stage3_compiled_gpt2",
+         "stage3_vs_fsdp2_gpt2"]
 
 
 @pytest.fixture(scope="module")
@@ -52,3 +53,25 @@ def test_compiled_transformers_step_on_gloo(w2):
         assert res["graphs"] == 1 and res["breaks"] == 0 and res["recompiles"] == 0, (r, res)
         assert res["err"] <= 1e-5, (r, res)
         assert res["lc"] == pytest.approx(res["le"], rel=1e-5)
+
+
+def test_stage3_on_gloo_equals_simulated_world_bitwise(w2):
+    ranks = _case(w2, "stage3_dropout_gpt2")
+    sim = ranks[0]["sim"]
+    assert ranks[0]["losses"] == ranks[1]["losses"] == ranks[0]["sim_losses"]
+    for r, res in enumerate(ranks):
+        for g, (mine, theirs) in enumerate(zip(res["gloo"]["masters"], sim["masters"])):
+            assert torch.equal(mine[0], theirs[r]), f"rank {r}, flat group {g}"
+        assert torch.equal(res["gloo"]["rng"][0][0], sim["rng"][0][r]), f"generator of rank {r}"
+
+
+def test_stage3_compiled_on_gloo(w2):
+    for r, res in enumerate(_case(w2, "stage3_compiled_gpt2")):
+        assert res["graphs"] == 1 and res["breaks"] == 0 and res["recompiles"] == 0, (r, res)
+        assert res["err"] <= 1e-5, (r, res)
+        assert res["lc"] == pytest.approx(res["le"], rel=1e-5)
+
+
+def test_stage3_equals_fsdp2_per_block(w2):
+    for r, errs in enumerate(_case(w2, "stage3_vs_fsdp2_gpt2")):
+        assert len(errs) == 28 and max(errs.values()) <= 1e-12, (r, max(errs.values()), errs)

@@ -20,10 +20,10 @@ from dist_harness import worker_main
 STEPS = 4
 
 
-def _train(model, comm, data, *, compile=False, opt=None, loss="lm", seed=7):
-    state = fzero.init_train_state(model, opt or fzero.adamw(lr=1e-2), comm, seed=seed)
+def _train(model, comm, data, *, compile=False, opt=None, loss="lm", seed=7, stage=2, units=None):
+    state = fzero.init_train_state(model, opt or fzero.adamw(lr=1e-2), comm, seed=seed, stage=stage, units=units)
     crit = um.lm_criterion if loss == "lm" else torch.nn.functional.cross_entropy
-    step = fzero.make_train_step(fzero.module_loss(model, crit), comm, compile=compile)
+    step = fzero.make_train_step(fzero.module_loss(model, crit), comm, compile=compile, stage=stage)
     losses = []
     for batch in data:
         state, m = step(state, comm.split_batch(batch))
@@ -86,6 +86,67 @@ def case_compiled_gpt2(comm):
     eager, le = _train(um.gpt2(), comm, data, opt=opt)
     err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(compiled.shard.master, eager.shard.master))
     return {"graphs": graphs, "breaks": breaks, "recompiles": recompiles, "err": err, "lc": lc, "le": le}
+
+
+def _gpt2_block():
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    return GPT2Block
+
+
+def case_stage3_dropout_gpt2(comm):
+    """Stage 3 with GPT-2 blocks as units on gloo, against the simulated world (bitwise)."""
+    data = um.token_batches(STEPS, comm.world_size * 2)
+    kw = dict(stage=3, units=(_gpt2_block(),))
+    state, losses = _train(um.gpt2(dropout=0.1), comm, data, **kw)
+    out = {"gloo": _rows(state), "losses": losses}
+    if comm.rank == 0:
+        sim_state, sim_losses = _train(um.gpt2(dropout=0.1), fzero.SimulatedWorld(comm.world_size), data, **kw)
+        out["sim"] = _rows(sim_state)
+        out["sim_losses"] = sim_losses
+    return out
+
+
+def case_stage3_compiled_gpt2(comm):
+    data = um.token_batches(STEPS, comm.world_size * 2)
+    opt = fzero.sgd(lr=0.1, momentum=0.9)
+    kw = dict(stage=3, units=(_gpt2_block(),), opt=opt)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, lc = _train(um.gpt2(), comm, data, compile=True, **kw)
+    graphs = counters["stats"]["unique_graphs"]
+    breaks = sum(counters["graph_break"].values())
+    recompiles = sum(counters["recompiles"].values())
+    eager, le = _train(um.gpt2(), comm, data, **kw)
+    err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(compiled.shard.master, eager.shard.master))
+    return {"graphs": graphs, "breaks": breaks, "recompiles": recompiles, "err": err, "lc": lc, "le": le}
+
+
+def case_stage3_vs_fsdp2_gpt2(comm):
+    """FSDP2 (fully_shard on every GPT-2 block and on the root, which holds the tied embedding)
+    with torch's SGD (momentum) against fzero stage 3 with the blocks as units, in float64.
+    Relative error per parameter."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    data = um.token_batches(STEPS, comm.world_size * 2)
+    model = um.gpt2().double()
+    mesh = init_device_mesh("cpu", (comm.world_size,))
+    ref = copy.deepcopy(model)
+    for block in ref.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(ref, mesh=mesh)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for batch in data:
+        x, y = comm.split_batch(batch)
+        opt.zero_grad()
+        um.lm_criterion(ref(x[0]).logits, y[0]).backward()
+        opt.step()
+    state, _ = _train(model, comm, data, opt=fzero.sgd(lr=0.1, momentum=0.9), stage=3,
+                      units=(_gpt2_block(),))
+    mine = {k: v[0] for k, v in fzero.all_gather_params(state.shard, comm).items()}
+    return {n: ((mine[n] - p.full_tensor()).abs().max() / p.full_tensor().abs().max()).item()
+            for n, p in ref.named_parameters()}
 
 
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}

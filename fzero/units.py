@@ -1,0 +1,570 @@
+"""ZeRO stage 3 for any ``nn.Module``: shard units chosen by a wrap policy, no recomputed forward.
+
+A *wrap policy* picks submodules as shard units, as FSDP2 applies
+``fully_shard`` to each transformer block: module classes, or a predicate on
+``(name, module)``. Each unit's parameters form one bucket of the flat layout
+(bucket ``i + 1`` for unit ``i``); the *root* (bucket 0) holds every
+parameter no unit claims, and every parameter registered under several units
+or under a unit and outside it (tied weights: GPT-2's ``wte``/``lm_head``),
+FSDP2's rule of the common ancestor. Units may not nest.
+
+One local rank's forward and backward (:func:`unit_grads`):
+
+* the root bucket is all-gathered once and held until the rank's backward ends;
+* a forward pre-hook on each unit all-gathers the unit's bucket (compute
+  dtype) through :class:`_Gather`, an autograd function, and binds views of it
+  as the unit's parameters; a forward hook unbinds them (they become
+  :class:`_Released` placeholders that raise if used);
+* every tensor autograd saves for backward that is a view of a gathered unit
+  is packed as a *token* (saved-tensor hooks): after its forward, nothing holds
+  the unit's gathered parameters;
+* in backward, unpacking a token all-gathers the unit again (once: a small
+  cache); when autograd has the gradient of the whole bucket, it calls
+  ``_Gather.backward`` with it: that is the moment the bucket's gradient is
+  complete. It is kept, and once every local rank has delivered it, averaged
+  over ranks by ``reduce_scatter`` at once (on a real rank: during backward,
+  unit by unit); the cache drops the unit.
+
+So a unit's forward runs once: no recompute, and dropout draws once per step.
+Activation checkpointing composes: a checkpointed unit's pre-hook runs again
+in the recompute and regathers it (``torch.utils.checkpoint`` restores the
+generator, so the masks are the same).
+
+Peak gathered parameters per rank: the root, plus one unit in forward, plus at
+most two units in backward (the one whose saved tensors are being unpacked and
+the next). Gradients: one bucket at a time on a real rank (the simulated world
+keeps each rank's bucket gradients until the last rank has delivered them).
+
+Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.sharding``, ``fzero.module``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import torch
+
+from .comm import Communicator
+from .layout import FlatGroup, Layout
+from .module import ModuleLoss
+from .sharding import ShardState, average_flat_grads, stack_rows
+
+__all__ = ["UnitPolicy", "select_units", "unit_buckets", "unit_grads", "UnitGrads"]
+
+UnitPolicy = Union[type, tuple, Callable[[str, torch.nn.Module], bool]]
+
+
+def _predicate(policy: UnitPolicy) -> Callable[[str, torch.nn.Module], bool]:
+    if isinstance(policy, type):
+        policy = (policy,)
+    if isinstance(policy, (tuple, list, set, frozenset)):
+        classes = tuple(policy)
+        if not classes or not all(isinstance(c, type) for c in classes):
+            raise TypeError(f"units: expected module classes or a predicate (name, module) -> bool, got {policy!r}")
+        return lambda name, module: isinstance(module, classes)
+    if callable(policy):
+        return policy
+    raise TypeError(f"units: expected module classes or a predicate (name, module) -> bool, got {policy!r}")
+
+
+def select_units(module: torch.nn.Module, policy: UnitPolicy) -> tuple[str, ...]:
+    """The names of the submodules ``policy`` makes shard units, in ``named_modules`` order.
+
+    Units without parameters are left out (nothing to shard). Raises
+    ``ValueError`` if the policy selects no submodule with parameters, or
+    selects a module inside another unit (units may not nest: say which two).
+    """
+    pred = _predicate(policy)
+    chosen = []
+    for name, m in module.named_modules():
+        if name and pred(name, m) and any(True for _ in m.parameters()):
+            chosen.append(name)
+    if not chosen:
+        raise ValueError(
+            f"units: the wrap policy selects no submodule with parameters of {type(module).__name__} "
+            "(the root itself cannot be a unit); e.g. units=(TransformerBlock,) or "
+            "units=lambda name, m: name.startswith('layers.')"
+        )
+    for i, outer in enumerate(chosen):
+        for inner in chosen[i + 1 :]:
+            if inner.startswith(outer + "."):
+                raise ValueError(
+                    f"units: {inner!r} lies inside unit {outer!r}; units may not nest: choose one of "
+                    "them (e.g. only the transformer blocks)"
+                )
+    return tuple(chosen)
+
+
+def _unit_of(name: str, units: Sequence[str]) -> Optional[int]:
+    for i, u in enumerate(units):
+        if name.startswith(u + "."):
+            return i
+    return None
+
+
+def unit_buckets(module: torch.nn.Module, units: Sequence[str]) -> dict[str, int]:
+    """``{parameter name: bucket}`` (``named_parameters`` names): unit ``i`` is bucket
+    ``i + 1``; bucket 0, the root, takes a parameter no unit claims and one
+    registered under names in more than one place (tied)."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    out = {}
+    for name, p in module.named_parameters():
+        owners = {_unit_of(n, units) for n in names[id(p)]}
+        only = owners.pop() if len(owners) == 1 else None
+        out[name] = 0 if only is None else only + 1
+    return out
+
+
+@dataclasses.dataclass
+class UnitGrads:
+    """What one micro-batch's stage-3 forward and backward gives.
+
+    ``shards``: per flat group, this rank's averaged (still scaled) gradient
+    shard ``[R, shard_numel]`` in the master dtype; ``losses`` ``[R]`` fp32;
+    ``buffers`` and ``rng`` as :class:`fzero.step.RankGrads`.
+    """
+
+    shards: tuple[torch.Tensor, ...]
+    losses: torch.Tensor
+    buffers: tuple[torch.Tensor, ...]
+    rng: tuple[torch.Tensor, ...]
+
+
+# Tensor metadata a module may read from a released parameter (HF models read
+# ``self.dtype``/``self.device`` from their first parameter outside any unit).
+_METADATA_GETTERS = frozenset({
+    "shape", "dtype", "device", "requires_grad", "ndim", "layout", "is_cuda", "is_meta", "is_cpu",
+    "is_sparse", "is_quantized", "is_nested", "is_leaf", "grad_fn", "grad", "names", "itemsize", "nbytes",
+})
+_METADATA_METHODS = frozenset({
+    "size", "dim", "numel", "element_size", "is_floating_point", "is_complex", "__len__", "__hash__",
+    "__repr__", "__format__", "nelement", "get_device", "type",
+})
+
+
+def _func_name(func: Any) -> str:
+    owner = getattr(func, "__self__", None)
+    if getattr(func, "__name__", "") == "__get__" and owner is not None:
+        return getattr(owner, "__name__", "")
+    return getattr(func, "__name__", "")
+
+
+class _Released(torch.Tensor):
+    """A unit's parameter outside the unit's forward: metadata reads work, any use raises.
+
+    Without it the module would still hold its original ``nn.Parameter``,
+    and code using a unit's parameter from outside the unit would silently
+    compute with the initial values.
+    """
+
+    _fzero_name: str = "?"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = _func_name(func)
+        if name in _METADATA_GETTERS or name in _METADATA_METHODS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        found = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, _Released)]
+        who = found[0]._fzero_name if found else "?"
+        raise RuntimeError(
+            f"fzero stage 3: parameter {who} was used ({name}) outside the forward of the unit that "
+            "holds it: its gathered value exists only while that unit runs. Put the module that uses "
+            "it in the same unit, or leave it to the root (choose units that do not contain it)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Token:
+    """A saved tensor that is a view of a gathered bucket: where it was, not what."""
+
+    bucket: int
+    pos: int
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class _Gather(torch.autograd.Function):
+    """``anchor -> this rank's gathered flat buffers of one bucket`` (compute dtype, ``[padded]`` each).
+
+    The all-gather happens in ``forward`` (on the master shards, outside
+    autograd); ``backward`` receives the gradient of every flat buffer of the
+    bucket at once, when autograd has it complete, and hands it to the run.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, run: "_RankRun", bucket: int) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.run, ctx.bucket = run, bucket
+        return run.forward_flats(bucket)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, None, None]:  # type: ignore[override]
+        ctx.run.deliver(ctx.bucket, grads)
+        return None, None, None
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a unit's output tensors; its backward runs before autograd enters the unit."""
+
+    @staticmethod
+    def forward(ctx: Any, run: "_RankRun", bucket: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.run, ctx.bucket = run, bucket
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        ctx.run.bind_for_backward(ctx.bucket)
+        return (None, None, *grads)
+
+
+def _before_backward(run: "_RankRun", bucket: int, out: Any) -> Any:
+    """``out`` with its tensors that require grad passed through one :class:`_PreBackward`."""
+    import torch.utils._pytree as tp
+
+    leaves, spec = tp.tree_flatten(out)
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not idx:
+        return out
+    new = _PreBackward.apply(run, bucket, *(leaves[i] for i in idx))
+    for i, x in zip(idx, new):
+        leaves[i] = x
+    return tp.tree_unflatten(leaves, spec)
+
+
+class _Reduction:
+    """Per bucket, each local rank's flat gradients until all have delivered them; then the average.
+
+    ``shards[gi]``: the averaged shard ``[R, shard_numel]`` (master dtype) of flat group ``gi``.
+    """
+
+    def __init__(self, layout: Layout, groups: Sequence[Sequence[FlatGroup]], comm: Communicator,
+                 reduce_dtype: Optional[torch.dtype]):
+        self.layout, self.groups, self.comm, self.reduce_dtype = layout, groups, comm, reduce_dtype
+        self.rows = comm.local_ranks
+        self.parts: dict[int, dict[int, tuple[torch.Tensor, ...]]] = {}
+        self.shards: list[Optional[torch.Tensor]] = [None] * len(layout.groups)
+
+    def add(self, bucket: int, row: int, grads: tuple[torch.Tensor, ...]) -> None:
+        got = self.parts.setdefault(bucket, {})
+        got[row] = grads
+        if len(got) == self.rows:
+            self._reduce(bucket)
+
+    def _reduce(self, bucket: int) -> None:
+        got = self.parts.pop(bucket)
+        for pos, g in enumerate(self.groups[bucket]):
+            flat = stack_rows([got[r][pos] for r in range(self.rows)])
+            self.shards[g.index] = average_flat_grads(flat, self.comm, self.reduce_dtype or g.master_dtype,
+                                                      g.master_dtype)
+
+    def finish(self, device: torch.device, dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, ...]:
+        """Reduce what is left (a bucket no rank's loss reached, or not every rank's), zeros for the
+        missing rows, in bucket order: the same on every rank."""
+        for b, groups in enumerate(self.groups):
+            if not groups or self.shards[groups[0].index] is not None:
+                continue
+            got = self.parts.setdefault(b, {})
+            for r in range(self.rows):
+                if r not in got:
+                    got[r] = tuple(torch.zeros(g.padded_numel, dtype=dtype or g.dtype, device=device)
+                                   for g in groups)
+            self._reduce(b)
+        return tuple(self.shards)  # type: ignore[arg-type]
+
+
+class _RankRun:
+    """One local rank's forward and backward at stage 3: gathers, binds, packs and regathers."""
+
+    def __init__(self, plan: "_Plan", shard: ShardState, comm: Communicator, row: int,
+                 dtype: Optional[torch.dtype], reduction: _Reduction,
+                 unit_slots: Sequence[Sequence[tuple[dict, str, str]]], released: Mapping[str, torch.Tensor]):
+        self.plan, self.shard, self.comm, self.row, self.dtype = plan, shard, comm, row, dtype
+        self.reduction, self.unit_slots, self.released = reduction, unit_slots, released
+        self.anchor = torch.zeros((), requires_grad=True)
+        self.backward = False
+        self.expected = [0] * len(plan.groups)
+        self.delivered = [0] * len(plan.groups)
+        self.acc: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.cache: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.live: dict[int, tuple[int, int, int]] = {}
+        self.bound: dict[int, Mapping[str, torch.Tensor]] = {}
+        self.ahead: dict[int, tuple[torch.Tensor, ...]] = {}  # forward prefetch
+        self.order: list[int] = []  # units in the order of their first forward
+        self.started: set[int] = set()  # cache entries whose gather may still be in flight
+
+    def gather(self, bucket: int, start: bool = False) -> tuple[torch.Tensor, ...]:
+        """This rank's row of the bucket's flat buffers, compute dtype: one ``all_gather`` per
+        flat group (``start``: ``all_gather_start``, waited for at first use)."""
+        if start:  # rows are taken when the data has arrived (see _arrived)
+            return tuple(self.comm.all_gather_start(self.shard.master[g.index].to(self.dtype or g.dtype))
+                         for g in self.plan.groups[bucket])
+        return tuple(self.comm.all_gather(self.shard.master[g.index].to(self.dtype or g.dtype))[self.row]
+                     for g in self.plan.groups[bucket])
+
+    def _arrived(self, started: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return tuple(self.comm.wait(f)[self.row] for f in started)
+
+    def forward_flats(self, bucket: int) -> tuple[torch.Tensor, ...]:
+        """The bucket for its forward (prefetched, or gathered now); starts the next unit's gather."""
+        started = self.ahead.pop(bucket, None)
+        flats = self._arrived(started) if started is not None else self.gather(bucket)
+        if not self.backward and 0 < bucket < len(self.plan.groups) - 1 and self.expected[bucket + 1] == 0:
+            self.ahead[bucket + 1] = self.gather(bucket + 1, start=True)
+        return flats
+
+    def bucket_tensors(self, bucket: int, track: bool = True) -> dict[str, torch.Tensor]:
+        """Gather ``bucket`` through autograd: ``{name: view}`` of its trainable parameters.
+
+        ``track``: pack the views autograd saves as tokens (a unit's; not the root's,
+        which is held for the whole forward and backward anyway)."""
+        if not self.backward:
+            if bucket and not self.expected[bucket]:
+                self.order.append(bucket)
+            self.expected[bucket] += 1
+        flats = _Gather.apply(self.anchor, self, bucket)
+        out = {}
+        for pos, (g, flat) in enumerate(zip(self.plan.groups[bucket], flats)):
+            lay = self.plan.layout
+            sizes = [lay.slots[i].numel for i in g.slots] + ([g.padding] if g.padding else [])
+            for i, piece in zip(g.slots, flat.split(sizes)):
+                s = lay.slots[i]
+                out[s.path] = piece.view(s.shape)
+            if track:
+                self.live[flat.untyped_storage().data_ptr()] = (bucket, pos, flat.storage_offset())
+        return out
+
+    def bind(self, bucket: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        for table, attr, name in self.unit_slots[bucket]:
+            table[attr] = tensors[name]
+
+    def unbind(self, bucket: int) -> None:
+        for table, attr, name in self.unit_slots[bucket]:
+            table[attr] = self.released[name]
+
+    def pre_forward(self, bucket: int) -> None:
+        if self.backward:  # a checkpointed unit recomputed through its __call__
+            self.bind_for_backward(bucket)
+            return
+        tensors = self.bucket_tensors(bucket)
+        self.bind(bucket, tensors)
+        self.bound[bucket] = tensors
+
+    def post_forward(self, bucket: int, out: Any) -> Any:
+        if self.backward:
+            return out
+        self.unbind(bucket)
+        self.release(bucket, self.bound.pop(bucket, {}))
+        return _before_backward(self, bucket, out)
+
+    def release(self, bucket: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        for t in tensors.values():
+            self.live.pop(t.untyped_storage().data_ptr(), None)
+
+    def regathered(self, bucket: int) -> tuple[torch.Tensor, ...]:
+        """The bucket gathered again for backward (once; dropped when its gradient is complete).
+        The buffers require grad so that a checkpointed region recomputes as in forward."""
+        flats = self.cache.get(bucket)
+        if flats is None:
+            flats = self.gather(bucket)
+        elif bucket in self.started:
+            self.started.discard(bucket)
+            flats = self._arrived(flats)
+        self.cache[bucket] = flats
+        return flats
+
+    def bind_for_backward(self, bucket: int) -> None:
+        """Bind the unit's regathered parameters before autograd enters it: a checkpointed
+        forward recomputed in backward finds them in the module."""
+        flats = self.regathered(bucket)
+        tensors = {}
+        lay = self.plan.layout
+        # autograd runs backward with grad mode off; the views must require grad as in forward
+        with torch.enable_grad():
+            tensors = self._views(bucket, [f.detach().requires_grad_(True) for f in flats])
+        self.bind(bucket, tensors)
+        # prefetch the unit backward reaches next: the one that ran before this one in forward
+        i = self.order.index(bucket) if bucket in self.order else 0
+        if i > 0 and self.order[i - 1] not in self.cache:
+            self.cache[self.order[i - 1]] = self.gather(self.order[i - 1], start=True)
+            self.started.add(self.order[i - 1])
+
+    def _views(self, bucket: int, flats: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        tensors = {}
+        lay = self.plan.layout
+        for g, flat in zip(self.plan.groups[bucket], flats):
+            sizes = [lay.slots[i].numel for i in g.slots] + ([g.padding] if g.padding else [])
+            for i, piece in zip(g.slots, flat.split(sizes)):
+                tensors[lay.slots[i].path] = piece.view(lay.slots[i].shape)
+        return tensors
+
+    def deliver(self, bucket: int, grads: tuple[torch.Tensor, ...]) -> None:
+        prev = self.acc.get(bucket)
+        self.acc[bucket] = grads if prev is None else tuple(a + g for a, g in zip(prev, grads))
+        self.delivered[bucket] += 1
+        if self.delivered[bucket] == self.expected[bucket]:
+            self.cache.pop(bucket, None)
+            self.started.discard(bucket)
+            self.unbind(bucket)
+            self.reduction.add(bucket, self.row, self.acc.pop(bucket))
+
+    def pack(self, t: torch.Tensor) -> Any:
+        hit = self.live.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None
+        if hit is None:
+            return t
+        bucket, pos, base = hit
+        return _Token(bucket, pos, t.storage_offset() - base, tuple(t.size()), tuple(t.stride()))
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Token):
+            return saved
+        base = self.regathered(saved.bucket)[saved.pos].detach()
+        return base.as_strided(saved.size, saved.stride, base.storage_offset() + saved.offset)
+
+    def finish_rank(self) -> None:
+        """Hand over what this rank's backward never delivered whole (a bucket some of whose
+        uses were not on the loss's path: the gradient of the uses that were)."""
+        for b, grads in list(self.acc.items()):
+            self.reduction.add(b, self.row, grads)
+        self.acc.clear()
+        self.cache.clear()
+        self.ahead.clear()
+        self.started.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static: the layout's flat groups per bucket, the unit modules and their parameter slots."""
+
+    layout: Layout
+    groups: tuple[tuple[FlatGroup, ...], ...]
+    units: tuple[str, ...]
+
+    @staticmethod
+    def of(layout: Layout, units: Sequence[str]) -> "_Plan":
+        n = len(units) + 1
+        groups = tuple(tuple(g for g in layout.groups if g.bucket == b) for b in range(n))
+        return _Plan(layout, groups, tuple(units))
+
+
+def check_module_matches(module: torch.nn.Module, layout: Layout) -> None:
+    """Raise ``ValueError`` if ``module``'s parameters are no longer those the state was built
+    from (names, shapes, dtypes): a layer replaced or resized after ``init_train_state``."""
+    have = {n: (tuple(p.shape), p.dtype) for n, p in module.named_parameters()}
+    for s in layout.slots:
+        got = have.pop(s.path, None)
+        if got != (s.shape, s.dtype):
+            raise ValueError(
+                f"stage 3: parameter {s.path!r} of the state is {s.shape} {s.dtype}, but the module "
+                + (f"now has {got[0]} {got[1]}" if got else "has no such parameter")
+                + ": the module changed after init_train_state; build the state again"
+            )
+    if have:
+        raise ValueError(f"stage 3: the module has parameters the state does not know: {sorted(have)[:4]}; "
+                         "the module changed after init_train_state; build the state again")
+
+
+def unit_grads(
+    loss_fn: ModuleLoss,
+    shard: ShardState,
+    comm: Communicator,
+    batch: Any,
+    *,
+    units: Sequence[str],
+    buffers: Sequence[torch.Tensor],
+    buffer_names: Sequence[str],
+    rng: Optional[torch.Tensor],
+    scale_loss: Callable[[torch.Tensor], torch.Tensor],
+    param_dtype: Optional[torch.dtype],
+    reduce_dtype: Optional[torch.dtype],
+    rank_rng: Callable[..., Any],
+) -> UnitGrads:
+    """Stage 3's forward and backward of one micro-batch for every local rank (see the module doc).
+
+    ``batch``: leaves ``[R, ...]``; ``buffers``: ``[R, ...]`` each (the forward
+    updates fresh copies); ``rng``: ``[R, n]`` generator states or None.
+    Collectives: per rank, one ``all_gather`` per flat group of the root and
+    of each unit in forward and again in backward; per bucket one
+    ``reduce_scatter`` per flat group once every local rank delivered it.
+    """
+    module = loss_fn.module
+    lay = shard.layout
+    check_module_matches(module, lay)
+    plan = _Plan.of(lay, units)
+    rows = comm.local_ranks
+    bucket_of = {s.path: s.bucket for s in lay.slots if s.group >= 0}
+    unit_slots: list[list[tuple[dict, str, str]]] = [[] for _ in plan.groups]
+    for table, attr, name in loss_fn._slots:
+        b = bucket_of.get(name)
+        if b:
+            unit_slots[b].append((table, attr, name))
+    released = {
+        s.path: _released(s.path, s.shape, param_dtype or s.dtype, shard.master[0].device)
+        for s in lay.slots if s.group >= 0 and s.bucket > 0
+    }
+    frozen = {s.path: (f.to(param_dtype) if param_dtype is not None else f)
+              for s, f in zip(lay.frozen_slots, shard.frozen)}
+    device = shard.master[0].device
+    reduction = _Reduction(lay, plan.groups, comm, reduce_dtype)
+    losses, new_rng = [], []
+    new_buffers: list[list[torch.Tensor]] = [[] for _ in buffer_names]
+    unit_modules = [module.get_submodule(u) for u in units]
+    for r in range(rows):
+        run = _RankRun(plan, shard, comm, r, param_dtype, reduction, unit_slots, released)
+        batch_r = _index_row(batch, r)
+        bufs = [b[r].clone() for b in buffers]
+
+        handles = []
+        try:
+            for b, m in enumerate(unit_modules, start=1):
+                handles.append(m.register_forward_pre_hook(lambda mod, args, b=b: run.pre_forward(b)))
+                handles.append(m.register_forward_hook(
+                    lambda mod, args, out, b=b: run.post_forward(b, out), always_call=True))
+            with rank_rng(rng[r] if rng is not None else None, device, new_rng), torch.enable_grad(), \
+                    torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
+                tensors = {**run.bucket_tensors(0, track=False), **frozen, **released,
+                           **dict(zip(buffer_names, bufs))}
+                with loss_fn.bound(tensors):
+                    loss = loss_fn.forward_loss(tensors, batch_r)
+                    _check_loss(loss)
+                    loss = loss.float()
+                    run.backward = True
+                    torch.autograd.grad(scale_loss(loss), [run.anchor], allow_unused=True)
+                del tensors
+            run.finish_rank()
+        finally:
+            for h in handles:
+                h.remove()
+        losses.append(loss.detach())
+        for i, b in enumerate(bufs):
+            new_buffers[i].append(b)
+    shards = reduction.finish(device, param_dtype)
+    return UnitGrads(
+        shards,
+        torch.stack(losses),
+        tuple(stack_rows(b) for b in new_buffers),
+        (stack_rows(new_rng),) if rng is not None else (),
+    )
+
+
+def _released(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A placeholder with the parameter's shape, ``dtype`` and device, holding one element."""
+    data = torch.empty(1, dtype=dtype, device=device).expand(shape)
+    out = torch.Tensor._make_subclass(_Released, data, False)
+    out._fzero_name = repr(name)
+    return out
+
+
+def _index_row(tree: Any, r: int) -> Any:
+    import torch.utils._pytree as tp
+    return tp.tree_map(lambda x: x[r] if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _check_loss(loss: Any) -> None:
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
+        raise ValueError(f"loss_fn must return a 0-d floating-point tensor, got {loss!r:.80}")
+    if not loss.requires_grad:
+        raise ValueError("loss_fn returned a loss that does not depend on the trainable parameters")
