@@ -10,7 +10,7 @@ all-gathered buffer until its last reference dies):
 * bytes of gathered (full) parameters held between steps, and
 * the peak of gathered parameter bytes alive at any moment during the step,
 
-next to the whole model's parameter bytes, one link's bytes, and the memory
+next to the whole model's parameter bytes, one unit's bytes, and the memory
 report (training state per rank) for the three stages.
 """
 
@@ -38,31 +38,32 @@ def main() -> None:
     args = ap.parse_args()
     mse = torch.nn.functional.mse_loss
     model = build(args.layers, args.width)
-    chain = fzero.chain_from_sequential(model, mse)
+    units = lambda name, m: "." not in name  # noqa: E731 - a shard unit per child
     mib = 2.0**20
     psi = sum(p.numel() for p in model.parameters())
     print(f"model: {args.layers} blocks of width {args.width} + head, {psi:,} parameters "
-          f"({psi * 4 / mib:.1f} MiB fp32); {len(chain.links)} links; SimulatedWorld({args.world})\n")
-    print(f"{'stage':>5} {'held between steps':>20} {'peak gathered in step':>22} {'peak / model':>13} {'peak / link':>12}")
+          f"({psi * 4 / mib:.1f} MiB fp32); {sum(1 for _ in model.children())} children; SimulatedWorld({args.world})\n")
+    print(f"{'stage':>5} {'held between steps':>20} {'peak gathered in step':>22} {'peak / model':>13} {'peak / unit':>12}")
     for stage in (1, 2, 3):
         tracker = GatherTracker(fzero.SimulatedWorld(args.world))
-        state = fzero.init_train_state(model, fzero.adamw(), tracker, stage=stage, chain=chain)
-        step = fzero.make_train_step(chain, tracker, stage=stage)
+        state = fzero.init_train_state(model, fzero.adamw(), tracker, stage=stage, units=units)
+        step = fzero.make_train_step(fzero.module_loss(model, mse), tracker, stage=stage)
         x = torch.randn(args.world * 8, args.width)
         batch = tracker.split_batch((x, torch.randn(args.world * 8, 8)))
         held = tracker.live_bytes
         tracker.reset_peak()
         state, _ = step(state, batch)
-        link = max(
-            sum(g.padded_numel * 4 for g in state.layout.groups if g.bucket == b) for b in range(len(chain.links))
+        unit = max(
+            sum(g.padded_numel * 4 for g in state.layout.groups if g.bucket == b)
+            for b in range(1, len(state.module.units) + 1)
         )
         model_bytes = state.layout.num_padded * 4
         print(f"{stage:>5} {held / mib:17.2f} MiB {tracker.peak_bytes / mib:19.2f} MiB "
-              f"{tracker.peak_bytes / model_bytes:13.2f} {tracker.peak_bytes / link:12.2f}")
+              f"{tracker.peak_bytes / model_bytes:13.2f} {tracker.peak_bytes / unit:12.2f}")
         del state
     print("\n(stage 1-2 hold the full parameters between steps and gather the new ones while the old")
-    print(" are still held; stage 3 holds none and gathers link by link)\n")
-    layout = fzero.build_layout(model, args.world, bucket_of=chain.bucket_of)
+    print(" are still held; stage 3 holds none and gathers unit by unit, prefetching the next)\n")
+    layout = fzero.init_train_state(model, fzero.adamw(), fzero.SimulatedWorld(args.world), stage=3, units=units).layout
     bf16 = fzero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     reports = [fzero.memory_report(layout, fzero.adamw(), stage=s, precision=bf16) for s in (1, 2, 3)]
     print("training state per rank, bf16 compute and communication, AdamW:")

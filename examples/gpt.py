@@ -1,7 +1,7 @@
 """A small character-level GPT as an ``nn.Sequential``, its data, and sampling.
 
-The model is ``Sequential(Embed, Block, ..., Block, Head)`` so that fzero's
-ZeRO-3 can gather it one child at a time (``fzero.chain_from_sequential``):
+The model is ``Sequential(Embed, Block, ..., Block, Head)``; fzero's ZeRO-3
+shards it one ``Block`` at a time (``units=(Block,)``):
 
 * :class:`Embed`: token embedding + learned positional embedding,
   ``int64 [B, T] -> [B, T, d]``;

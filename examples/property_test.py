@@ -54,9 +54,9 @@ def data(n: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def train(comm, stage, width, optimizer, split, steps=2, accum=1):
     """``steps`` steps of ZeRO ``stage`` on ``comm``; returns the state and the step."""
     model = make_model(width)
-    chain = fzero.chain_from_sequential(model, mse) if stage == 3 else None
-    state = fzero.init_train_state(model, optimizer, comm, stage=stage, chain=chain)
-    step = fzero.make_train_step(chain or fzero.module_loss(model, mse), comm, stage=stage, accum_steps=accum)
+    units = (lambda name, m: "." not in name) if stage == 3 else None  # stage 3: a unit per child
+    state = fzero.init_train_state(model, optimizer, comm, stage=stage, units=units)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage, accum_steps=accum)
     for batch in data(split.global_batch, steps):
         state, _ = step(state, comm.split_batch(batch, micro_batches=accum))
     return state, step

@@ -36,7 +36,7 @@ from fzero.schedules import warmup_cosine
 HERE = str(Path(__file__).resolve().parent)
 if HERE not in sys.path:  # gpt.py lies next to this script
     sys.path.insert(0, HERE)
-from gpt import CharText, GPTConfig, build_gpt, generate, make_criterion  # noqa: E402
+from gpt import Block, CharText, GPTConfig, build_gpt, generate, make_criterion  # noqa: E402
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -198,16 +198,16 @@ def run(args: argparse.Namespace) -> dict:
                     n_heads=args.heads, context=args.context)
     model = build_gpt(cfg, seed=args.seed)  # every rank builds the same initial model
     criterion = make_criterion(cfg.vocab)
-    chain = fzero.chain_from_sequential(model, criterion)
     optimizer = fzero.adamw(
         lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1,
         groups=[(fzero.no_weight_decay_for(model), {"weight_decay": 0.0})],
     )
     precision = fzero.MixedPrecision(param_dtype=DTYPES[args.dtype])
-    state = fzero.init_train_state(model, optimizer, comm, stage=args.stage, chain=chain, precision=precision)
+    state = fzero.init_train_state(model, optimizer, comm, stage=args.stage, precision=precision,
+                                   units=(Block,))  # one stage-3 unit per block, at every stage: one layout
     warmup = min(50, args.steps // 5)
     step = fzero.make_train_step(
-        chain, comm, stage=args.stage, clip_norm=args.clip or None, accum_steps=args.accum,
+        fzero.module_loss(model, criterion), comm, stage=args.stage, clip_norm=args.clip or None, accum_steps=args.accum,
         schedules={"lr": warmup_cosine(peak=args.lr, warmup_steps=warmup, total_steps=args.steps,
                                        final=args.lr / 10, start=args.lr / max(warmup, 1))},
         compile=args.compile,
@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> dict:
     lay = state.layout
     say(f"fzero main job: char-level GPT on {text.num_chars:,} characters of Python documentation "
         f"(vocab {text.vocab})")
-    say(f"model: {len(model)} links (Embed, {cfg.n_layers} x Block, Head), d_model {cfg.d_model}, "
+    say(f"model: {len(model)} children (Embed, {cfg.n_layers} x Block, Head), d_model {cfg.d_model}, "
         f"{cfg.n_heads} heads, context {cfg.context}; {lay.num_params:,} parameters")
     say(f"world: {comm!r}, ZeRO stage {args.stage}, compute {args.dtype} (master fp32), "
         f"{lay.num_padded:,} padded elements in {len(lay.groups)} flat groups, "

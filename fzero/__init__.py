@@ -43,7 +43,6 @@ from .sharding import (
     shard_step,
 )
 from . import schedules
-from .zero3 import Chain, Link, chain_from_sequential
 from .module import ModuleSpec, model_output
 from .replicas import ReplicaDivergenceError, check_replicas, replicas_differ
 from .rng import rank_seed
@@ -92,13 +91,11 @@ def __getattr__(name: str):  # noqa: ANN202 - PEP 562 lazy attributes
 __all__ = [
     *_CHECKPOINT_API,
     "NAMESPACE",
-    "Chain",
     "CollectiveRecord",
     "Communicator",
     "CountingCommunicator",
     "FlatGroup",
     "Layout",
-    "Link",
     "MemoryReport",
     "MixedPrecision",
     "ModuleSpec",
@@ -120,7 +117,6 @@ __all__ = [
     "adamw",
     "all_gather_params",
     "build_layout",
-    "chain_from_sequential",
     "check_replicas",
     "format_memory_table",
     "gather_flat_params",

@@ -76,7 +76,7 @@ def named_leaves(tree: Any) -> tuple[list[tuple[str, Any]], tp.TreeSpec]:
 class ParamSlot:
     """One parameter: where it lives. ``group == -1`` for frozen parameters.
 
-    ``bucket``: the gather unit it belongs to (ZeRO-3 link; 0 when unbucketed).
+    ``bucket``: the stage-3 shard unit it belongs to (0: the root, or unbucketed).
     """
 
     path: str
@@ -269,7 +269,7 @@ def build_layout(
     ``trainable(path)``: which leaves the optimizer updates; default: every
     leaf of a pytree, ``requires_grad`` parameters of a module. ``group_of(path)``:
     the optimizer parameter group of a trainable leaf (default 0).
-    ``bucket_of(path)``: the gather unit of a leaf (ZeRO-3 links; default 0).
+    ``bucket_of(path)``: the stage-3 shard unit of a leaf (default 0, the root).
     Flat groups are keyed by (bucket, optimizer group, dtype), ordered by bucket.
     ``alignment``: every shard's length is a multiple of it (elements).
 

@@ -21,14 +21,15 @@ stage  held between steps                           transient (inside a step onl
        shards (``2Ψ + 12Ψ/N``)
 3      master and moment shards only (``12Ψ/N``)    compute-dtype param shard and gradient
                                                     shard (``4Ψ/N``): the step casts the
-                                                    master on the fly and reduces per link
+                                                    master on the fly and reduces per unit
 =====  ===========================================  ===========================================
 
 Not counted at all (they depend on the model and the batch, not on Ψ alone):
 activations; in stages 1-2 the full local gradients in the compute dtype during
-backward, before they are reduced; in stage 3 the gathered parameters of about
-two links at a time (``GatherTracker`` measures them,
-``benchmarks/bench_zero3_memory.py``).
+backward, before they are reduced; in stage 3 eagerly the root and at most two
+units of gathered parameters (``GatherTracker`` measures them,
+``benchmarks/bench_zero3_memory.py``), compiled every unit from its forward to
+its backward.
 
 Imports: ``fzero.layout``, ``fzero.optim``, ``fzero.precision``.
 """

@@ -7,8 +7,8 @@ A step, for every local rank ``r`` (one on a real rank, W in the simulated world
    rank 0 (``broadcast_buffers``), then forward and backward of the loss
    multiplied by the loss scale (stages 1-2: ``torch.autograd.grad`` with
    respect to leaf views of the gathered compute-dtype buffers, concatenated
-   per flat group, under the rank's generator state; stage 3: link by link,
-   see :mod:`fzero.zero3`), and the gradients averaged
+   per flat group, under the rank's generator state; stage 3: unit by unit,
+   see :mod:`fzero.units`), and the gradients averaged
    over ranks: ``reduce_scatter`` (stages 2-3) or, for stage 1 and deferred
    stage 2, accumulated locally and reduced once (stage 1 by ``all_reduce``
    and a local slice);
@@ -19,14 +19,14 @@ A step, for every local rank ``r`` (one on a real rank, W in the simulated world
    ``update_scale``, and, for stages 1-2, ``all_gather`` of the new
    parameters in the compute dtype for the next step.
 
-Imports: comm, layout, module, optim, precision, pytree, rng, scaler, schedules, sharding, zero3.
+Imports: comm, layout, module, optim, precision, pytree, rng, scaler, schedules, sharding, units.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 import torch.utils._pytree as tp
@@ -42,7 +42,6 @@ from .replicas import ReplicaDivergenceError, check_replicas, digest_parts, part
 from .rng import init_rng, rank_rng
 from .schedules import Schedule
 from .units import UnitPolicy, select_units, unit_buckets, unit_grads
-from .zero3 import Chain, chain_loss_fn, stage3_grads
 from .sharding import (
     ShardState,
     average_flat_grads,
@@ -110,7 +109,6 @@ def init_train_state(
     comm: Communicator,
     *,
     stage: int = 2,
-    chain: Optional[Chain] = None,
     units: Optional[UnitPolicy] = None,
     precision: MixedPrecision = MixedPrecision(),
     scaler: Optional[ScalerState] = None,
@@ -122,9 +120,12 @@ def init_train_state(
 
     Each local rank builds only its own shards. ``stage`` 1-2 keep the gathered
     compute-dtype parameters in the state; stage 3 keeps none (``params == ()``).
-    ``chain``: lay the parameters out in one bucket per link (required for
-    stage 3; allowed for stages 1-2, which then share stage 3's layout, so
-    checkpoints move between stages). ``scaler`` defaults to a dynamic
+    ``units`` (stage 3; allowed at stages 1-2, which then share stage 3's
+    layout): the wrap policy choosing the shard units of an ``nn.Module``,
+    module classes or a predicate ``(name, module) -> bool`` (see
+    :mod:`fzero.units`); its parameters go one bucket per unit, the rest (and
+    tied parameters) to the root. Checkpoints move between stages either way.
+    ``scaler`` defaults to a dynamic
     :func:`~fzero.scaler.init_scaler` when computing in fp16 and to a static
     scale of 1 otherwise.
 
@@ -137,18 +138,19 @@ def init_train_state(
     """
     if stage not in (1, 2, 3):
         raise ValueError(f"init_train_state: stage must be 1, 2 or 3, got {stage!r}")
-    if stage == 3 and chain is None and units is None:
+    if stage == 3 and units is None:
         raise ValueError(
-            "init_train_state: stage 3 needs shard units: units=(BlockClass,) or a predicate "
-            "(name, module) -> bool (or a fzero.Chain)"
+            "init_train_state: stage 3 needs the model's shard units: units=(BlockClass,) or a "
+            "predicate (name, module) -> bool, as FSDP2's fully_shard per block"
         )
-    if units is not None and chain is not None:
-        raise ValueError("init_train_state: give `units` or `chain`, not both")
     unit_names: tuple[str, ...] = ()
-    bucket_of = chain.bucket_of if chain is not None else None
+    bucket_of = None
     if units is not None:
         if not isinstance(params, torch.nn.Module):
-            raise TypeError(f"init_train_state: `units` chooses submodules of an nn.Module, got {type(params).__name__}")
+            raise TypeError(
+                f"init_train_state: `units` chooses submodules of an nn.Module, got {type(params).__name__}; "
+                "stage 3 shards an nn.Module (pytrees of tensors train at stages 1-2)"
+            )
         unit_names = select_units(params, units)
         buckets = unit_buckets(params, unit_names)
         bucket_of = buckets.__getitem__
@@ -301,7 +303,7 @@ StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]
 
 
 def make_train_step(
-    loss_fn: Union[LossFn, Chain],
+    loss_fn: LossFn,
     comm: Communicator,
     *,
     stage: int = 2,
@@ -319,8 +321,8 @@ def make_train_step(
 
     ``loss_fn(params, batch)``: a 0-d loss for one rank's micro-batch, where
     ``params`` has the structure of the parameters given to
-    :func:`init_train_state`; or a :class:`~fzero.zero3.Chain` (required for
-    stage 3, whose batch is ``(inputs, target)``). ``batch``: any tree whose
+    :func:`init_train_state`; at stage 3 a :func:`fzero.module_loss` (the step
+    binds each unit's gathered parameters into the module). ``batch``: any tree whose
     leaves carry the local-rank axis ``[R, ...]`` (see ``comm.split_batch``).
 
     ``clip_norm``: clip the global gradient norm as
@@ -374,17 +376,13 @@ def make_train_step(
         raise ValueError(f"make_train_step: accum_steps must be a positive int, got {accum_steps!r}")
     if defer_reduce and stage == 3:
         raise ValueError("make_train_step: stage 3 reduces every micro-step (defer_reduce needs full gradients)")
-    if stage == 3 and not isinstance(loss_fn, (Chain, ModuleLoss)):
+    if stage == 3 and not isinstance(loss_fn, ModuleLoss):
         raise TypeError(
             "make_train_step: stage 3 gathers each shard unit's parameters in the unit's forward and "
             "needs the module: give fzero.module_loss(model, ...) (with a state built by "
-            "init_train_state(model, ..., stage=3, units=...)), or a fzero.Chain"
+            "init_train_state(model, ..., stage=3, units=...))"
         )
     schedules = dict(schedules or {})
-    if isinstance(loss_fn, Chain) and stage < 3:
-        chain, loss_fn = loss_fn, chain_loss_fn(loss_fn)
-    else:
-        chain = loss_fn if isinstance(loss_fn, Chain) else None
     defer = stage == 1 or defer_reduce
 
     def micro_batch(batch: Any, k: int) -> Any:
@@ -393,39 +391,33 @@ def make_train_step(
         return tp.tree_map(lambda x: x[:, k] if isinstance(x, torch.Tensor) else x, batch)
 
     def stage3_micro(state: TrainState, batch: Any) -> tuple[TrainState, tuple[torch.Tensor, ...], torch.Tensor]:
-        if chain is None:
-            if not state.module.units:
-                raise ValueError(
-                    "make_train_step(stage=3): this state has no shard units; build it with "
-                    "init_train_state(model, ..., stage=3, units=...)"
-                )
-            if broadcast_buffers and state.buffers:
-                state = replace(state, buffers=broadcast_module_buffers(state.buffers, comm))
-            if torch.compiler.is_compiling():
-                # Module hooks and saved-tensor hooks do not trace: in a graph, every bucket is
-                # gathered inside the step and inductor keeps it to its last use in backward
-                # (FSDP's reshard_after_forward=False); between steps the state holds shards only.
-                gathered = gather_flat_params(state.shard, comm, state.precision.param_dtype)
-                out = local_flat_grads(loss_fn, replace(state, params=gathered), batch, comm.local_ranks)
-                reduce_dtype = state.precision.reduce_dtype
-                return replace(state, buffers=out.buffers, rng=out.rng), tuple(
-                    average_flat_grads(f, comm, reduce_dtype or g.master_dtype, g.master_dtype)
-                    for g, f in zip(state.layout.groups, out.flat)
-                ), out.losses
-            out = unit_grads(
-                loss_fn, state.shard, comm, batch, units=state.module.units, buffers=state.buffers,
-                buffer_names=state.module.buffers,
-                rng=state.rng[0] if state.rng and not torch.compiler.is_compiling() else None,
-                scale_loss=lambda loss: scale(state.scaler, loss),
-                param_dtype=state.precision.param_dtype, reduce_dtype=state.precision.reduce_dtype,
-                rank_rng=rank_rng,
+        """As ``stage12_micro``, gathering each unit's parameters inside the step (fzero.units)."""
+        if not state.module.units:
+            raise ValueError(
+                "make_train_step(stage=3): this state has no shard units; build it with "
+                "init_train_state(model, ..., stage=3, units=...)"
             )
-            return replace(state, buffers=out.buffers, rng=out.rng or state.rng), out.shards, out.losses
-        shards, losses = stage3_grads(
-            chain, state.shard, comm, batch, lambda loss: scale(state.scaler, loss),
-            param_dtype=state.precision.param_dtype, reduce_dtype=state.precision.reduce_dtype,
+        if broadcast_buffers and state.buffers:
+            state = replace(state, buffers=broadcast_module_buffers(state.buffers, comm))
+        reduce_dtype = state.precision.reduce_dtype
+        if torch.compiler.is_compiling():
+            # Module hooks and saved-tensor hooks do not trace: in a graph, every bucket is
+            # gathered inside the step and inductor keeps it to its last use in backward
+            # (FSDP's reshard_after_forward=False); between steps the state holds shards only.
+            gathered = gather_flat_params(state.shard, comm, state.precision.param_dtype)
+            out = local_flat_grads(loss_fn, replace(state, params=gathered), batch, comm.local_ranks)
+            return replace(state, buffers=out.buffers, rng=out.rng), tuple(
+                average_flat_grads(f, comm, reduce_dtype or g.master_dtype, g.master_dtype)
+                for g, f in zip(state.layout.groups, out.flat)
+            ), out.losses
+        units_out = unit_grads(
+            loss_fn, state.shard, comm, batch, units=state.module.units, buffers=state.buffers,
+            buffer_names=state.module.buffers, rng=state.rng[0] if state.rng else None,
+            scale_loss=lambda loss: scale(state.scaler, loss),
+            param_dtype=state.precision.param_dtype, reduce_dtype=reduce_dtype, rank_rng=rank_rng,
         )
-        return state, shards, losses
+        return replace(state, buffers=units_out.buffers, rng=units_out.rng or state.rng), \
+            units_out.shards, units_out.losses
 
     def stage12_micro(state: TrainState, batch: Any) -> tuple[TrainState, tuple[torch.Tensor, ...], torch.Tensor]:
         """The state with the buffers and generators the forward left; per flat group the
@@ -447,13 +439,6 @@ def make_train_step(
         if stage == 3 and state.params:
             raise ValueError("make_train_step(stage=3): this state keeps gathered parameters; build it "
                              "with init_train_state(..., stage=3)")
-        if stage == 3 and chain is not None and state.buffers:
-            raise ValueError(
-                f"make_train_step(stage=3): the model has buffers {list(state.module.buffers)[:4]}; "
-                "stage 3's chain runs links with the module's own buffers and would update them "
-                "outside the state (twice, with the recomputed forward): use stage 1 or 2 for "
-                "models with buffers"
-            )
         if stage < 3 and not state.params:
             raise ValueError(f"make_train_step(stage={stage}): this state was built for stage 3 and keeps "
                              "no gathered parameters; build it with init_train_state(..., stage=1 or 2)")

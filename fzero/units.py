@@ -25,6 +25,10 @@ One local rank's forward and backward (:func:`unit_grads`):
   over ranks by ``reduce_scatter`` at once (on a real rank: during backward,
   unit by unit); the cache drops the unit.
 
+In the simulated world the local ranks run in turn and each gathers its units
+for itself (``all_gather`` of all rows, keeping its own): W collectives where W
+real ranks run one together, a cost of simulating only.
+
 So a unit's forward runs once: no recompute, and dropout draws once per step.
 Activation checkpointing composes: a checkpointed unit's pre-hook runs again
 in the recompute and regathers it (``torch.utils.checkpoint`` restores the

@@ -29,7 +29,7 @@ from fzero.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from helpers import batches, mlp
+from helpers import batches, children, mlp
 
 mse = torch.nn.functional.mse_loss
 
@@ -64,15 +64,15 @@ def fresh(
     **kw: Any,
 ) -> fzero.TrainState:
     """The initial state (``seed`` 0), or a template to load into (other seeds: its values must not matter)."""
-    chain = fzero.chain_from_sequential(mlp(), mse) if stage == 3 else None
+    units = children if stage == 3 else None
     return fzero.init_train_state(
-        mlp(seed=seed, sizes=sizes), optimizer(kind), comm, scaler=scaler(), stage=stage, chain=chain, **kw
+        mlp(seed=seed, sizes=sizes), optimizer(kind), comm, scaler=scaler(), stage=stage, units=units, **kw
     )
 
 
 def train(state: fzero.TrainState, comm: fzero.Communicator, steps: range, stage: int = 2) -> fzero.TrainState:
     """Steps ``steps`` of the global batches, each split evenly over the ranks."""
-    loss = fzero.chain_from_sequential(mlp(), mse) if stage == 3 else fzero.module_loss(mlp(), mse)
+    loss = fzero.module_loss(mlp(), mse)
     step = fzero.make_train_step(loss, comm, stage=stage)
     for i in steps:
         state, _ = step(state, comm.split_batch(DATA[i]))

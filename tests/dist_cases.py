@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 import fzero
-from helpers import batches, mlp
+from helpers import batches, children, mlp
 
 mse = torch.nn.functional.mse_loss
 
@@ -29,12 +29,12 @@ def train(
     ``poison(step, rank) -> bool``: that rank puts an inf in its micro-batch.
     """
     model = mlp(torch.float32)
-    chain = fzero.chain_from_sequential(model, mse) if stage == 3 else None
+    units = children if stage == 3 else None
     state = fzero.init_train_state(
         model, optimizer or fzero.adamw(lr=1e-2), comm, scaler=scaler, precision=precision, alignment=4,
-        stage=stage, chain=chain,
+        stage=stage, units=units,
     )
-    step = fzero.make_train_step(chain or fzero.module_loss(model, mse), comm, stage=stage, compile=compiled)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage, compile=compiled)
     history, changed = [], []
     for i, batch in enumerate(batches(steps, comm.world_size, 2, torch.float32)):
         x, y = comm.split_batch(batch)

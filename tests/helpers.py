@@ -57,3 +57,8 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def params_of_rank(state: fzero.TrainState, comm: fzero.Communicator, row: int) -> dict[str, torch.Tensor]:
     full = fzero.all_gather_params(state.shard, comm)
     return {k: v[row] for k, v in full.items()}
+
+
+def children(name: str, module: torch.nn.Module) -> bool:
+    """Wrap policy: every top-level child of the model is a stage-3 shard unit."""
+    return "." not in name

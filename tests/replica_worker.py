@@ -14,7 +14,7 @@ import torch
 import fzero
 from fzero.pytree import replace
 from fzero.testing import CorruptResult, FaultyWorld
-from helpers import batches, mlp
+from helpers import batches, children, mlp
 
 mse = torch.nn.functional.mse_loss
 
@@ -101,9 +101,8 @@ def case_buffers(comm):
 def case_stage3(comm):
     """Stage 3 keeps no gathered parameters: the scalars are still compared, after a step too."""
     model = mlp(torch.float32)
-    chain = fzero.chain_from_sequential(model, mse)
-    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3, chain=chain, alignment=4)
-    state, _ = fzero.make_train_step(chain, comm, stage=3)(state, comm.split_batch(batches(1, comm.world_size, 2, torch.float32)[0]))
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3, units=children, alignment=4)
+    state, _ = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)(state, comm.split_batch(batches(1, comm.world_size, 2, torch.float32)[0]))
     return {"clean": _outcome(state, comm)}
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fzero
-from helpers import batches, mlp
+from helpers import batches, children, mlp
 
 mse = torch.nn.functional.mse_loss
 
@@ -67,11 +67,21 @@ def test_batch_check_is_free_under_compile():
         step(state, batches(1, 2, 2, torch.float32)[0])
 
 
-def test_stage3_refuses_models_with_buffers():
-    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
-    comm = fzero.SimulatedWorld(2)
-    chain = fzero.chain_from_sequential(model, mse)
-    state = fzero.init_train_state(model, fzero.sgd(lr=0.1), comm, stage=3, chain=chain)
-    step = fzero.make_train_step(chain, comm, stage=3)
-    with pytest.raises(ValueError, match=r"stage=3\): the model has buffers \['1.running_mean'"):
-        step(state, comm.split_batch(batches(1, 2, 2, torch.float32)[0]))
+def test_stage3_trains_buffers_as_stage2():
+    """BatchNorm inside a unit at stage 3: statistics and parameters bitwise as at stage 2."""
+    out = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
+        comm = fzero.SimulatedWorld(2)
+        state = fzero.init_train_state(model, fzero.sgd(lr=0.1), comm, stage=stage, units=children)
+        step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage)
+        for b in batches(3, 2, 2, torch.float32):
+            state, _ = step(state, comm.split_batch(b))
+        out[stage] = state
+    assert out[3].module.buffers == ("1.running_mean", "1.running_var", "1.num_batches_tracked")
+    for a, b in zip(out[2].buffers, out[3].buffers):
+        assert torch.equal(a, b)
+    assert int(out[3].buffers[2][0]) == 3
+    for a, b in zip(out[2].shard.master, out[3].shard.master):
+        assert torch.equal(a, b)

@@ -263,8 +263,8 @@ def test_make_train_step_bad_stage(stage, comm):
         fzero.make_train_step(_loss, comm, stage=stage)
 
 
-def test_make_train_step_stage3_needs_a_chain(comm):
-    with pytest.raises(TypeError, match="Chain"):
+def test_make_train_step_stage3_needs_the_module(comm):
+    with pytest.raises(TypeError, match="needs the module: give fzero.module_loss"):
         fzero.make_train_step(_loss, comm, stage=3)
 
 

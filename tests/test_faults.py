@@ -10,7 +10,7 @@ import torch
 
 import fzero
 from fzero.testing import CorruptResult, Delay, FaultyWorld, GradFault
-from helpers import batches, mlp
+from helpers import batches, children, mlp
 
 mse = torch.nn.functional.mse_loss
 
@@ -18,10 +18,10 @@ mse = torch.nn.functional.mse_loss
 def _setup(world: int, stage: int, faults, scaler=None):
     model = mlp(torch.float32)
     faulty = FaultyWorld(fzero.SimulatedWorld(world), faults)
-    chain = fzero.chain_from_sequential(model, mse) if stage == 3 else None
-    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), faulty, stage=stage, chain=chain,
+    units = children if stage == 3 else None
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), faulty, stage=stage, units=units,
                                    scaler=scaler, alignment=4)
-    step = faulty.wrap(fzero.make_train_step(chain or fzero.module_loss(model, mse), faulty, stage=stage))
+    step = faulty.wrap(fzero.make_train_step(fzero.module_loss(model, mse), faulty, stage=stage))
     data = [faulty.split_batch(b) for b in batches(3, world, 2, torch.float32)]
     return faulty, state, step, data
 

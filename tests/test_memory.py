@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fzero
-from helpers import mlp
+from helpers import children, mlp
 
 BF16 = fzero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
 
@@ -59,8 +59,7 @@ def test_held_is_what_the_state_keeps_between_steps(stage, world):
     (stage 3: 12 Psi / N, no 16-bit parameters or gradients between steps)."""
     model = mlp(sizes=(37, 101, 29, 5))
     comm = fzero.SimulatedWorld(world)
-    chain = fzero.chain_from_sequential(model, torch.nn.functional.mse_loss)
-    state = fzero.init_train_state(model, fzero.adam(), comm, stage=stage, chain=chain, precision=BF16)
+    state = fzero.init_train_state(model, fzero.adam(), comm, stage=stage, units=children, precision=BF16)
     rep = fzero.memory_report(state.layout, state.opt.optimizer, stage=stage, precision=BF16)
     for kind in rep.by_kind:
         assert rep.held[kind] + rep.transient[kind] == rep.by_kind[kind]

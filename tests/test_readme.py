@@ -1,4 +1,4 @@
-"""The README's API screen runs as written (a transformers model trained with fzero)."""
+"""The README's API screen runs as written (a transformers model trained with fzero, then at stage 3)."""
 
 from __future__ import annotations
 
@@ -26,3 +26,17 @@ def test_api_screen_runs():
     for k, v in model.state_dict().items():
         assert torch.equal(v, exported[k]), k
     assert torch.isfinite(scope["metrics"]["loss"])
+
+
+def test_stage3_snippet_runs():
+    """The API section's second block (stage 3 with GPT-2 blocks as units), after the first."""
+    text = README.read_text()
+    section = text[text.index("## The API in one screen"):]
+    first, second = re.findall(r"```python\n(.*?)```", section, re.S)[:2]
+    scope: dict = {}
+    exec(compile(first, "README.md", "exec"), scope)  # noqa: S102 - our own documentation
+    exec(compile(second, "README.md", "exec"), scope)  # noqa: S102
+    state = scope["state"]
+    assert state.params == () and len(state.module.units) == 2
+    assert torch.isfinite(scope["metrics"]["loss"])
+    assert int(state.opt.step) == 1

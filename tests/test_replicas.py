@@ -11,7 +11,7 @@ import fzero
 from fzero.pytree import replace
 from fzero.step import compiled_step
 from fzero.replicas import Divergence, replica_digest, replica_items
-from helpers import batches, mlp
+from helpers import batches, children, mlp
 
 mse = torch.nn.functional.mse_loss
 
@@ -19,10 +19,10 @@ mse = torch.nn.functional.mse_loss
 def _trained(world=3, stage=2, steps=2, precision=fzero.MixedPrecision(), **kw):
     model = mlp(torch.float32)
     comm = fzero.SimulatedWorld(world)
-    chain = fzero.chain_from_sequential(model, mse) if stage == 3 else None
-    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=stage, chain=chain,
+    units = children if stage == 3 else None
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=stage, units=units,
                                    precision=precision, alignment=4, **kw)
-    step = fzero.make_train_step(chain or fzero.module_loss(model, mse), comm, stage=stage)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage)
     for b in batches(steps, world, 2, torch.float32):
         state, _ = step(state, comm.split_batch(b))
     return state, comm

@@ -301,8 +301,8 @@ def test_nested_units():
                                units=lambda name, m: name in ("transformer.h.0", "transformer.h.0.attn"))
 
 
-def test_stage3_needs_units_or_a_chain():
-    with pytest.raises(ValueError, match="stage 3 needs shard units"):
+def test_stage3_needs_units_of_a_module():
+    with pytest.raises(ValueError, match="stage 3 needs the model's shard units"):
         fzero.init_train_state(um.gpt2(), fzero.adamw(), fzero.SimulatedWorld(2), stage=3)
     with pytest.raises(TypeError, match="chooses submodules of an nn.Module"):
         fzero.init_train_state({"w": torch.zeros(3)}, fzero.adamw(), fzero.SimulatedWorld(2), stage=3,

@@ -1,7 +1,9 @@
-"""ZeRO stage 3 on the simulated world: equal to stage 2, compiled, memory and communication."""
+"""ZeRO stage 3 on the simulated world (one shard unit per child of an MLP): equal to stage 2,
+compiled, memory and communication."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -10,19 +12,19 @@ from torch._dynamo.utils import counters
 
 import fzero
 from fzero.testing import GatherTracker
-from helpers import batches, max_rel_err, mlp
+from helpers import batches, children, max_rel_err, mlp
 
 mse = torch.nn.functional.mse_loss
 
 
 def _pair(model, world, *, optimizer=None, scaler=None, precision=fzero.MixedPrecision(), trainable=None):
-    chain = fzero.chain_from_sequential(model, mse)
     comm = fzero.SimulatedWorld(world)
     kw = dict(precision=precision, trainable=trainable)
     s2 = fzero.init_train_state(model, optimizer or fzero.adamw(lr=1e-2), comm, scaler=scaler, **kw)
-    s3 = fzero.init_train_state(model, optimizer or fzero.adamw(lr=1e-2), comm, scaler=scaler, stage=3, chain=chain, **kw)
+    s3 = fzero.init_train_state(model, optimizer or fzero.adamw(lr=1e-2), comm, scaler=scaler, stage=3,
+                                units=children, **kw)
     step2 = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=2)
-    step3 = fzero.make_train_step(chain, comm, stage=3)
+    step3 = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)
     return comm, (s2, step2), (s3, step3)
 
 
@@ -78,14 +80,13 @@ def test_stage3_with_scaler_skips_frozen_and_low_precision():
 
 def test_stage3_compiled_equals_eager_without_recompiles():
     model = mlp(torch.float32)
-    chain = fzero.chain_from_sequential(model, mse)
     comm = fzero.SimulatedWorld(2)
-    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3, chain=chain,
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3, units=children,
                                    scaler=fzero.init_scaler(2.0**8, growth_interval=2))
-    eager = fzero.make_train_step(chain, comm, stage=3)
+    eager = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)
     torch._dynamo.reset()
     counters.clear()
-    compiled = fzero.make_train_step(chain, comm, stage=3, compile=True)
+    compiled = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3, compile=True)
     se, sc = state, state
     scales = set()
     for i, (x, y) in enumerate(batches(10, 2, 2, torch.float32)):
@@ -106,12 +107,11 @@ def test_stage3_compiled_equals_eager_without_recompiles():
 
 def test_stage3_donating_equals_pure():
     model = mlp(torch.float32)
-    chain = fzero.chain_from_sequential(model, mse)
     comm = fzero.SimulatedWorld(2)
-    pure = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3, chain=chain)
-    donated = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3, chain=chain)
-    sp = fzero.make_train_step(chain, comm, stage=3)
-    sd = fzero.make_train_step(chain, comm, stage=3, donate=True)
+    pure = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3, units=children)
+    donated = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3, units=children)
+    sp = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)
+    sd = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3, donate=True)
     for batch in batches(4, 2, 2, torch.float32):
         b = comm.split_batch(batch)
         pure, _ = sp(pure, b)
@@ -123,52 +123,54 @@ def test_stage3_donating_equals_pure():
 @pytest.mark.parametrize("world", [2, 4])
 def test_stage3_communication_is_two_gathers_and_one_reduce_scatter(world):
     model = mlp(torch.float32)
-    chain = fzero.chain_from_sequential(model, mse)
     counting = fzero.CountingCommunicator(fzero.SimulatedWorld(world))
-    state = fzero.init_train_state(model, fzero.adamw(), counting, stage=3, chain=chain)
-    step = fzero.make_train_step(chain, counting, stage=3)
+    state = fzero.init_train_state(model, fzero.adamw(), counting, stage=3, units=children)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), counting, stage=3)
     counting.reset()
     step(state, counting.split_batch(batches(1, world, 2, torch.float32)[0]))
     psi = state.layout.num_padded
     frac = (world - 1) / world
     gathers = counting.totals(["all_gather"])
     scatters = counting.totals(["reduce_scatter"])
-    assert gathers["moved"] == pytest.approx(2 * psi * frac)
+    # The simulated world runs each local rank's forward and backward in turn, and each rank
+    # gathers its units for itself: W all-gathers where W real ranks run one together. Per
+    # real rank: every unit gathered twice (forward, backward) and reduce-scattered once.
+    assert gathers["moved"] == pytest.approx(world * 2 * psi * frac)
+    assert gathers["calls"] == world * 2 * len(state.layout.groups)
     assert scatters["moved"] == pytest.approx(psi * frac)
-    assert gathers["calls"] == 2 * len(state.layout.groups) and scatters["calls"] == len(state.layout.groups)
-    big = counting.totals(["all_gather", "reduce_scatter"])
-    assert big["moved"] == pytest.approx(3 * psi * frac)
+    assert scatters["calls"] == len(state.layout.groups)
     # beyond them, only the two scalars of every step (sum of squares, loss)
     assert counting.totals(["all_reduce"])["elements"] == 2
 
 
-def test_stage3_holds_at_most_two_links_of_gathered_parameters():
-    """An 8-block model: the peak of live gathered parameters is about one or two blocks."""
+def test_stage3_holds_at_most_two_units_of_gathered_parameters():
+    """An 8-block model, one unit per block: the peak of live gathered parameters is the unit
+    running and the next one, prefetched."""
     torch.manual_seed(0)
     blocks = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(8)]
     model = torch.nn.Sequential(*blocks, torch.nn.Linear(64, 4))
-    chain = fzero.chain_from_sequential(model, mse)
     tracker = GatherTracker(fzero.SimulatedWorld(2))
-    state = fzero.init_train_state(model, fzero.adamw(), tracker, stage=3, chain=chain, alignment=1)
-    step = fzero.make_train_step(chain, tracker, stage=3)
+    state = fzero.init_train_state(model, fzero.adamw(), tracker, stage=3, units=children, alignment=1)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), tracker, stage=3)
     tracker.reset_peak()
     x = torch.randn(2, 3, 64)
     state, _ = step(state, (x, torch.randn(2, 3, 4)))
-    link_bytes = max(
-        sum(g.padded_numel * 4 for g in state.layout.groups if g.bucket == b) for b in range(len(chain.links))
+    unit_bytes = max(
+        sum(g.padded_numel * 4 for g in state.layout.groups if g.bucket == b)
+        for b in range(1, len(state.module.units) + 1)
     )
     total = state.layout.num_padded * 4
-    assert tracker.peak_bytes <= 2 * link_bytes, (tracker.peak_bytes, link_bytes)
+    assert not any(g.bucket == 0 for g in state.layout.groups)  # every parameter is in a unit
+    assert tracker.peak_bytes <= 2 * unit_bytes, (tracker.peak_bytes, unit_bytes)
     assert tracker.peak_bytes < total / 3
     assert tracker.live_bytes == 0  # nothing gathered survives the step
 
 
 def test_stage3_state_memory_is_sharded():
     model = mlp(torch.float32, sizes=(37, 101, 29, 5))
-    chain = fzero.chain_from_sequential(model, mse)
     comm = fzero.SimulatedWorld(4)
     bf16 = fzero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    state = fzero.init_train_state(model, fzero.adam(), comm, stage=3, chain=chain, precision=bf16)
+    state = fzero.init_train_state(model, fzero.adam(), comm, stage=3, units=children, precision=bf16)
     rep = fzero.memory_report(state.layout, state.opt.optimizer, stage=3, precision=bf16)
     held = sum(m.numel() * m.element_size() for m in state.shard.master)
     held += sum(m.numel() * m.element_size() for ms in state.opt.moments for m in ms)
@@ -177,26 +179,29 @@ def test_stage3_state_memory_is_sharded():
     assert rep.total - rep.padding == pytest.approx(16 * psi / 4)
 
 
-def test_stage3_needs_a_chain_and_a_stage3_state():
+def test_stage3_needs_units_and_a_stage3_state():
     model = mlp()
     comm = fzero.SimulatedWorld(2)
-    with pytest.raises(TypeError, match="Chain"):
-        fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)
-    with pytest.raises(ValueError, match="chain"):
+    with pytest.raises(TypeError, match="needs the module"):
+        fzero.make_train_step(lambda p, b: mse(p["0.weight"].sum(), b[1].sum()), comm, stage=3)
+    with pytest.raises(ValueError, match="stage 3 needs the model's shard units"):
         fzero.init_train_state(model, fzero.adamw(), comm, stage=3)
-    chain = fzero.chain_from_sequential(model, mse)
-    s2 = fzero.init_train_state(model, fzero.adamw(), comm, chain=chain)
+    s2 = fzero.init_train_state(model, fzero.adamw(), comm, units=children)
     with pytest.raises(ValueError, match="stage=3"):
-        fzero.make_train_step(chain, comm, stage=3)(s2, comm.split_batch(batches(1, 2, 2, torch.float32)[0]))
-    with pytest.raises(TypeError, match="Sequential"):
-        fzero.chain_from_sequential(torch.nn.Linear(2, 2), mse)
+        fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)(
+            s2, comm.split_batch(batches(1, 2, 2, torch.float32)[0]))
+    plain = fzero.init_train_state(model, fzero.adamw(), comm, stage=3, units=children)
+    without_units = dataclasses.replace(plain, module=dataclasses.replace(plain.module, units=()))
+    with pytest.raises(ValueError, match="no shard units"):
+        fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)(
+            without_units, comm.split_batch(batches(1, 2, 2, torch.float32)[0]))
 
 
-def test_bucket_numel_merges_links_and_stages_share_a_chain_layout():
+def test_stages_share_the_units_layout():
     model = mlp()
-    chain = fzero.chain_from_sequential(model, mse, bucket_numel=10_000)
-    assert len(chain.links) == 1
     comm = fzero.SimulatedWorld(2)
-    a = fzero.init_train_state(model, fzero.adamw(), comm, chain=fzero.chain_from_sequential(model, mse))
-    b = fzero.init_train_state(model, fzero.adamw(), comm, stage=3, chain=fzero.chain_from_sequential(model, mse))
-    assert a.layout == b.layout  # stage 1-2 with a chain lay out exactly like stage 3
+    a = fzero.init_train_state(model, fzero.adamw(), comm, units=children)
+    b = fzero.init_train_state(model, fzero.adamw(), comm, stage=3, units=children)
+    assert a.layout == b.layout  # stage 1-2 with units lay out exactly like stage 3
+    assert b.module.units == ("0", "2", "3", "5")  # the Tanh children have no parameters
+    assert len({g.bucket for g in b.layout.groups}) == 4
