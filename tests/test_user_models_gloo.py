@@ -27,8 +27,10 @@ def _case(results, name):
     return [res[name] for res in results]
 
 
-def test_dropout_on_gloo_equals_simulated_world_bitwise(w2):
-    ranks = _case(w2, "dropout_gpt2")
+@pytest.mark.parametrize("case", ["dropout_gpt2", "stage3_dropout_gpt2"])
+def test_dropout_on_gloo_equals_simulated_world_bitwise(w2, case):
+    """GPT-2 with dropout at stage 2, and at stage 3 with its blocks as units."""
+    ranks = _case(w2, case)
     sim = ranks[0]["sim"]
     assert ranks[0]["losses"] == ranks[1]["losses"] == ranks[0]["sim_losses"]
     for r, res in enumerate(ranks):
@@ -48,25 +50,9 @@ def test_batchnorm_buffers_equal_ddp(w2):
         assert res["buffer_err"] <= 1e-6, (r, res)
 
 
-def test_compiled_transformers_step_on_gloo(w2):
-    for r, res in enumerate(_case(w2, "compiled_gpt2")):
-        assert res["graphs"] == 1 and res["breaks"] == 0 and res["recompiles"] == 0, (r, res)
-        assert res["err"] <= 1e-5, (r, res)
-        assert res["lc"] == pytest.approx(res["le"], rel=1e-5)
-
-
-def test_stage3_on_gloo_equals_simulated_world_bitwise(w2):
-    ranks = _case(w2, "stage3_dropout_gpt2")
-    sim = ranks[0]["sim"]
-    assert ranks[0]["losses"] == ranks[1]["losses"] == ranks[0]["sim_losses"]
-    for r, res in enumerate(ranks):
-        for g, (mine, theirs) in enumerate(zip(res["gloo"]["masters"], sim["masters"])):
-            assert torch.equal(mine[0], theirs[r]), f"rank {r}, flat group {g}"
-        assert torch.equal(res["gloo"]["rng"][0][0], sim["rng"][0][r]), f"generator of rank {r}"
-
-
-def test_stage3_compiled_on_gloo(w2):
-    for r, res in enumerate(_case(w2, "stage3_compiled_gpt2")):
+@pytest.mark.parametrize("case", ["compiled_gpt2", "stage3_compiled_gpt2"])
+def test_compiled_transformers_step_on_gloo(w2, case):
+    for r, res in enumerate(_case(w2, case)):
         assert res["graphs"] == 1 and res["breaks"] == 0 and res["recompiles"] == 0, (r, res)
         assert res["err"] <= 1e-5, (r, res)
         assert res["lc"] == pytest.approx(res["le"], rel=1e-5)

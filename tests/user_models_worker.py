@@ -39,16 +39,20 @@ def _rows(state):
     }
 
 
-def case_dropout_gpt2(comm):
+def _dropout_vs_simulated(comm, **kw):
+    """GPT-2 with dropout on gloo; rank 0 also runs the simulated world in the same process."""
     data = um.token_batches(STEPS, comm.world_size * 2)
-    state, losses = _train(um.gpt2(dropout=0.1), comm, data)
+    state, losses = _train(um.gpt2(dropout=0.1), comm, data, **kw)
     out = {"gloo": _rows(state), "losses": losses}
     if comm.rank == 0:
-        sim = fzero.SimulatedWorld(comm.world_size)
-        sim_state, sim_losses = _train(um.gpt2(dropout=0.1), sim, data)
+        sim_state, sim_losses = _train(um.gpt2(dropout=0.1), fzero.SimulatedWorld(comm.world_size), data, **kw)
         out["sim"] = _rows(sim_state)
         out["sim_losses"] = sim_losses
     return out
+
+
+def case_dropout_gpt2(comm):
+    return _dropout_vs_simulated(comm)
 
 
 def case_bn_vs_ddp(comm):
@@ -74,18 +78,23 @@ def case_bn_vs_ddp(comm):
     return {"param_err": p_err, "buffer_err": b_err}
 
 
-def case_compiled_gpt2(comm):
+def _compiled_vs_eager(comm, **kw):
+    """A compiled GPT-2 run against the eager one, with dynamo's counters of the compiled run."""
     data = um.token_batches(STEPS, comm.world_size * 2)
     opt = fzero.sgd(lr=0.1, momentum=0.9)
     torch._dynamo.reset()
     counters.clear()
-    compiled, lc = _train(um.gpt2(), comm, data, compile=True, opt=opt)
+    compiled, lc = _train(um.gpt2(), comm, data, compile=True, opt=opt, **kw)
     graphs = counters["stats"]["unique_graphs"]
     breaks = sum(counters["graph_break"].values())
     recompiles = sum(counters["recompiles"].values())
-    eager, le = _train(um.gpt2(), comm, data, opt=opt)
+    eager, le = _train(um.gpt2(), comm, data, opt=opt, **kw)
     err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(compiled.shard.master, eager.shard.master))
     return {"graphs": graphs, "breaks": breaks, "recompiles": recompiles, "err": err, "lc": lc, "le": le}
+
+
+def case_compiled_gpt2(comm):
+    return _compiled_vs_eager(comm)
 
 
 def _gpt2_block():
@@ -96,30 +105,11 @@ def _gpt2_block():
 
 def case_stage3_dropout_gpt2(comm):
     """Stage 3 with GPT-2 blocks as units on gloo, against the simulated world (bitwise)."""
-    data = um.token_batches(STEPS, comm.world_size * 2)
-    kw = dict(stage=3, units=(_gpt2_block(),))
-    state, losses = _train(um.gpt2(dropout=0.1), comm, data, **kw)
-    out = {"gloo": _rows(state), "losses": losses}
-    if comm.rank == 0:
-        sim_state, sim_losses = _train(um.gpt2(dropout=0.1), fzero.SimulatedWorld(comm.world_size), data, **kw)
-        out["sim"] = _rows(sim_state)
-        out["sim_losses"] = sim_losses
-    return out
+    return _dropout_vs_simulated(comm, stage=3, units=(_gpt2_block(),))
 
 
 def case_stage3_compiled_gpt2(comm):
-    data = um.token_batches(STEPS, comm.world_size * 2)
-    opt = fzero.sgd(lr=0.1, momentum=0.9)
-    kw = dict(stage=3, units=(_gpt2_block(),), opt=opt)
-    torch._dynamo.reset()
-    counters.clear()
-    compiled, lc = _train(um.gpt2(), comm, data, compile=True, **kw)
-    graphs = counters["stats"]["unique_graphs"]
-    breaks = sum(counters["graph_break"].values())
-    recompiles = sum(counters["recompiles"].values())
-    eager, le = _train(um.gpt2(), comm, data, **kw)
-    err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(compiled.shard.master, eager.shard.master))
-    return {"graphs": graphs, "breaks": breaks, "recompiles": recompiles, "err": err, "lc": lc, "le": le}
+    return _compiled_vs_eager(comm, stage=3, units=(_gpt2_block(),))
 
 
 def case_stage3_vs_fsdp2_gpt2(comm):
