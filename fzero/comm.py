@@ -25,7 +25,7 @@ Imports: torch only.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 import torch.utils._pytree as tp
@@ -84,6 +84,12 @@ class Communicator:
     def wait(self, x: torch.Tensor) -> torch.Tensor:
         """The plain tensor of an ``all_gather_start`` result, once its data has arrived."""
         return x
+
+    def reduce_scatter_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
+        """Start a ``reduce_scatter``; the returned function gives its result (waiting for it
+        then). Default: the collective runs now."""
+        out = self.reduce_scatter(x, op)
+        return lambda: out
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``[R, n] -> [R, n]``: every row becomes rank ``src``'s row.

@@ -10,7 +10,7 @@ Imports: ``fzero.comm``, ``fzero.layout``.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -110,6 +110,29 @@ class TorchCommunicator(Communicator):
 
     def wait(self, x: torch.Tensor) -> torch.Tensor:
         return funcol.wait_tensor(x)
+
+    def reduce_scatter_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
+        """Eagerly, the functional collective is launched and waited for when the returned
+        function is called (the same operations as ``reduce_scatter``, so the same bits)."""
+        if torch.compiler.is_compiling():
+            out = self.reduce_scatter(x, op)
+            return lambda: out
+        self._check_rows(x, "reduce_scatter")
+        if op not in ("sum", "avg"):
+            raise ValueError("reduce_scatter supports 'sum' and 'avg'")
+        n = self._chunk(x, "reduce_scatter")
+        if self.reduce_scatter_via_all_reduce:
+            started = funcol.all_reduce(x[0], "sum", self.group)
+
+            def done() -> torch.Tensor:
+                total = funcol.wait_tensor(started)[self.rank * n : (self.rank + 1) * n]
+                return self._finish(total, op).unsqueeze(0)
+        else:
+            started = funcol.reduce_scatter_tensor(x[0], "sum", 0, self.group)
+
+            def done() -> torch.Tensor:
+                return self._finish(started, op).unsqueeze(0)
+        return done
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         self._check_rows(x, "broadcast")

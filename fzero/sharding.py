@@ -6,7 +6,7 @@ Imports: ``fzero.layout``, ``fzero.comm``, ``fzero.optim``, ``fzero.pytree``.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.utils._pytree as tp
@@ -194,6 +194,28 @@ def average_flat_grads(
     return x.to(out_dtype)
 
 
+def average_flat_grads_start(
+    flat: torch.Tensor, comm: Communicator, reduce_dtype: torch.dtype, out_dtype: torch.dtype
+) -> Callable[[], torch.Tensor]:
+    """:func:`average_flat_grads` (reduce-scatter form) started now, finished when the returned
+    function is called: the same operations in the same order, so the same bits; the
+    collective overlaps whatever runs in between (``Communicator.reduce_scatter_start``)."""
+    x = flat.to(reduce_dtype)
+    if reduce_dtype in LOW_PRECISION:
+        pre, post = gradient_divide_factors(comm.world_size)
+        if pre > 1:
+            x = x / pre
+        done = comm.reduce_scatter_start(x, "sum")
+
+        def finish_low() -> torch.Tensor:
+            y = done()
+            return (y / post if post > 1 else y).to(out_dtype)
+
+        return finish_low
+    done = comm.reduce_scatter_start(x, "avg")
+    return lambda: done().to(out_dtype)
+
+
 def gather_flat_params(
     shard: ShardState, comm: Communicator, dtype: Optional[torch.dtype] = None
 ) -> tuple[torch.Tensor, ...]:
@@ -207,6 +229,52 @@ def gather_flat_params(
     return tuple(
         comm.all_gather(m.to(dtype or g.dtype)) for g, m in zip(shard.layout.groups, shard.master)
     )
+
+
+def gather_flat_params_at_once(
+    shard: ShardState, comm: Communicator, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """:func:`gather_flat_params` for every flat group in one ``all_gather``, in ``dtype``.
+
+    The shards are concatenated ``[R, S]``, gathered ``[R, W*S]`` (rank-major), and each
+    group's ``[R, W*shard]`` buffer is cut back out: the same values as one gather per
+    group, one collective's latency instead of one per group.
+    """
+    check_world(shard, comm)
+    lay = shard.layout
+    rows, world = comm.local_ranks, comm.world_size
+    if len(lay.groups) == 1:
+        return (comm.all_gather(shard.master[0].to(dtype)),)
+    full = comm.all_gather(torch.cat([m.to(dtype) for m in shard.master], dim=1))
+    full = full.view(rows, world, -1)
+    out, offset = [], 0
+    for g in lay.groups:
+        out.append(full[:, :, offset : offset + g.shard_numel].reshape(rows, g.padded_numel))
+        offset += g.shard_numel
+    return tuple(out)
+
+
+def average_flat_grads_at_once(
+    flats: Sequence[torch.Tensor], layout: Layout, comm: Communicator, reduce_dtype: Optional[torch.dtype]
+) -> tuple[torch.Tensor, ...]:
+    """:func:`average_flat_grads` of every flat group ``[R, padded]`` in one ``reduce_scatter``
+    (groups of one reduce dtype; rearranged rank-major first): the same sums of the same
+    elements in the same rank order, so the same bits; each shard in its master dtype."""
+    dtypes = {reduce_dtype or g.master_dtype for g in layout.groups}
+    if len(layout.groups) == 1 or len(dtypes) != 1:
+        return tuple(
+            average_flat_grads(f, comm, reduce_dtype or g.master_dtype, g.master_dtype)
+            for g, f in zip(layout.groups, flats)
+        )
+    rows, world = comm.local_ranks, comm.world_size
+    rdtype = dtypes.pop()
+    joined = torch.cat([f.to(rdtype).view(rows, world, g.shard_numel) for g, f in zip(layout.groups, flats)], dim=2)
+    reduced = average_flat_grads(joined.reshape(rows, -1), comm, rdtype, rdtype)
+    out, offset = [], 0
+    for g in layout.groups:
+        out.append(reduced[:, offset : offset + g.shard_numel].to(g.master_dtype))
+        offset += g.shard_numel
+    return tuple(out)
 
 
 def trainable_views(layout: Layout, flat: Sequence[torch.Tensor], row: int) -> dict[str, torch.Tensor]:

@@ -45,8 +45,10 @@ from .units import UnitPolicy, select_units, unit_buckets, unit_grads
 from .sharding import (
     ShardState,
     average_flat_grads,
+    average_flat_grads_at_once,
     check_world,
     gather_flat_params,
+    gather_flat_params_at_once,
     init_shard,
     local_sq_norm,
     merge_params,
@@ -404,12 +406,14 @@ def make_train_step(
             # Module hooks and saved-tensor hooks do not trace: in a graph, every bucket is
             # gathered inside the step and inductor keeps it to its last use in backward
             # (FSDP's reshard_after_forward=False); between steps the state holds shards only.
-            gathered = gather_flat_params(state.shard, comm, state.precision.param_dtype)
+            # One gather and one reduce for all buckets: the graph holds them all anyway.
+            dtype = state.precision.param_dtype
+            dtypes = {dtype or g.dtype for g in state.layout.groups}
+            gathered = gather_flat_params_at_once(state.shard, comm, dtypes.pop()) if len(dtypes) == 1 \
+                else gather_flat_params(state.shard, comm, dtype)
             out = local_flat_grads(loss_fn, replace(state, params=gathered), batch, comm.local_ranks)
-            return replace(state, buffers=out.buffers, rng=out.rng), tuple(
-                average_flat_grads(f, comm, reduce_dtype or g.master_dtype, g.master_dtype)
-                for g, f in zip(state.layout.groups, out.flat)
-            ), out.losses
+            return replace(state, buffers=out.buffers, rng=out.rng), \
+                average_flat_grads_at_once(out.flat, state.layout, comm, reduce_dtype), out.losses
         units_out = unit_grads(
             loss_fn, state.shard, comm, batch, units=state.module.units, buffers=state.buffers,
             buffer_names=state.module.buffers, rng=state.rng[0] if state.rng else None,

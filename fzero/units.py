@@ -52,7 +52,7 @@ import torch
 from .comm import Communicator
 from .layout import FlatGroup, Layout
 from .module import ModuleLoss
-from .sharding import ShardState, average_flat_grads, stack_rows
+from .sharding import ShardState, average_flat_grads_start, stack_rows
 
 __all__ = ["UnitPolicy", "select_units", "unit_buckets", "unit_grads", "UnitGrads"]
 
@@ -250,7 +250,7 @@ class _Reduction:
         self.layout, self.groups, self.comm, self.reduce_dtype = layout, groups, comm, reduce_dtype
         self.rows = comm.local_ranks
         self.parts: dict[int, dict[int, tuple[torch.Tensor, ...]]] = {}
-        self.shards: list[Optional[torch.Tensor]] = [None] * len(layout.groups)
+        self.shards: list[Optional[Callable[[], torch.Tensor]]] = [None] * len(layout.groups)
 
     def add(self, bucket: int, row: int, grads: tuple[torch.Tensor, ...]) -> None:
         got = self.parts.setdefault(bucket, {})
@@ -262,8 +262,9 @@ class _Reduction:
         got = self.parts.pop(bucket)
         for pos, g in enumerate(self.groups[bucket]):
             flat = stack_rows([got[r][pos] for r in range(self.rows)])
-            self.shards[g.index] = average_flat_grads(flat, self.comm, self.reduce_dtype or g.master_dtype,
-                                                      g.master_dtype)
+            # started now, waited for at the end: the reduction overlaps the rest of backward
+            self.shards[g.index] = average_flat_grads_start(
+                flat, self.comm, self.reduce_dtype or g.master_dtype, g.master_dtype)
 
     def finish(self, device: torch.device, dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, ...]:
         """Reduce what is left (a bucket no rank's loss reached, or not every rank's), zeros for the
@@ -277,7 +278,7 @@ class _Reduction:
                     got[r] = tuple(torch.zeros(g.padded_numel, dtype=dtype or g.dtype, device=device)
                                    for g in groups)
             self._reduce(b)
-        return tuple(self.shards)  # type: ignore[arg-type]
+        return tuple(done() for done in self.shards)  # type: ignore[misc]
 
 
 class _RankRun:
@@ -299,6 +300,7 @@ class _RankRun:
         self.ahead: dict[int, tuple[torch.Tensor, ...]] = {}  # forward prefetch
         self.order: list[int] = []  # units in the order of their first forward
         self.started: set[int] = set()  # cache entries whose gather may still be in flight
+        self.last_flats: tuple[torch.Tensor, ...] = ()  # what bucket_tensors gathered last
 
     def gather(self, bucket: int, start: bool = False) -> tuple[torch.Tensor, ...]:
         """This rank's row of the bucket's flat buffers, compute dtype: one ``all_gather`` per
@@ -330,6 +332,7 @@ class _RankRun:
                 self.order.append(bucket)
             self.expected[bucket] += 1
         flats = _Gather.apply(self.anchor, self, bucket)
+        self.last_flats = tuple(f.detach() for f in flats)
         out = {}
         for pos, (g, flat) in enumerate(zip(self.plan.groups[bucket], flats)):
             lay = self.plan.layout
@@ -353,7 +356,13 @@ class _RankRun:
         if self.backward:  # a checkpointed unit recomputed through its __call__
             self.bind_for_backward(bucket)
             return
-        tensors = self.bucket_tensors(bucket)
+        # The last unit's backward follows its forward at once: it is kept (FSDP2 keeps the
+        # root the same way), which saves one gather and a wait per step.
+        last = bucket == len(self.plan.groups) - 1
+        tensors = self.bucket_tensors(bucket, track=not last)
+        flats, self.last_flats = self.last_flats, ()
+        if last and bucket not in self.cache:
+            self.cache[bucket] = flats
         self.bind(bucket, tensors)
         self.bound[bucket] = tensors
 
@@ -529,7 +538,10 @@ def unit_grads(
                     lambda mod, args, out, b=b: run.post_forward(b, out), always_call=True))
             with rank_rng(rng[r] if rng is not None else None, device, new_rng), torch.enable_grad(), \
                     torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
-                tensors = {**run.bucket_tensors(0, track=False), **frozen, **released,
+                root = run.bucket_tensors(0, track=False)
+                if len(plan.groups) > 1:  # the first unit's gather overlaps the root's forward
+                    run.ahead[1] = run.gather(1, start=True)
+                tensors = {**root, **frozen, **released,
                            **dict(zip(buffer_names, bufs))}
                 with loss_fn.bound(tensors):
                     loss = loss_fn.forward_loss(tensors, batch_r)

@@ -134,9 +134,12 @@ def test_stage3_communication_is_two_gathers_and_one_reduce_scatter(world):
     scatters = counting.totals(["reduce_scatter"])
     # The simulated world runs each local rank's forward and backward in turn, and each rank
     # gathers its units for itself: W all-gathers where W real ranks run one together. Per
-    # real rank: every unit gathered twice (forward, backward) and reduce-scattered once.
-    assert gathers["moved"] == pytest.approx(world * 2 * psi * frac)
-    assert gathers["calls"] == world * 2 * len(state.layout.groups)
+    # real rank: every unit gathered in forward and again in backward, but the last one, which
+    # backward needs at once and keeps; every unit reduce-scattered once.
+    last = [g for g in state.layout.groups if g.bucket == len(state.module.units)]
+    psi_last = sum(g.padded_numel for g in last)
+    assert gathers["moved"] == pytest.approx(world * (2 * psi - psi_last) * frac)
+    assert gathers["calls"] == world * (2 * len(state.layout.groups) - len(last))
     assert scatters["moved"] == pytest.approx(psi * frac)
     assert scatters["calls"] == len(state.layout.groups)
     # beyond them, only the two scalars of every step (sum of squares, loss)
@@ -205,3 +208,33 @@ def test_stages_share_the_units_layout():
     assert a.layout == b.layout  # stage 1-2 with units lay out exactly like stage 3
     assert b.module.units == ("0", "2", "3", "5")  # the Tanh children have no parameters
     assert len({g.bucket for g in b.layout.groups}) == 4
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("reduce_dtype", [None, torch.bfloat16])
+def test_one_collective_for_all_groups_equals_one_per_group(world, reduce_dtype):
+    """What a compiled stage-3 step uses: one all_gather and one reduce_scatter for every flat
+    group at once give bitwise what one collective per group gives."""
+    from fzero.sharding import (
+        average_flat_grads, average_flat_grads_at_once, gather_flat_params, gather_flat_params_at_once,
+    )
+
+    model = mlp(torch.float32, sizes=(7, 13, 5, 3))
+    opt = fzero.adamw(groups=[(fzero.no_weight_decay_for(model), {"weight_decay": 0.0})])
+    comm = fzero.CountingCommunicator(fzero.SimulatedWorld(world))
+    state = fzero.init_train_state(model, opt, comm, stage=3, units=children, alignment=1)
+    lay = state.layout
+    assert len(lay.groups) >= 6
+    comm.reset()
+    at_once = gather_flat_params_at_once(state.shard, comm, torch.bfloat16)
+    assert [r.op for r in comm.records] == ["all_gather"]
+    for a, b in zip(at_once, gather_flat_params(state.shard, comm, torch.bfloat16)):
+        assert torch.equal(a, b)
+    g = torch.Generator().manual_seed(0)
+    flats = [torch.randn(world, grp.padded_numel, generator=g) for grp in lay.groups]
+    comm.reset()
+    mine = average_flat_grads_at_once(flats, lay, comm, reduce_dtype)
+    assert [r.op for r in comm.records] == ["reduce_scatter"]
+    for grp, f, m in zip(lay.groups, flats, mine):
+        ref = average_flat_grads(f, comm, reduce_dtype or grp.master_dtype, grp.master_dtype)
+        assert m.dtype == ref.dtype and torch.equal(m, ref)
