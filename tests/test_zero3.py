@@ -238,3 +238,27 @@ def test_one_collective_for_all_groups_equals_one_per_group(world, reduce_dtype)
     for grp, f, m in zip(lay.groups, flats, mine):
         ref = average_flat_grads(f, comm, reduce_dtype or grp.master_dtype, grp.master_dtype)
         assert m.dtype == ref.dtype and torch.equal(m, ref)
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 8])
+def test_started_reduction_equals_average_flat_grads(world, reduce_dtype):
+    """Stage 3's reduction started per unit and finished after backward computes what stage 2's
+    does, bit for bit (FSDP's pre/post divide factors in 16 bits included)."""
+    from fzero.sharding import average_flat_grads, average_flat_grads_start
+
+    comm = fzero.SimulatedWorld(world)
+    g = torch.Generator().manual_seed(world)
+    flat = (torch.randn(world, world * 5, generator=g) * 100).to(reduce_dtype)
+    done = average_flat_grads_start(flat, comm, reduce_dtype, torch.float32)
+    ref = average_flat_grads(flat, comm, reduce_dtype, torch.float32)
+    out = done()
+    assert out.dtype == torch.float32 and torch.equal(out, ref)
+
+
+def test_started_fp16_reduction_does_not_overflow():
+    from fzero.sharding import average_flat_grads_start
+
+    comm = fzero.SimulatedWorld(2)
+    flat = torch.full((2, 8), 40000.0, dtype=torch.float16)
+    assert torch.all(average_flat_grads_start(flat, comm, torch.float16, torch.float32)() == 40000.0)

@@ -56,7 +56,7 @@ TEST_MAP = {
     "fzero/optim.py": ["tests/test_errors.py", "tests/test_mutation_gaps.py", "tests/test_optim_compiled.py"],
     "fzero/layout.py": ["tests/test_errors.py", "tests/test_mutation_gaps.py", "tests/test_layout.py"],
     "fzero/sharding.py": ["tests/test_errors.py", "tests/test_mutation_gaps.py", "tests/test_layout.py",
-                          "tests/test_optim_compiled.py"],
+                          "tests/test_zero3.py", "tests/test_optim_compiled.py"],
     "fzero/step.py": ["tests/test_step_contracts.py", "tests/test_errors.py", "tests/test_batch_checks.py", "tests/test_step.py", "tests/test_zero3.py",
                       "tests/test_training_features.py", "tests/test_donation.py", "tests/test_user_models.py",
                       "tests/test_stage3_modules.py"],
