@@ -27,6 +27,7 @@ import inspect
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
+import torch.utils._pytree as tp
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .comm import Communicator
@@ -39,6 +40,8 @@ __all__ = [
     "ModuleLoss",
     "module_loss",
     "model_output",
+    "check_loss",
+    "row_of",
 ]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -299,3 +302,19 @@ def module_loss(
     upcast to float32 before the criterion, so the loss is fp32.
     """
     return ModuleLoss(module, criterion)
+
+
+def check_loss(loss: Any) -> None:
+    """Raise ``ValueError`` unless ``loss`` is a 0-d floating tensor with an autograd graph."""
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
+        raise ValueError(f"loss_fn must return a 0-d floating-point tensor, got {loss!r:.80}")
+    if not loss.requires_grad:
+        raise ValueError(
+            "loss_fn returned a loss that does not depend on the trainable parameters it was given "
+            "(no autograd graph): did it run the model under torch.no_grad, or use its own tensors?"
+        )
+
+
+def row_of(batch: Any, r: int) -> Any:
+    """Local rank ``r``'s part of a batch whose tensor leaves are ``[R, ...]``."""
+    return tp.tree_map(lambda x: x[r] if isinstance(x, torch.Tensor) else x, batch)

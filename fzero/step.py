@@ -33,7 +33,10 @@ import torch.utils._pytree as tp
 
 from .comm import Communicator
 from .layout import flatten_one, named_leaves
-from .module import ModuleLoss, ModuleSpec, broadcast_buffers as broadcast_module_buffers, init_buffers, module_loss, module_spec
+from .module import (
+    ModuleLoss, ModuleSpec, broadcast_buffers as broadcast_module_buffers, check_loss, init_buffers, module_loss,
+    module_spec, row_of,
+)
 from .optim import OptState, Optimizer, init_opt_state
 from .precision import MixedPrecision
 from .pytree import pytree_dataclass, replace, static_field
@@ -195,10 +198,6 @@ def check_batch(batch: Any, rows: int, accum_steps: int = 1, what: str = "train 
     tp.tree_map_with_path(lambda p, x: _check_leaf(p, x, what, rows, accum_steps), batch)
 
 
-def _index_row(tree: Any, r: int) -> Any:
-    return tp.tree_map(lambda x: x[r] if isinstance(x, torch.Tensor) else x, tree)
-
-
 class RankGrads(NamedTuple):
     """What one micro-batch's forward and backward gives, per local rank."""
 
@@ -235,7 +234,7 @@ def local_flat_grads(loss_fn: LossFn, state: TrainState, batch: Any, rows: int) 
     new_rng: list[torch.Tensor] = []
     new_buffers: list[list[torch.Tensor]] = [[] for _ in names]
     for r in range(rows):
-        batch_r = _index_row(batch, r)
+        batch_r = row_of(batch, r)
         views = trainable_views(lay, state.params, r)
         leaves = [views[s.path].detach().requires_grad_(True) for s in train_slots]
         tensors = merge_params(lay, {s.path: v for s, v in zip(train_slots, leaves)}, shard.frozen, dtype)
@@ -246,7 +245,7 @@ def local_flat_grads(loss_fn: LossFn, state: TrainState, batch: Any, rows: int) 
         forward = loss_fn.forward_loss if isinstance(loss_fn, ModuleLoss) else loss_fn
         with rank_rng(state.rng[0][r] if swap_rng else None, device, new_rng), torch.enable_grad(), bound:
             loss = forward(tensors, batch_r)
-            _check_loss(loss)
+            check_loss(loss)
             loss = loss.float()
             grads = torch.autograd.grad(scale(scaler, loss), leaves, allow_unused=True)
         by_path = {
@@ -265,16 +264,6 @@ def local_flat_grads(loss_fn: LossFn, state: TrainState, batch: Any, rows: int) 
         tuple(stack_rows(b) for b in new_buffers),
         (stack_rows(new_rng),) if swap_rng else state.rng,
     )
-
-
-def _check_loss(loss: Any) -> None:
-    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
-        raise ValueError(f"loss_fn must return a 0-d floating-point tensor, got {loss!r:.80}")
-    if not loss.requires_grad:
-        raise ValueError(
-            "loss_fn returned a loss that does not depend on the trainable parameters it was given "
-            "(no autograd graph): did it run the model under torch.no_grad, or use its own tensors?"
-        )
 
 
 def apply_schedules(state: TrainState, schedules: Mapping[str, Schedule]) -> TrainState:
@@ -418,7 +407,7 @@ def make_train_step(
             loss_fn, state.shard, comm, batch, units=state.module.units, buffers=state.buffers,
             buffer_names=state.module.buffers, rng=state.rng[0] if state.rng else None,
             scale_loss=lambda loss: scale(state.scaler, loss),
-            param_dtype=state.precision.param_dtype, reduce_dtype=reduce_dtype, rank_rng=rank_rng,
+            param_dtype=state.precision.param_dtype, reduce_dtype=reduce_dtype,
         )
         return replace(state, buffers=units_out.buffers, rng=units_out.rng or state.rng), \
             units_out.shards, units_out.losses

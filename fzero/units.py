@@ -39,7 +39,7 @@ most two units in backward (the one whose saved tensors are being unpacked and
 the next). Gradients: one bucket at a time on a real rank (the simulated world
 keeps each rank's bucket gradients until the last rank has delivered them).
 
-Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.sharding``, ``fzero.module``.
+Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.sharding``, ``fzero.module``, ``fzero.rng``.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ import torch
 
 from .comm import Communicator
 from .layout import FlatGroup, Layout
-from .module import ModuleLoss
+from .module import ModuleLoss, check_loss, row_of
+from .rng import rank_rng
 from .sharding import ShardState, average_flat_grads_start, stack_rows
 
 __all__ = ["UnitPolicy", "select_units", "unit_buckets", "unit_grads", "UnitGrads"]
@@ -493,7 +494,6 @@ def unit_grads(
     scale_loss: Callable[[torch.Tensor], torch.Tensor],
     param_dtype: Optional[torch.dtype],
     reduce_dtype: Optional[torch.dtype],
-    rank_rng: Callable[..., Any],
 ) -> UnitGrads:
     """Stage 3's forward and backward of one micro-batch for every local rank (see the module doc).
 
@@ -527,7 +527,7 @@ def unit_grads(
     unit_modules = [module.get_submodule(u) for u in units]
     for r in range(rows):
         run = _RankRun(plan, shard, comm, r, param_dtype, reduction, unit_slots, released)
-        batch_r = _index_row(batch, r)
+        batch_r = row_of(batch, r)
         bufs = [b[r].clone() for b in buffers]
 
         handles = []
@@ -545,7 +545,7 @@ def unit_grads(
                            **dict(zip(buffer_names, bufs))}
                 with loss_fn.bound(tensors):
                     loss = loss_fn.forward_loss(tensors, batch_r)
-                    _check_loss(loss)
+                    check_loss(loss)
                     loss = loss.float()
                     run.backward = True
                     torch.autograd.grad(scale_loss(loss), [run.anchor], allow_unused=True)
@@ -572,15 +572,3 @@ def _released(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: tor
     out = torch.Tensor._make_subclass(_Released, data, False)
     out._fzero_name = repr(name)
     return out
-
-
-def _index_row(tree: Any, r: int) -> Any:
-    import torch.utils._pytree as tp
-    return tp.tree_map(lambda x: x[r] if isinstance(x, torch.Tensor) else x, tree)
-
-
-def _check_loss(loss: Any) -> None:
-    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
-        raise ValueError(f"loss_fn must return a 0-d floating-point tensor, got {loss!r:.80}")
-    if not loss.requires_grad:
-        raise ValueError("loss_fn returned a loss that does not depend on the trainable parameters")
