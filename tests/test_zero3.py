@@ -210,31 +210,48 @@ def test_stages_share_the_units_layout():
     assert len({g.bucket for g in b.layout.groups}) == 4
 
 
+def _grouped_model(kind):
+    torch.manual_seed(0)
+    if kind == "one":  # one unit, nothing in the root: one flat group
+        return torch.nn.Sequential(torch.nn.Linear(7, 5)), fzero.adamw()
+    if kind == "two":
+        return torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3)), fzero.adamw()
+    if kind == "mixed":  # a float64 unit and a float32 unit: two master dtypes
+        return torch.nn.Sequential(torch.nn.Linear(7, 5).double(), torch.nn.Linear(5, 3)), fzero.adamw()
+    model = mlp(torch.float32, sizes=(7, 13, 5, 3))
+    return model, fzero.adamw(groups=[(fzero.no_weight_decay_for(model), {"weight_decay": 0.0})])
+
+
+@pytest.mark.parametrize("kind,groups", [("one", 1), ("two", 2), ("mixed", 2), ("many", 7)])
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("reduce_dtype", [None, torch.bfloat16])
-def test_one_collective_for_all_groups_equals_one_per_group(world, reduce_dtype):
+def test_one_collective_for_all_groups_equals_one_per_group(world, reduce_dtype, kind, groups):
     """What a compiled stage-3 step uses: one all_gather and one reduce_scatter for every flat
-    group at once give bitwise what one collective per group gives."""
+    group at once give bitwise what one collective per group gives (groups of two master
+    dtypes reduce one by one)."""
     from fzero.sharding import (
         average_flat_grads, average_flat_grads_at_once, gather_flat_params, gather_flat_params_at_once,
     )
 
-    model = mlp(torch.float32, sizes=(7, 13, 5, 3))
-    opt = fzero.adamw(groups=[(fzero.no_weight_decay_for(model), {"weight_decay": 0.0})])
+    model, opt = _grouped_model(kind)
     comm = fzero.CountingCommunicator(fzero.SimulatedWorld(world))
     state = fzero.init_train_state(model, opt, comm, stage=3, units=children, alignment=1)
     lay = state.layout
-    assert len(lay.groups) >= 6
+    assert len(lay.groups) == groups
     comm.reset()
     at_once = gather_flat_params_at_once(state.shard, comm, torch.bfloat16)
     assert [r.op for r in comm.records] == ["all_gather"]
-    for a, b in zip(at_once, gather_flat_params(state.shard, comm, torch.bfloat16)):
+    reference = gather_flat_params(state.shard, comm, torch.bfloat16)
+    assert len(at_once) == len(reference) == groups
+    for a, b in zip(at_once, reference):
         assert torch.equal(a, b)
     g = torch.Generator().manual_seed(0)
-    flats = [torch.randn(world, grp.padded_numel, generator=g) for grp in lay.groups]
+    flats = [torch.randn(world, grp.padded_numel, generator=g, dtype=grp.dtype) for grp in lay.groups]
     comm.reset()
     mine = average_flat_grads_at_once(flats, lay, comm, reduce_dtype)
-    assert [r.op for r in comm.records] == ["reduce_scatter"]
+    one_dtype = len({reduce_dtype or grp.master_dtype for grp in lay.groups}) == 1
+    assert [r.op for r in comm.records] == ["reduce_scatter"] * (1 if one_dtype else groups)
+    assert len(mine) == groups
     for grp, f, m in zip(lay.groups, flats, mine):
         ref = average_flat_grads(f, comm, reduce_dtype or grp.master_dtype, grp.master_dtype)
         assert m.dtype == ref.dtype and torch.equal(m, ref)
@@ -262,3 +279,11 @@ def test_started_fp16_reduction_does_not_overflow():
     comm = fzero.SimulatedWorld(2)
     flat = torch.full((2, 8), 40000.0, dtype=torch.float16)
     assert torch.all(average_flat_grads_start(flat, comm, torch.float16, torch.float32)() == 40000.0)
+
+
+def test_gathering_at_once_checks_the_world():
+    from fzero.sharding import gather_flat_params_at_once
+
+    state = fzero.init_train_state(mlp(), fzero.adamw(), fzero.SimulatedWorld(2), stage=3, units=children)
+    with pytest.raises(ValueError, match="world size is 3"):
+        gather_flat_params_at_once(state.shard, fzero.SimulatedWorld(3), torch.float32)
