@@ -78,18 +78,7 @@ class TorchCommunicator(Communicator):
         return self._finish(out, op).unsqueeze(0)
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        self._check_rows(x, "reduce_scatter")
-        if op not in ("sum", "avg"):
-            raise ValueError("reduce_scatter supports 'sum' and 'avg'")
-        n = self._chunk(x, "reduce_scatter")
-        if self.reduce_scatter_via_all_reduce:
-            # wait on the whole result before slicing it (slicing first made the compiled
-            # graph slower on gloo)
-            total = funcol.wait_tensor(funcol.all_reduce(x[0], "sum", self.group))
-            total = total[self.rank * n : (self.rank + 1) * n]
-        else:
-            total = funcol.reduce_scatter_tensor(x[0], "sum", 0, self.group)
-        return self._finish(total, op).unsqueeze(0)
+        return self.reduce_scatter_start(x, op)()
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         self._check_rows(x, "all_gather")
@@ -99,10 +88,8 @@ class TorchCommunicator(Communicator):
         return self._finish(out, "sum").unsqueeze(0)
 
     def all_gather_start(self, x: torch.Tensor) -> torch.Tensor:
-        """Eagerly, the functional collective's ``AsyncCollectiveTensor``, unwaited: the
-        first operation on it waits (under compile: ``all_gather``)."""
-        if torch.compiler.is_compiling():
-            return self.all_gather(x)
+        """The functional collective's result, unwaited (eagerly an ``AsyncCollectiveTensor``):
+        ``wait`` or the first operation on it waits."""
         self._check_rows(x, "all_gather")
         if x.dim() != 2:
             raise ValueError(f"all_gather: expected shape [R, n], got {tuple(x.shape)}")
@@ -112,11 +99,8 @@ class TorchCommunicator(Communicator):
         return funcol.wait_tensor(x)
 
     def reduce_scatter_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
-        """Eagerly, the functional collective is launched and waited for when the returned
-        function is called (the same operations as ``reduce_scatter``, so the same bits)."""
-        if torch.compiler.is_compiling():
-            out = self.reduce_scatter(x, op)
-            return lambda: out
+        """Launch the functional collective; the returned function waits for it and takes this
+        rank's shard (``reduce_scatter`` calls it at once)."""
         self._check_rows(x, "reduce_scatter")
         if op not in ("sum", "avg"):
             raise ValueError("reduce_scatter supports 'sum' and 'avg'")
@@ -125,6 +109,8 @@ class TorchCommunicator(Communicator):
             started = funcol.all_reduce(x[0], "sum", self.group)
 
             def done() -> torch.Tensor:
+                # wait on the whole result before slicing it (slicing first made the compiled
+                # graph slower on gloo)
                 total = funcol.wait_tensor(started)[self.rank * n : (self.rank + 1) * n]
                 return self._finish(total, op).unsqueeze(0)
         else:

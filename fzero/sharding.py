@@ -181,39 +181,37 @@ def average_flat_grads(
 
     The communication of :func:`reduce_scatter_grads`, for an already flat buffer.
     """
-    x = flat.to(reduce_dtype)
-    if reduce_dtype in LOW_PRECISION:
-        pre, post = gradient_divide_factors(comm.world_size)
-        if pre > 1:
-            x = x / pre
-        x = comm.take_shard(comm.all_reduce(x, "sum")) if via_all_reduce else comm.reduce_scatter(x, "sum")
-        if post > 1:
-            x = x / post
-        return x.to(out_dtype)
-    x = comm.take_shard(comm.all_reduce(x, "avg")) if via_all_reduce else comm.reduce_scatter(x, "avg")
-    return x.to(out_dtype)
+    return average_flat_grads_start(flat, comm, reduce_dtype, out_dtype, via_all_reduce)()
 
 
 def average_flat_grads_start(
-    flat: torch.Tensor, comm: Communicator, reduce_dtype: torch.dtype, out_dtype: torch.dtype
+    flat: torch.Tensor,
+    comm: Communicator,
+    reduce_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    via_all_reduce: bool = False,
 ) -> Callable[[], torch.Tensor]:
-    """:func:`average_flat_grads` (reduce-scatter form) started now, finished when the returned
-    function is called: the same operations in the same order, so the same bits; the
-    collective overlaps whatever runs in between (``Communicator.reduce_scatter_start``)."""
+    """:func:`average_flat_grads` started now and finished when the returned function is
+    called; the reduce-scatter overlaps whatever runs in between
+    (``Communicator.reduce_scatter_start``). In 16 bits, FSDP's pre/post divide factors keep
+    the sum in range; otherwise the collective averages."""
     x = flat.to(reduce_dtype)
-    if reduce_dtype in LOW_PRECISION:
-        pre, post = gradient_divide_factors(comm.world_size)
-        if pre > 1:
-            x = x / pre
-        done = comm.reduce_scatter_start(x, "sum")
+    low = reduce_dtype in LOW_PRECISION
+    pre, post = gradient_divide_factors(comm.world_size) if low else (1, 1)
+    if pre > 1:
+        x = x / pre
+    op = "sum" if low else "avg"
+    if via_all_reduce:
+        total = comm.take_shard(comm.all_reduce(x, op))
+        done: Callable[[], torch.Tensor] = lambda: total  # noqa: E731
+    else:
+        done = comm.reduce_scatter_start(x, op)
 
-        def finish_low() -> torch.Tensor:
-            y = done()
-            return (y / post if post > 1 else y).to(out_dtype)
+    def finish() -> torch.Tensor:
+        y = done()
+        return (y / post if post > 1 else y).to(out_dtype)
 
-        return finish_low
-    done = comm.reduce_scatter_start(x, "avg")
-    return lambda: done().to(out_dtype)
+    return finish
 
 
 def gather_flat_params(
@@ -232,19 +230,22 @@ def gather_flat_params(
 
 
 def gather_flat_params_at_once(
-    shard: ShardState, comm: Communicator, dtype: torch.dtype
+    shard: ShardState, comm: Communicator, dtype: Optional[torch.dtype] = None
 ) -> tuple[torch.Tensor, ...]:
-    """:func:`gather_flat_params` for every flat group in one ``all_gather``, in ``dtype``.
+    """:func:`gather_flat_params` for every flat group in one ``all_gather``.
 
     The shards are concatenated ``[R, S]``, gathered ``[R, W*S]`` (rank-major), and each
     group's ``[R, W*shard]`` buffer is cut back out: the same values as one gather per
-    group, one collective's latency instead of one per group.
+    group, one collective's latency instead of one per group. Groups that would travel in
+    different dtypes (``dtype=None`` with float32 and float64 groups) gather one by one.
     """
     check_world(shard, comm)
     lay = shard.layout
     rows, world = comm.local_ranks, comm.world_size
-    if len(lay.groups) == 1:
-        return (comm.all_gather(shard.master[0].to(dtype)),)
+    dtypes = {dtype or g.dtype for g in lay.groups}
+    if len(lay.groups) == 1 or len(dtypes) != 1:
+        return gather_flat_params(shard, comm, dtype)
+    dtype = dtypes.pop()
     full = comm.all_gather(torch.cat([m.to(dtype) for m in shard.master], dim=1))
     full = full.view(rows, world, -1)
     out, offset = [], 0

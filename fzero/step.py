@@ -396,10 +396,7 @@ def make_train_step(
             # gathered inside the step and inductor keeps it to its last use in backward
             # (FSDP's reshard_after_forward=False); between steps the state holds shards only.
             # One gather and one reduce for all buckets: the graph holds them all anyway.
-            dtype = state.precision.param_dtype
-            dtypes = {dtype or g.dtype for g in state.layout.groups}
-            gathered = gather_flat_params_at_once(state.shard, comm, dtypes.pop()) if len(dtypes) == 1 \
-                else gather_flat_params(state.shard, comm, dtype)
+            gathered = gather_flat_params_at_once(state.shard, comm, state.precision.param_dtype)
             out = local_flat_grads(loss_fn, replace(state, params=gathered), batch, comm.local_ranks)
             return replace(state, buffers=out.buffers, rng=out.rng), \
                 average_flat_grads_at_once(out.flat, state.layout, comm, reduce_dtype), out.losses

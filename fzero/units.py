@@ -17,27 +17,31 @@ One local rank's forward and backward (:func:`unit_grads`):
   :class:`_Released` placeholders that raise if used);
 * every tensor autograd saves for backward that is a view of a gathered unit
   is packed as a *token* (saved-tensor hooks): after its forward, nothing holds
-  the unit's gathered parameters;
-* in backward, unpacking a token all-gathers the unit again (once: a small
-  cache); when autograd has the gradient of the whole bucket, it calls
+  the unit's gathered parameters (the last unit excepted: its backward follows
+  at once, so it is kept);
+* the unit's outputs pass through :class:`_PreBackward`, whose backward runs
+  before autograd enters the unit: it gathers the unit again (or takes the
+  prefetched gather), binds it, and starts the gather of the unit before it;
+  tokens are unpacked as views of that buffer;
+* when autograd has the gradient of the whole bucket, it calls
   ``_Gather.backward`` with it: that is the moment the bucket's gradient is
-  complete. It is kept, and once every local rank has delivered it, averaged
-  over ranks by ``reduce_scatter`` at once (on a real rank: during backward,
-  unit by unit); the cache drops the unit.
+  complete. Once every local rank has delivered it, its average over ranks is
+  started (``reduce_scatter``, waited for after backward; on a real rank that
+  is during backward, unit by unit); the unit is dropped.
 
 In the simulated world the local ranks run in turn and each gathers its units
 for itself (``all_gather`` of all rows, keeping its own): W collectives where W
 real ranks run one together, a cost of simulating only.
 
 So a unit's forward runs once: no recompute, and dropout draws once per step.
-Activation checkpointing composes: a checkpointed unit's pre-hook runs again
-in the recompute and regathers it (``torch.utils.checkpoint`` restores the
-generator, so the masks are the same).
+Activation checkpointing composes: a checkpointed region recomputed in
+backward finds the unit bound by ``_PreBackward`` (``torch.utils.checkpoint``
+restores the generator, so the masks are the same).
 
-Peak gathered parameters per rank: the root, plus one unit in forward, plus at
-most two units in backward (the one whose saved tensors are being unpacked and
-the next). Gradients: one bucket at a time on a real rank (the simulated world
-keeps each rank's bucket gradients until the last rank has delivered them).
+Peak gathered parameters per rank: the root and two units (the running one and
+the prefetched one). Gradients: one bucket at a time on a real rank (the
+simulated world keeps each rank's bucket gradients until the last rank has
+delivered them).
 
 Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.sharding``, ``fzero.module``, ``fzero.rng``.
 """
@@ -48,6 +52,7 @@ import dataclasses
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
+import torch.utils._pytree as tp
 
 from .comm import Communicator
 from .layout import FlatGroup, Layout
@@ -228,8 +233,6 @@ class _PreBackward(torch.autograd.Function):
 
 def _before_backward(run: "_RankRun", bucket: int, out: Any) -> Any:
     """``out`` with its tensors that require grad passed through one :class:`_PreBackward`."""
-    import torch.utils._pytree as tp
-
     leaves, spec = tp.tree_flatten(out)
     idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not idx:
@@ -246,12 +249,12 @@ class _Reduction:
     ``shards[gi]``: the averaged shard ``[R, shard_numel]`` (master dtype) of flat group ``gi``.
     """
 
-    def __init__(self, layout: Layout, groups: Sequence[Sequence[FlatGroup]], comm: Communicator,
+    def __init__(self, groups: Sequence[Sequence[FlatGroup]], comm: Communicator,
                  reduce_dtype: Optional[torch.dtype]):
-        self.layout, self.groups, self.comm, self.reduce_dtype = layout, groups, comm, reduce_dtype
+        self.groups, self.comm, self.reduce_dtype = groups, comm, reduce_dtype
         self.rows = comm.local_ranks
         self.parts: dict[int, dict[int, tuple[torch.Tensor, ...]]] = {}
-        self.shards: list[Optional[Callable[[], torch.Tensor]]] = [None] * len(layout.groups)
+        self.shards: list[Optional[Callable[[], torch.Tensor]]] = [None] * sum(len(g) for g in groups)
 
     def add(self, bucket: int, row: int, grads: tuple[torch.Tensor, ...]) -> None:
         got = self.parts.setdefault(bucket, {})
@@ -334,16 +337,10 @@ class _RankRun:
             self.expected[bucket] += 1
         flats = _Gather.apply(self.anchor, self, bucket)
         self.last_flats = tuple(f.detach() for f in flats)
-        out = {}
-        for pos, (g, flat) in enumerate(zip(self.plan.groups[bucket], flats)):
-            lay = self.plan.layout
-            sizes = [lay.slots[i].numel for i in g.slots] + ([g.padding] if g.padding else [])
-            for i, piece in zip(g.slots, flat.split(sizes)):
-                s = lay.slots[i]
-                out[s.path] = piece.view(s.shape)
-            if track:
+        if track:
+            for pos, flat in enumerate(flats):
                 self.live[flat.untyped_storage().data_ptr()] = (bucket, pos, flat.storage_offset())
-        return out
+        return self._views(bucket, flats)
 
     def bind(self, bucket: int, tensors: Mapping[str, torch.Tensor]) -> None:
         for table, attr, name in self.unit_slots[bucket]:
@@ -371,10 +368,11 @@ class _RankRun:
         if self.backward:
             return out
         self.unbind(bucket)
-        self.release(bucket, self.bound.pop(bucket, {}))
+        self.release(self.bound.pop(bucket, {}))
         return _before_backward(self, bucket, out)
 
-    def release(self, bucket: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    def release(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Stop packing saved views of these tensors' buffers as tokens."""
         for t in tensors.values():
             self.live.pop(t.untyped_storage().data_ptr(), None)
 
@@ -394,8 +392,6 @@ class _RankRun:
         """Bind the unit's regathered parameters before autograd enters it: a checkpointed
         forward recomputed in backward finds them in the module."""
         flats = self.regathered(bucket)
-        tensors = {}
-        lay = self.plan.layout
         # autograd runs backward with grad mode off; the views must require grad as in forward
         with torch.enable_grad():
             tensors = self._views(bucket, [f.detach().requires_grad_(True) for f in flats])
@@ -407,6 +403,8 @@ class _RankRun:
             self.started.add(self.order[i - 1])
 
     def _views(self, bucket: int, flats: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``{path: view}`` of the bucket's trainable parameters, by one ``split`` per flat buffer
+        (its backward is one ``cat``, not a zero-filled flat gradient per view)."""
         tensors = {}
         lay = self.plan.layout
         for g, flat in zip(self.plan.groups[bucket], flats):
@@ -451,17 +449,15 @@ class _RankRun:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """Static: the layout's flat groups per bucket, the unit modules and their parameter slots."""
+    """Static: the layout and its flat groups per bucket (root first, then each unit)."""
 
     layout: Layout
     groups: tuple[tuple[FlatGroup, ...], ...]
-    units: tuple[str, ...]
 
     @staticmethod
     def of(layout: Layout, units: Sequence[str]) -> "_Plan":
         n = len(units) + 1
-        groups = tuple(tuple(g for g in layout.groups if g.bucket == b) for b in range(n))
-        return _Plan(layout, groups, tuple(units))
+        return _Plan(layout, tuple(tuple(g for g in layout.groups if g.bucket == b) for b in range(n)))
 
 
 def check_module_matches(module: torch.nn.Module, layout: Layout) -> None:
@@ -521,7 +517,7 @@ def unit_grads(
     frozen = {s.path: (f.to(param_dtype) if param_dtype is not None else f)
               for s, f in zip(lay.frozen_slots, shard.frozen)}
     device = shard.master[0].device
-    reduction = _Reduction(lay, plan.groups, comm, reduce_dtype)
+    reduction = _Reduction(plan.groups, comm, reduce_dtype)
     losses, new_rng = [], []
     new_buffers: list[list[torch.Tensor]] = [[] for _ in buffer_names]
     unit_modules = [module.get_submodule(u) for u in units]
