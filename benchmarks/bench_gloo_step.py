@@ -1,4 +1,4 @@
-"""Training-step time on gloo at W=2: fzero vs DDP vs ZeroRedundancyOptimizer vs FSDP2.
+"""Training-step time on gloo at W=2: fzero vs DDP vs ZeroRedundancyOptimizer vs FSDP2 vs DeepSpeed.
 
 What it measures: wall time of one full data-parallel training step (forward,
 backward, gradient communication, optimizer update, and for the sharded
@@ -17,9 +17,28 @@ hyperparameters, the same initial weights and the same per-rank micro-batches:
 * ``fzero s1/s2 eager`` and ``fzero s1/s2 compiled`` (``torch.compile(step,
                          fullgraph=True)``), ``fzero.adamw``, ``TorchCommunicator()``
 * ``fzero s3 eager/compiled``  stage 3 with one shard unit per block (as FSDP2)
+* ``deepspeed zero-1/2``  (keys ``ds-z1``, ``ds-z2``) a DeepSpeed engine at ZeRO
+                         stage 1 / 2 on the script's gloo group (``DS_ACCELERATOR=cpu``),
+                         fp32, given a ``torch.optim.AdamW`` (so DeepSpeed builds no
+                         C++ CPU Adam), no clipping, reduce and all-gather buckets of
+                         25 MiB (DDP's default bucket size; one bucket for this model),
+                         ``overlap_comm`` off. Listed only when ``deepspeed`` is
+                         installed: ``pip install -c constraints.txt -e ".[bench]"``.
+                         The first run on a machine JIT-compiles DeepSpeed's
+                         shared-memory CPU all-reduce with the system C++ compiler
+                         (1-2 minutes of set-up on 2 cores, then cached in
+                         ``~/.cache/torch_extensions``); its training steps do not use it.
 
 ``--model hf-gpt2`` runs a ``transformers`` GPT-2 (tied embeddings) of the same
 size instead of the TinyGPT, in every system.
+
+DeepSpeed on CPU runs every collective synchronously (the CPU accelerator has
+no streams), so ``overlap_comm`` could only split the reduction into more
+blocking collectives inside backward; with buckets larger than the model both
+stages reduce the whole gradient once after backward (stage 1 and 2 alike as
+an all-reduce, DeepSpeed's ``use_multi_rank_bucket_allreduce`` default),
+all-reduce the gradient norm (one scalar, computed with clipping off too) and
+all-gather the updated parameters once after the optimizer step.
 
 Every system runs ``warmup + steps`` steps from the same init on the same data
 (the Markov-chain random tokens of ``models.random_batch``). All systems are
@@ -43,7 +62,13 @@ How to run (from the repository root; it launches itself under
 runs past ``--timeout`` seconds)::
 
     python benchmarks/bench_gloo_step.py [--steps 40] [--warmup 5]
-        [--rounds 8] [--systems ddp,zero,fsdp,fzero-s2c,...] [--timeout 420]
+        [--rounds 8] [--systems ddp,zero,fsdp,fzero-s2c,ds-z2,...] [--timeout 420]
+
+DeepSpeed's systems need the ``bench`` extra; without it the default run skips
+them with a note, and naming them in ``--systems`` is an error that says so::
+
+    pip install -c constraints.txt -e ".[bench]"
+    python benchmarks/bench_gloo_step.py --systems ddp,ds-z1,ds-z2,fzero-s2
 
 The ``local (no comm)`` row is a floor, not a data-parallel system: forward,
 backward and AdamW on the rank's own micro-batch with no communication, timed
@@ -58,11 +83,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import os
 import statistics
 import sys
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from typing import Callable
 
@@ -96,7 +123,35 @@ SYSTEMS = [
     ("fzero-s2cd", "fzero s2 comp.+donate"),
     ("fzero-s3", "fzero s3 eager"),
     ("fzero-s3c", "fzero s3 compiled"),
+    ("ds-z1", "deepspeed zero-1"),
+    ("ds-z2", "deepspeed zero-2"),
 ]
+# Systems that need the optional ``deepspeed`` package (the ``bench`` extra).
+DEEPSPEED_KEYS = ("ds-z1", "ds-z2")
+INSTALL_BENCH = 'pip install -c constraints.txt -e ".[bench]"'
+# DeepSpeed's reduce / all-gather bucket, in elements: DDP's default bucket_cap_mb=25
+# of fp32, so both reduce in buckets of one size (one bucket for the default model).
+# DeepSpeed's own default, 5e8 elements, would allocate a 2 GB gradient buffer per rank.
+DS_BUCKET = 25 * 2**20 // 4
+
+
+def have_deepspeed() -> bool:
+    """Whether ``deepspeed`` is installed; looked up without importing it (slow, and it
+    picks its accelerator at import)."""
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def _bucket_suffix_ok(key: str) -> bool:
+    """``fzero-s1...@N`` / ``fzero-s2...@N``: that system with ``bucket_numel=N`` (a sweep)."""
+    if "@" not in key:
+        return True
+    base, n = key.split("@", 1)
+    return base.startswith(("fzero-s1", "fzero-s2")) and n.isdigit() and int(n) > 0
+
+
+def label(key: str) -> str:
+    base, _, n = key.partition("@")
+    return dict(SYSTEMS)[base] + (f" @{int(n):,}" if n else "")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -105,8 +160,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps per system (compiles)")
     p.add_argument("--rounds", type=int, default=8,
                    help="the timed steps of all systems run interleaved in this many rounds")
-    p.add_argument("--systems", default=",".join(k for k, _ in SYSTEMS),
-                   help="comma-separated subset of: " + ", ".join(k for k, _ in SYSTEMS))
+    p.add_argument("--systems", default=None,
+                   help="comma-separated subset of: " + ", ".join(k for k, _ in SYSTEMS)
+                   + " (default: all; " + ", ".join(DEEPSPEED_KEYS) + " only if deepspeed is installed); "
+                   "fzero stage 1-2 keys take a bucket size in elements as a suffix, e.g. fzero-s2@65536")
     p.add_argument("--seed", type=int, default=0, help="model init seed (data seeds derive from it)")
     p.add_argument("--model", default="tiny", choices=["tiny", "hf-gpt2"],
                    help="TinyGPT, or a transformers GPT-2 (tied embeddings) of the same size")
@@ -114,10 +171,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     keys = [k for k, _ in SYSTEMS]
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    bad = [s for s in args.systems if s not in keys]
-    if bad:
-        p.error(f"unknown systems {bad}; choose from {keys}")
+    ds = have_deepspeed()
+    args.skipped_note = ""
+    if args.systems is None:
+        args.systems = [k for k in keys if ds or k not in DEEPSPEED_KEYS]
+        if not ds:
+            args.skipped_note = f"{', '.join(DEEPSPEED_KEYS)} skipped: deepspeed is not installed ({INSTALL_BENCH})"
+    else:
+        args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+        bad = [s for s in args.systems if s.split("@")[0] not in keys or not _bucket_suffix_ok(s)]
+        if bad:
+            p.error(f"unknown systems {bad}; choose from {keys}")
+        wanted = [s for s in args.systems if s in DEEPSPEED_KEYS]
+        if wanted and not ds:
+            p.error(f"{', '.join(wanted)} need deepspeed, which is not installed; install it with {INSTALL_BENCH}")
     if args.steps < 1 or args.warmup < 1:
         p.error("--steps and --warmup must be >= 1 (compiled variants compile during warm-up)")
     return args
@@ -203,14 +270,23 @@ def make_torch_runner(kind: str, ctx: dict) -> Runner:
     else:
         raise ValueError(kind)
 
-    losses: dict[str, torch.Tensor] = {}
-
-    def step(i: int) -> None:
-        x, y = micro[i]
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
         loss = lm_loss(net(x), y)
         loss.backward()
         opt.step()
+        return loss
+
+    return _eager_runner(r, train_step, micro, params_of)
+
+
+def _eager_runner(r: Runner, train_step, micro: list, params_of) -> Runner:
+    """Fill ``r`` with an eager loop: ``train_step(x, y) -> loss`` on rank-local micro-batch
+    ``i``; losses stay tensors until ``finish`` (no host sync in the timed steps)."""
+    losses: dict[str, torch.Tensor] = {}
+
+    def step(i: int) -> None:
+        loss = train_step(*micro[i])
         losses.setdefault("first", loss.detach())
         losses["last"] = loss.detach()
 
@@ -221,7 +297,64 @@ def make_torch_runner(kind: str, ctx: dict) -> Runner:
     return r
 
 
-def make_fzero_runner(stage: int, compiled: bool, donate: bool, ctx: dict) -> Runner:
+def _ds_config(stage: int, micro_batch: int) -> dict:
+    """DeepSpeed config: fp32, ZeRO ``stage``, no clipping, one micro-batch per step."""
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": DS_BUCKET,
+            "allgather_bucket_size": DS_BUCKET,
+            "contiguous_gradients": True,  # DeepSpeed's default: gradients copied into the bucket
+            "reduce_scatter": True,
+            # DeepSpeed's default for stages 1-2; on CPU there are no streams to overlap on.
+            "overlap_comm": False,
+        },
+        # ZeRO refuses optimizers it has not tested unless told; torch's AdamW is
+        # elementwise, so it steps the flat fp32 partition as it would the parameters.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,  # no progress lines between timed steps
+        "wall_clock_breakdown": False,
+    }
+
+
+def make_deepspeed_runner(stage: int, ctx: dict) -> Runner:
+    """A DeepSpeed engine (ZeRO ``stage``) over the process group this script made."""
+    # The benchmark is gloo on CPU whatever else the machine has; DeepSpeed reads the
+    # variable once, when its accelerator is first asked for (at import).
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    # DeepSpeed's gather calls the name torch 2.13 deprecates; said once per process, not ours.
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+    import deepspeed
+
+    cfg, micro = ctx["cfg"], ctx["micro"]
+    model = build(ctx["model"], cfg, ctx["seed"])
+    engine, opt, _, _ = deepspeed.initialize(
+        model=model, optimizer=_torch_adamw(model.parameters()),
+        config=_ds_config(stage, micro[0][0].shape[0]), dist_init_required=False,
+    )
+    if engine.zero_optimization_stage() != stage:
+        raise RuntimeError(f"DeepSpeed runs ZeRO stage {engine.zero_optimization_stage()}, asked for {stage}")
+    r = Runner()
+    r.note = (f"deepspeed {deepspeed.__version__}, stage {stage} ({type(opt).__name__} over torch AdamW), "
+              f"buckets {DS_BUCKET / 1e6:.2f}M el.")
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()  # the optimizer step, the parameter all-gather and zeroing the gradients
+        return loss
+
+    # ZeRO 1-2 keep full fp32 parameters in the module, refreshed by the all-gather in step().
+    params_of = lambda: {n: p.detach().clone() for n, p in engine.module.named_parameters()}  # noqa: E731
+    return _eager_runner(r, train_step, micro, params_of)
+
+
+def make_fzero_runner(stage: int, compiled: bool, donate: bool, ctx: dict, bucket_numel: int | None = None) -> Runner:
     import fzero
     from fzero.dist import TorchCommunicator
 
@@ -230,14 +363,15 @@ def make_fzero_runner(stage: int, compiled: bool, donate: bool, ctx: dict) -> Ru
     model = build(ctx["model"], cfg, ctx["seed"])
     opt = fzero.adamw(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     units = (type(model.blocks[0]),) if stage == 3 else None  # as FSDP2: one unit per block
-    holder = {"state": fzero.init_train_state(model, opt, comm, stage=stage, units=units)}
+    holder = {"state": fzero.init_train_state(model, opt, comm, stage=stage, units=units, bucket_numel=bucket_numel)}
     step_fn = fzero.make_train_step(
         fzero.module_loss(model, make_criterion(cfg.vocab)), comm, stage=stage, donate=donate, compile=compiled
     )
     batches = [comm.split_batch(b) for b in ctx["global_batches"]]  # [1, B/W, T] views
     r = Runner()
     r.note = f"stage {stage}" + (", units: blocks" if units else "") + (", fullgraph" if compiled else "") \
-        + (", donating" if donate else "")
+        + (", donating" if donate else "") \
+        + (f", {len(holder['state'].layout.groups)} buckets" if stage < 3 else "")
 
     def step(i: int) -> None:
         holder["state"], holder["metrics"] = step_fn(holder["state"], batches[i])
@@ -254,9 +388,12 @@ def make_fzero_runner(stage: int, compiled: bool, donate: bool, ctx: dict) -> Ru
 
 
 def build_runner(key: str, ctx: dict) -> Runner:
+    if key in DEEPSPEED_KEYS:
+        return make_deepspeed_runner(int(key[-1]), ctx)
     if key.startswith("fzero-"):
-        tag = key[len("fzero-"):]
-        return make_fzero_runner(int(tag[1]), "c" in tag, "d" in tag, ctx)
+        base, _, n = key.partition("@")
+        tag = base[len("fzero-"):]
+        return make_fzero_runner(int(tag[1]), "c" in tag, "d" in tag, ctx, int(n) if n else None)
     return make_torch_runner(key, ctx)
 
 
@@ -472,7 +609,6 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def report(args, cfg, n_params: int, results: dict, volume: dict | None, refs: dict) -> None:
-    names = dict(SYSTEMS)
     ok = {k: v for k, v in results.items() if "error" not in v}
     trained = {k: v for k, v in ok.items() if k != "local"}  # the floor trains on local data only
     med = {k: statistics.median(v["times"]) * 1e3 for k, v in ok.items()}
@@ -508,11 +644,13 @@ def report(args, cfg, n_params: int, results: dict, volume: dict | None, refs: d
     for key in args.systems:
         r = results[key]
         if "error" in r:
-            print(f"{names[key]:<20} | {'-':>14} | {'-':>12} | {'-':>14} | {'-':>6} | FAILED: {r['error']}")
+            print(f"{label(key):<20} | {'-':>14} | {'-':>12} | {'-':>14} | {'-':>6} | FAILED: {r['error']}")
             continue
         rd = f"{med[key] / ddp_ms:.2f}" if ddp_ms else "-"
         rz = f"{med[key] / zero_ms:.2f}" if zero_ms else "-"
-        print(f"{names[key]:<20} | {med[key]:>14.1f} | {mean[key]:>12.1f} | {rd:>14} | {rz:>6} | {r['note']}")
+        print(f"{label(key):<20} | {med[key]:>14.1f} | {mean[key]:>12.1f} | {rd:>14} | {rz:>6} | {r['note']}")
+    if args.skipped_note:
+        print(args.skipped_note)
 
     if ddp_ms and zero_ms:
         print()
@@ -521,7 +659,7 @@ def report(args, cfg, n_params: int, results: dict, volume: dict | None, refs: d
             if key.startswith("fzero") and key in ok:
                 a, z = med[key] / ddp_ms, med[key] / zero_ms
                 verdict = "MET" if a <= 1.0 and z <= 0.8 else "not met"
-                print(f"  {names[key]:<20} {a:.2f}x DDP, {z:.2f}x ZeRO: {verdict}")
+                print(f"  {label(key):<20} {a:.2f}x DDP, {z:.2f}x ZeRO: {verdict}")
 
     # Sanity: every system trained the same thing.
     print()
@@ -538,7 +676,7 @@ def report(args, cfg, n_params: int, results: dict, volume: dict | None, refs: d
             evals[k] = lm_loss(torch.func.functional_call(model, v["params"], (ex,)), ey).item()
     ref = ok[ref_key]
     print(f"{'system':<20} | {'first-step loss':>15} | {'last-step loss':>14} | {'held-out loss':>13} "
-          f"| {'rel. diff last / held-out':>25} | {'max param rel. diff':>19} | flag  (vs {names[ref_key]})")
+          f"| {'rel. diff last / held-out':>25} | {'max param rel. diff':>19} | flag  (vs {label(ref_key)})")
     for k, v in trained.items():
         dl = abs(v["loss"] - ref["loss"]) / abs(ref["loss"])
         de = abs(evals[k] - evals[ref_key]) / abs(evals[ref_key])
@@ -547,7 +685,7 @@ def report(args, cfg, n_params: int, results: dict, volume: dict | None, refs: d
             for n, p in ref["params"].items()
         )
         flag = "DISAGREES (>1e-3)" if max(dl, de) > 1e-3 else "ok"
-        print(f"{names[k]:<20} | {v['first']:>15.6f} | {v['loss']:>14.6f} | {evals[k]:>13.6f} "
+        print(f"{label(k):<20} | {v['first']:>15.6f} | {v['loss']:>14.6f} | {evals[k]:>13.6f} "
               f"| {f'{dl:.1e} / {de:.1e}':>25} | {dp:>19.1e} | {flag}")
     print("(max param rel. diff: max over tensors of max|p - p_ref| / max|p_ref|)")
 

@@ -13,6 +13,9 @@ Shapes (``W`` = world size, ``R`` = local ranks):
     chunk ``ranks[r]`` of the reduction. ``op`` in sum/avg.
   * ``all_gather(x)``: ``[R, n] -> [R, W*n]``, chunks in rank order.
   * ``take_shard(x)``: ``[R, W*n] -> [R, n]``, this rank's chunk, no traffic.
+  * ``all_reduce_start``, ``reduce_scatter_start``, ``all_gather_start``: the
+    same collectives started now and finished later (on a process group:
+    unwaited functional collectives; elsewhere they run at once).
   * ``broadcast(x, src)``: ``[R, n] -> [R, n]``, every row becomes rank
     ``src``'s row (any dtype; module buffers).
 
@@ -89,6 +92,12 @@ class Communicator:
         """Start a ``reduce_scatter``; the returned function gives its result (waiting for it
         then). Default: the collective runs now."""
         out = self.reduce_scatter(x, op)
+        return lambda: out
+
+    def all_reduce_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
+        """Start an ``all_reduce``; the returned function gives its result (waiting for it
+        then). Default: the collective runs now."""
+        out = self.all_reduce(x, op)
         return lambda: out
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -265,11 +274,14 @@ class CountingCommunicator(Communicator):
         self._record("all_reduce", x, x[0].numel(), 2.0)
         return self.inner.all_reduce(x, op)
 
-    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+    def _record_reduce_scatter(self, x: torch.Tensor) -> None:
         if getattr(self.inner, "reduce_scatter_via_all_reduce", False):
             self._record("all_reduce", x, x[0].numel(), 2.0)  # what the backend really sends
         else:
             self._record("reduce_scatter", x, x[0].numel(), 1.0)
+
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        self._record_reduce_scatter(x)
         return self.inner.reduce_scatter(x, op)
 
     def check_layout(self, layout: Any) -> None:
@@ -278,6 +290,23 @@ class CountingCommunicator(Communicator):
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         self._record("all_gather", x, x[0].numel() * self.world_size, 1.0)
         return self.inner.all_gather(x)
+
+    # Started collectives are recorded when they are issued and stay started (the inner
+    # communicator's own start), so the records give the order in which a step issues them.
+    def all_reduce_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
+        self._record("all_reduce", x, x[0].numel(), 2.0)
+        return self.inner.all_reduce_start(x, op)
+
+    def reduce_scatter_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
+        self._record_reduce_scatter(x)
+        return self.inner.reduce_scatter_start(x, op)
+
+    def all_gather_start(self, x: torch.Tensor) -> torch.Tensor:
+        self._record("all_gather", x, x[0].numel() * self.world_size, 1.0)
+        return self.inner.all_gather_start(x)
+
+    def wait(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.wait(x)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         # a tree broadcast sends the buffer about once per rank: ring factor W/(W-1)

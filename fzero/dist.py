@@ -71,11 +71,15 @@ class TorchCommunicator(Communicator):
         return total / self.world_size if op == "avg" and self.world_size > 1 else total
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        return self.all_reduce_start(x, op)()
+
+    def all_reduce_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
+        """Launch the functional collective; the returned function waits for it."""
         self._check_rows(x, "all_reduce")
         if op not in ("sum", "avg", "max"):
             raise ValueError(f"unknown reduce op {op!r}")
-        out = funcol.all_reduce(x[0], "max" if op == "max" else "sum", self.group)
-        return self._finish(out, op).unsqueeze(0)
+        started = funcol.all_reduce(x[0], "max" if op == "max" else "sum", self.group)
+        return lambda: self._finish(started, op).unsqueeze(0)
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         return self.reduce_scatter_start(x, op)()

@@ -334,6 +334,14 @@ def group_views(layout: Layout, group: FlatGroup, flat: torch.Tensor) -> list[to
     return out
 
 
+def split_views(layout: Layout, group: FlatGroup, flat: torch.Tensor) -> list[torch.Tensor]:
+    """:func:`group_views` by one ``split``: differentiating through the views gives ``flat``
+    one gradient, a single ``cat`` (a view by slicing would zero-fill a whole flat gradient
+    per parameter)."""
+    sizes = [layout.slots[i].numel for i in group.slots] + ([group.padding] if group.padding else [])
+    return [p.view(layout.slots[i].shape) for i, p in zip(group.slots, flat.split(sizes))]
+
+
 def flatten_one(layout: Layout, group: FlatGroup, leaves: Sequence[torch.Tensor]) -> torch.Tensor:
     """Concatenate one rank's ``group`` leaves (each ``[*shape]``) into ``[padded_numel]``, zero padded."""
     parts = [leaves[i].reshape(-1) for i in group.slots]

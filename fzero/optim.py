@@ -165,10 +165,14 @@ class Optimizer:
 
         Eagerly, Adam and AdamW run torch's fused kernel (``torch._fused_adam(w)_``),
         which reads the hyperparameters as Python floats from their CPU tensors
-        (no device sync) and skips the update itself when ``found_inf`` is set.
+        (no device sync) and skips the update itself when ``found_inf`` is nonzero.
         Under ``torch.compile`` (and for SGD) the update is written out and
         copied back through ``torch.where``, which inductor fuses into one
-        read-modify-write pass.
+        read-modify-write pass, together with what produced the gradient (the
+        unscale and clip multiply of a step). torch's kernel as an opaque operator
+        in the graph measured the same on a bare 50M-element shard, but cannot
+        take that multiply in, so the unscaled gradient is materialised: 3.6x
+        slower (``benchmarks/bench_optimizer.py --unscale``).
         """
         if self.kind != "sgd" and not torch.compiler.is_compiling():
             kernel = torch._fused_adamw_ if self.kind == "adamw" else torch._fused_adam_
@@ -182,7 +186,8 @@ class Optimizer:
                 lr=hyper["lr"].item(), beta1=hyper["beta1"].item(), beta2=hyper["beta2"].item(),
                 weight_decay=hyper["weight_decay"].item(), eps=hyper["eps"].item(),
                 amsgrad=self.amsgrad, maximize=self.maximize,
-                found_inf=None if found_inf is None else found_inf.to(device=param.device, dtype=torch.float32),
+                # the kernel skips only where found_inf == 1.0; the contract is nonzero (2.0, NaN, inf)
+                found_inf=None if found_inf is None else (found_inf != 0).to(param.device, torch.float32),
             )
             return
         new_param, new_moments = self.update(param, grad, moments, hyper, step)

@@ -202,8 +202,8 @@ def average_flat_grads_start(
         x = x / pre
     op = "sum" if low else "avg"
     if via_all_reduce:
-        total = comm.take_shard(comm.all_reduce(x, op))
-        done: Callable[[], torch.Tensor] = lambda: total  # noqa: E731
+        reduced = comm.all_reduce_start(x, op)
+        done: Callable[[], torch.Tensor] = lambda: comm.take_shard(reduced())  # noqa: E731
     else:
         done = comm.reduce_scatter_start(x, op)
 

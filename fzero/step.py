@@ -32,7 +32,8 @@ import torch
 import torch.utils._pytree as tp
 
 from .comm import Communicator
-from .layout import flatten_one, named_leaves
+from .buckets import BucketReduction, BucketWatcher, buckets_of, size_buckets
+from .layout import FlatGroup, flatten_one, named_leaves
 from .module import (
     ModuleLoss, ModuleSpec, broadcast_buffers as broadcast_module_buffers, check_loss, init_buffers, module_loss,
     module_spec, row_of,
@@ -115,6 +116,7 @@ def init_train_state(
     *,
     stage: int = 2,
     units: Optional[UnitPolicy] = None,
+    bucket_numel: Optional[int] = None,
     precision: MixedPrecision = MixedPrecision(),
     scaler: Optional[ScalerState] = None,
     trainable: Optional[Callable[[str], bool]] = None,
@@ -130,6 +132,11 @@ def init_train_state(
     module classes or a predicate ``(name, module) -> bool`` (see
     :mod:`fzero.units`); its parameters go one bucket per unit, the rest (and
     tied parameters) to the root. Checkpoints move between stages either way.
+    ``bucket_numel`` (stages 1-2 without ``units``; default
+    :data:`fzero.buckets.DEFAULT_BUCKET_NUMEL`, 2^23): gradients are reduced in buckets
+    of about this many elements, in reverse registration order, each started as
+    soon as backward has completed it (DDP's ``bucket_cap_mb``, DeepSpeed's
+    ``reduce_bucket_size``); each bucket is a flat group of the layout.
     ``scaler`` defaults to a dynamic
     :func:`~fzero.scaler.init_scaler` when computing in fp16 and to a static
     scale of 1 otherwise.
@@ -148,8 +155,15 @@ def init_train_state(
             "init_train_state: stage 3 needs the model's shard units: units=(BlockClass,) or a "
             "predicate (name, module) -> bool, as FSDP2's fully_shard per block"
         )
+    if bucket_numel is not None and (stage == 3 or units is not None):
+        raise ValueError(
+            "init_train_state: bucket_numel cuts stages 1-2 into gradient buckets by size; with "
+            "units= (or at stage 3) the shard units are the buckets: give one or the other"
+        )
     unit_names: tuple[str, ...] = ()
     bucket_of = None
+    if units is None and stage < 3:
+        bucket_of = size_buckets(params, bucket_numel, trainable).__getitem__
     if units is not None:
         if not isinstance(params, torch.nn.Module):
             raise TypeError(
@@ -207,8 +221,14 @@ class RankGrads(NamedTuple):
     rng: tuple[torch.Tensor, ...]       # the generator states it left (or the input's)
 
 
-def local_flat_grads(loss_fn: LossFn, state: TrainState, batch: Any, rows: int) -> RankGrads:
-    """Each local rank's gradient of its scaled loss, its loss, buffers and generator. No collective.
+def local_flat_grads(
+    loss_fn: LossFn,
+    state: TrainState,
+    batch: Any,
+    rows: int,
+    reduction: Optional[BucketReduction] = None,
+) -> RankGrads:
+    """Each local rank's gradient of its scaled loss, its loss, buffers and generator.
 
     Ordinary autograd: rank ``r``'s parameters are fresh leaf tensors viewing
     row ``r`` of the gathered buffers (no copy; the state is never written),
@@ -222,6 +242,11 @@ def local_flat_grads(loss_fn: LossFn, state: TrainState, batch: Any, rows: int) 
     forward and backward (:func:`fzero.rng.rank_rng`). A :class:`ModuleLoss`
     keeps its module bound to the rank's tensors until backward has finished,
     so that activation checkpointing recomputes with them.
+
+    ``reduction`` (eager only): each bucket's flat gradient goes to it as soon
+    as backward has completed the bucket (:class:`fzero.buckets.BucketWatcher`),
+    which starts its collective while backward goes on; ``RankGrads.flat`` is
+    then empty. Otherwise no collective.
     """
     lay, shard, scaler = state.layout, state.shard, state.scaler
     dtype = state.precision.param_dtype
@@ -237,6 +262,10 @@ def local_flat_grads(loss_fn: LossFn, state: TrainState, batch: Any, rows: int) 
         batch_r = row_of(batch, r)
         views = trainable_views(lay, state.params, r)
         leaves = [views[s.path].detach().requires_grad_(True) for s in train_slots]
+        watcher = None
+        if reduction is not None:
+            watcher = BucketWatcher(lay, lambda b, grads, r=r: reduction.add(b, r, grads))
+            watcher.watch(leaves)
         tensors = merge_params(lay, {s.path: v for s, v in zip(train_slots, leaves)}, shard.frozen, dtype)
         bufs = [b[r].clone() for b in state.buffers]
         if bufs:
@@ -248,18 +277,22 @@ def local_flat_grads(loss_fn: LossFn, state: TrainState, batch: Any, rows: int) 
             check_loss(loss)
             loss = loss.float()
             grads = torch.autograd.grad(scale(scaler, loss), leaves, allow_unused=True)
-        by_path = {
-            s.path: g if g is not None else torch.zeros(s.shape, dtype=v.dtype, device=device)
-            for s, v, g in zip(train_slots, leaves, grads)
-        }
-        slot_grads = [by_path.get(s.path) for s in lay.slots]
-        for g in lay.groups:
-            flat[g.index].append(flatten_one(lay, g, slot_grads))
+        if watcher is not None:
+            watcher.finish()
+        else:
+            by_path = {
+                s.path: g if g is not None else torch.zeros(s.shape, dtype=v.dtype, device=device)
+                for s, v, g in zip(train_slots, leaves, grads)
+            }
+            slot_grads = [by_path.get(s.path) for s in lay.slots]
+            for g in lay.groups:
+                flat[g.index].append(flatten_one(lay, g, slot_grads))
+        del grads
         losses.append(loss.detach())
         for i, b in enumerate(bufs):
             new_buffers[i].append(b)
     return RankGrads(
-        tuple(stack_rows(f) for f in flat),
+        tuple(stack_rows(f) for f in flat if f),
         torch.stack(losses),
         tuple(stack_rows(b) for b in new_buffers),
         (stack_rows(new_rng),) if swap_rng else state.rng,
@@ -291,6 +324,18 @@ def apply_schedules(state: TrainState, schedules: Mapping[str, Schedule]) -> Tra
 
 
 StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]
+
+
+class Micro(NamedTuple):
+    """One micro-step's result: the state with the buffers and generators its forward left;
+    per flat group the reduced shards ``[R, shard_numel]`` (or, deferring, the full local
+    gradients ``[R, padded]``); the losses ``[R]``; ``final``: the shards are already the
+    average over every micro-batch (a deferred accumulation reduced in the last backward)."""
+
+    state: "TrainState"
+    grads: tuple[torch.Tensor, ...]
+    losses: torch.Tensor
+    final: bool = False
 
 
 def make_train_step(
@@ -381,7 +426,7 @@ def make_train_step(
             return batch
         return tp.tree_map(lambda x: x[:, k] if isinstance(x, torch.Tensor) else x, batch)
 
-    def stage3_micro(state: TrainState, batch: Any) -> tuple[TrainState, tuple[torch.Tensor, ...], torch.Tensor]:
+    def stage3_micro(state: TrainState, batch: Any, prior: Any, last: bool) -> Micro:
         """As ``stage12_micro``, gathering each unit's parameters inside the step (fzero.units)."""
         if not state.module.units:
             raise ValueError(
@@ -398,31 +443,49 @@ def make_train_step(
             # One gather and one reduce for all buckets: the graph holds them all anyway.
             gathered = gather_flat_params_at_once(state.shard, comm, state.precision.param_dtype)
             out = local_flat_grads(loss_fn, replace(state, params=gathered), batch, comm.local_ranks)
-            return replace(state, buffers=out.buffers, rng=out.rng), \
-                average_flat_grads_at_once(out.flat, state.layout, comm, reduce_dtype), out.losses
+            return Micro(replace(state, buffers=out.buffers, rng=out.rng),
+                         average_flat_grads_at_once(out.flat, state.layout, comm, reduce_dtype), out.losses)
         units_out = unit_grads(
             loss_fn, state.shard, comm, batch, units=state.module.units, buffers=state.buffers,
             buffer_names=state.module.buffers, rng=state.rng[0] if state.rng else None,
             scale_loss=lambda loss: scale(state.scaler, loss),
             param_dtype=state.precision.param_dtype, reduce_dtype=reduce_dtype,
         )
-        return replace(state, buffers=units_out.buffers, rng=units_out.rng or state.rng), \
-            units_out.shards, units_out.losses
+        return Micro(replace(state, buffers=units_out.buffers, rng=units_out.rng or state.rng),
+                     units_out.shards, units_out.losses)
 
-    def stage12_micro(state: TrainState, batch: Any) -> tuple[TrainState, tuple[torch.Tensor, ...], torch.Tensor]:
+    def stage12_micro(state: TrainState, batch: Any, prior: Any, last: bool) -> Micro:
         """The state with the buffers and generators the forward left; per flat group the
-        reduced shards (or, deferring, the full local gradients); the losses ``[R]``."""
+        reduced shards (or, deferring, the full local gradients); the losses ``[R]``.
+
+        Eagerly, each bucket's reduction starts during backward, as soon as its gradient is
+        complete (:class:`fzero.buckets.BucketReduction`), and is waited for after backward.
+        Deferring, the first ``K - 1`` micro-steps only accumulate; the last one reduces, in
+        its backward, ``(prior + gradient) / K`` (``prior``: the accumulated gradients), so
+        the result is already the average over micro-batches (``Micro.final``)."""
         if broadcast_buffers and state.buffers:
             state = replace(state, buffers=broadcast_module_buffers(state.buffers, comm))
-        out = local_flat_grads(loss_fn, state, batch, comm.local_ranks)
-        state = replace(state, buffers=out.buffers, rng=out.rng)
-        if defer:
-            return state, out.flat, out.losses
+        lay, rows = state.layout, comm.local_ranks
         reduce_dtype = state.precision.reduce_dtype
-        return state, tuple(
-            average_flat_grads(f, comm, reduce_dtype or g.master_dtype, g.master_dtype)
-            for g, f in zip(state.layout.groups, out.flat)
-        ), out.losses
+        if torch.compiler.is_compiling() or (defer and not last):
+            out = local_flat_grads(loss_fn, state, batch, rows)
+            state = replace(state, buffers=out.buffers, rng=out.rng)
+            if defer:
+                return Micro(state, out.flat, out.losses)
+            return Micro(state, average_flat_grads_at_once(out.flat, lay, comm, reduce_dtype), out.losses)
+        prepare = None
+        if defer and prior is not None:
+            def prepare(g: FlatGroup, flat: torch.Tensor) -> torch.Tensor:
+                # the same operations as the accumulation loop in `step`, bucket by bucket
+                return (prior[g.index].to(g.master_dtype) + flat) / accum_steps
+        buckets = buckets_of(lay)
+        reduction = BucketReduction(
+            buckets, comm, reduce_dtype, order=range(len(buckets) - 1, -1, -1),
+            via_all_reduce=stage == 1, prepare=prepare,
+        )
+        out = local_flat_grads(loss_fn, state, batch, rows, reduction)
+        shards = reduction.finish(state.params[0].device, state.precision.param_dtype)
+        return Micro(replace(state, buffers=out.buffers, rng=out.rng), shards, out.losses, final=defer)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         check_world(state.shard, comm)
@@ -436,20 +499,28 @@ def make_train_step(
         parts = digest_parts(state, comm) if check_replicas_every else None
         state = apply_schedules(state, schedules)
         micro = stage3_micro if stage == 3 else stage12_micro
-        state, acc, loss_sum = micro(state, micro_batch(batch, 0))
-        for k in range(1, accum_steps):
-            state, part, losses = micro(state, micro_batch(batch, k))
-            # accumulate in the master dtype (fp32), whatever the gradients' dtype
-            acc = tuple(a.to(g.master_dtype) + p for a, p, g in zip(acc, part, state.layout.groups))
-            loss_sum = loss_sum + losses
+        groups = state.layout.groups
+        acc: tuple[torch.Tensor, ...] = ()
+        loss_sum: Optional[torch.Tensor] = None
+        final = False
+        for k in range(accum_steps):
+            last = k == accum_steps - 1
+            m = micro(state, micro_batch(batch, k), acc if k else None, last)
+            state, final = m.state, m.final
+            if final or not k:
+                acc = m.grads
+            else:  # accumulate in the master dtype (fp32), whatever the gradients' dtype
+                acc = tuple(a.to(g.master_dtype) + p for a, p, g in zip(acc, m.grads, groups))
+            loss_sum = m.losses if loss_sum is None else loss_sum + m.losses
         if accum_steps > 1:
-            acc = tuple(a / accum_steps for a in acc)
             loss_sum = loss_sum / accum_steps
-        if stage < 3 and defer:
+            if not final:
+                acc = tuple(a / accum_steps for a in acc)
+        if stage < 3 and defer and not final:
             reduce_dtype = state.precision.reduce_dtype
             acc = tuple(
                 average_flat_grads(a, comm, reduce_dtype or g.master_dtype, g.master_dtype, stage == 1)
-                for g, a in zip(state.layout.groups, acc)
+                for g, a in zip(groups, acc)
             )
         return finish_step(state, acc, loss_sum, comm, clip_norm=clip_norm, donate=donate, replica_parts=parts)
 
@@ -626,7 +697,7 @@ def finish_step(
         factor = factor * torch.clamp(clip_norm / (norm64 + 1e-6), max=1.0)
     shards = tuple(s * factor.to(s.dtype) for s in shards)
     new_shard, new_opt = shard_step(state.shard, state.opt, shards, found_inf, donate=donate)
-    params = gather_flat_params(new_shard, comm, state.precision.param_dtype) if state.params else ()
+    params = gather_flat_params_at_once(new_shard, comm, state.precision.param_dtype) if state.params else ()
     new_state = replace(
         state, shard=new_shard, opt=new_opt, scaler=update_scale(scaler, found_inf), params=params
     )

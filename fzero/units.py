@@ -43,7 +43,7 @@ the prefetched one). Gradients: one bucket at a time on a real rank (the
 simulated world keeps each rank's bucket gradients until the last rank has
 delivered them).
 
-Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.sharding``, ``fzero.module``, ``fzero.rng``.
+Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.buckets``, ``fzero.sharding``, ``fzero.module``, ``fzero.rng``.
 """
 
 from __future__ import annotations
@@ -55,10 +55,11 @@ import torch
 import torch.utils._pytree as tp
 
 from .comm import Communicator
-from .layout import FlatGroup, Layout
+from .layout import FlatGroup, Layout, split_views
 from .module import ModuleLoss, check_loss, row_of
 from .rng import rank_rng
-from .sharding import ShardState, average_flat_grads_start, stack_rows
+from .buckets import BucketReduction
+from .sharding import ShardState, stack_rows
 
 __all__ = ["UnitPolicy", "select_units", "unit_buckets", "unit_grads", "UnitGrads"]
 
@@ -243,53 +244,11 @@ def _before_backward(run: "_RankRun", bucket: int, out: Any) -> Any:
     return tp.tree_unflatten(leaves, spec)
 
 
-class _Reduction:
-    """Per bucket, each local rank's flat gradients until all have delivered them; then the average.
-
-    ``shards[gi]``: the averaged shard ``[R, shard_numel]`` (master dtype) of flat group ``gi``.
-    """
-
-    def __init__(self, groups: Sequence[Sequence[FlatGroup]], comm: Communicator,
-                 reduce_dtype: Optional[torch.dtype]):
-        self.groups, self.comm, self.reduce_dtype = groups, comm, reduce_dtype
-        self.rows = comm.local_ranks
-        self.parts: dict[int, dict[int, tuple[torch.Tensor, ...]]] = {}
-        self.shards: list[Optional[Callable[[], torch.Tensor]]] = [None] * sum(len(g) for g in groups)
-
-    def add(self, bucket: int, row: int, grads: tuple[torch.Tensor, ...]) -> None:
-        got = self.parts.setdefault(bucket, {})
-        got[row] = grads
-        if len(got) == self.rows:
-            self._reduce(bucket)
-
-    def _reduce(self, bucket: int) -> None:
-        got = self.parts.pop(bucket)
-        for pos, g in enumerate(self.groups[bucket]):
-            flat = stack_rows([got[r][pos] for r in range(self.rows)])
-            # started now, waited for at the end: the reduction overlaps the rest of backward
-            self.shards[g.index] = average_flat_grads_start(
-                flat, self.comm, self.reduce_dtype or g.master_dtype, g.master_dtype)
-
-    def finish(self, device: torch.device, dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, ...]:
-        """Reduce what is left (a bucket no rank's loss reached, or not every rank's), zeros for the
-        missing rows, in bucket order: the same on every rank."""
-        for b, groups in enumerate(self.groups):
-            if not groups or self.shards[groups[0].index] is not None:
-                continue
-            got = self.parts.setdefault(b, {})
-            for r in range(self.rows):
-                if r not in got:
-                    got[r] = tuple(torch.zeros(g.padded_numel, dtype=dtype or g.dtype, device=device)
-                                   for g in groups)
-            self._reduce(b)
-        return tuple(done() for done in self.shards)  # type: ignore[misc]
-
-
 class _RankRun:
     """One local rank's forward and backward at stage 3: gathers, binds, packs and regathers."""
 
     def __init__(self, plan: "_Plan", shard: ShardState, comm: Communicator, row: int,
-                 dtype: Optional[torch.dtype], reduction: _Reduction,
+                 dtype: Optional[torch.dtype], reduction: BucketReduction,
                  unit_slots: Sequence[Sequence[tuple[dict, str, str]]], released: Mapping[str, torch.Tensor]):
         self.plan, self.shard, self.comm, self.row, self.dtype = plan, shard, comm, row, dtype
         self.reduction, self.unit_slots, self.released = reduction, unit_slots, released
@@ -408,9 +367,8 @@ class _RankRun:
         tensors = {}
         lay = self.plan.layout
         for g, flat in zip(self.plan.groups[bucket], flats):
-            sizes = [lay.slots[i].numel for i in g.slots] + ([g.padding] if g.padding else [])
-            for i, piece in zip(g.slots, flat.split(sizes)):
-                tensors[lay.slots[i].path] = piece.view(lay.slots[i].shape)
+            for i, view in zip(g.slots, split_views(lay, g, flat)):
+                tensors[lay.slots[i].path] = view
         return tensors
 
     def deliver(self, bucket: int, grads: tuple[torch.Tensor, ...]) -> None:
@@ -517,7 +475,7 @@ def unit_grads(
     frozen = {s.path: (f.to(param_dtype) if param_dtype is not None else f)
               for s, f in zip(lay.frozen_slots, shard.frozen)}
     device = shard.master[0].device
-    reduction = _Reduction(plan.groups, comm, reduce_dtype)
+    reduction = BucketReduction(plan.groups, comm, reduce_dtype)
     losses, new_rng = [], []
     new_buffers: list[list[torch.Tensor]] = [[] for _ in buffer_names]
     unit_modules = [module.get_submodule(u) for u in units]

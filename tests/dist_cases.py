@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 import fzero
-from helpers import batches, children, mlp
+from helpers import Branchy, Mark, batches, children, deep_mlp, mlp, overlap_data
 
 mse = torch.nn.functional.mse_loss
 
@@ -112,3 +112,44 @@ def fp16_40000(comm: fzero.Communicator) -> torch.Tensor:
     value = fp16_large_value(comm.world_size)
     grads = {"w": torch.full((comm.local_ranks, 8), value, dtype=torch.float16)}
     return torch.cat(fzero.reduce_scatter_grads(shard, grads, comm, reduce_dtype=torch.float16), dim=1)
+
+
+def overlap_order(comm: fzero.Communicator, stage: int) -> dict:
+    """Stages 1-2 with one bucket per Linear: how many gradient reductions were issued before
+    backward reached the first layer (in the last step), and the trained parameters."""
+    counting = fzero.CountingCommunicator(comm)
+    marks: list[int] = []
+    model = deep_mlp(Mark(counting, marks))
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), counting, stage=stage, bucket_numel=100)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), counting, stage=stage)
+    for x, y in overlap_data(3, comm.world_size):
+        counting.reset()
+        marks.clear()
+        state, _ = step(state, counting.split_batch((x, y)))
+    reductions = [i for i, r in enumerate(counting.records)
+                  if r.op in ("all_reduce", "reduce_scatter") and r.elements > 2]
+    return {
+        "reductions": len(reductions),
+        "before_first_layer": sum(i < marks[-1] for i in reductions),
+        "params": {k: v[-1].clone() for k, v in fzero.all_gather_params(state.shard, comm).items()},
+    }
+
+
+def branchy_batches(world: int) -> list:
+    """Rank 0's micro-batches take Branchy's branch, the other ranks' do not."""
+    batches = overlap_data(4, world)
+    for x, _ in batches:
+        for r in range(world):
+            x[4 * r, 0] = 1.0 if r == 0 else -1.0
+    return batches
+
+
+def branchy(comm: fzero.Communicator, stage: int) -> dict[str, torch.Tensor]:
+    """Rank-dependent control flow with one bucket per parameter: the ranks' backward passes
+    complete different buckets, and every rank must still issue the same collectives."""
+    model = Branchy()
+    state = fzero.init_train_state(model, fzero.sgd(lr=0.1, momentum=0.9), comm, stage=stage, bucket_numel=1)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage)
+    for x, y in branchy_batches(comm.world_size):
+        state, _ = step(state, comm.split_batch((x, y)))
+    return {k: v[-1].clone() for k, v in fzero.all_gather_params(state.shard, comm).items()}

@@ -187,6 +187,17 @@ def case_fp16_40000(comm):
     return cases.fp16_40000(comm)
 
 
+def case_overlap(comm):
+    # the native reduce-scatter too: both ways of reducing start during backward
+    native = TorchCommunicator(reduce_scatter_via_all_reduce=False)
+    return {"s1": cases.overlap_order(comm, 1), "s2": cases.overlap_order(comm, 2),
+            "s2_native": cases.overlap_order(native, 2)}
+
+
+def case_branchy(comm):
+    return {"s1": cases.branchy(comm, 1), "s2": cases.branchy(comm, 2)}
+
+
 if __name__ == "__main__":
     from dist_harness import worker_main
 

@@ -62,3 +62,66 @@ def params_of_rank(state: fzero.TrainState, comm: fzero.Communicator, row: int) 
 def children(name: str, module: torch.nn.Module) -> bool:
     """Wrap policy: every top-level child of the model is a stage-3 shard unit."""
     return "." not in name
+
+
+# -- stages 1-2 gradient buckets (test_overlap.py, dist_cases.py) ---------------------------------
+class Mark(torch.nn.Module):
+    """Identity; when backward reaches its output, records how many collectives were issued."""
+
+    def __init__(self, counting: fzero.CountingCommunicator, marks: list[int]):
+        super().__init__()
+        self.counting, self.marks = counting, marks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad:
+            x.register_hook(lambda g: self.marks.append(len(self.counting.records)))
+        return x
+
+
+def deep_mlp(mark=None, width=32, depth=4, dtype=torch.float64):
+    """Linear layers with Tanh between; ``mark`` (a module) right after the first Linear."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(8, width)]
+    if mark is not None:
+        layers.append(mark)
+    for _ in range(depth - 1):
+        layers += [torch.nn.Tanh(), torch.nn.Linear(width, width)]
+    layers += [torch.nn.Tanh(), torch.nn.Linear(width, 4)]
+    return torch.nn.Sequential(*layers).to(dtype)
+
+
+def overlap_data(n, world, k=1, dtype=torch.float64):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4 * world * k, 8, generator=g, dtype=dtype),
+             torch.randn(4 * world * k, 4, generator=g, dtype=dtype)) for _ in range(n)]
+
+
+class Branchy(torch.nn.Module):
+    """Rank-dependent control flow: a branch only some batches take (its parameters get no
+    gradient on the ranks that skip it)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(8, 8, dtype=torch.float64)
+        self.branch = torch.nn.Linear(8, 8, dtype=torch.float64)
+        self.b = torch.nn.Linear(8, 4, dtype=torch.float64)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if bool(x[0, 0] > 0):
+            h = h + torch.tanh(self.branch(h))
+        return self.b(h)
+
+
+def branchy_reference(data_, world, lr=0.1):
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for x, y in data_:
+        opt.zero_grad()
+        sum(torch.nn.functional.mse_loss(model(xr), yr) for xr, yr in zip(x.chunk(world), y.chunk(world))).div(world).backward()
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+    return dict(model.named_parameters())

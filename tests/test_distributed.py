@@ -14,12 +14,13 @@ import torch
 import fzero
 import dist_cases as cases
 from dist_harness import run_torchrun
+from helpers import branchy_reference, max_rel_err
 
 pytestmark = pytest.mark.distributed
 
 W2_CASES = [
     "eager_s2", "eager_s1", "compiled_s2", "eager_s3", "compiled_s3", "fsdp_full_vs_stage3", "ddp_adamw", "zero_sgd", "zero_adam", "fsdp",
-    "inf_even", "volume", "mismatch", "padding_only", "fp16_40000",
+    "inf_even", "volume", "mismatch", "padding_only", "fp16_40000", "overlap", "branchy",
 ]
 W4_CASES = ["eager_s2", "compiled_s2", "inf_even", "volume", "padding_only", "fp16_40000", "ddp_adamw"]
 
@@ -178,3 +179,27 @@ def test_fp16_communication_of_large_gradients_does_not_overflow(fixture, world,
     assert value * world > torch.finfo(torch.float16).max  # a plain fp16 sum would be inf
     for res in _case(request.getfixturevalue(fixture), "fp16_40000"):
         assert torch.all(res == value)
+
+
+@pytest.mark.parametrize("kind", ["s1", "s2", "s2_native"])
+def test_gloo_reductions_start_during_backward(w2, kind):
+    """On a real rank each bucket's reduction is issued from its own backward: the four buckets
+    after the first Linear before backward reaches it; the result equals the simulated world."""
+    sim = cases.overlap_order(fzero.SimulatedWorld(2), int(kind[1]))
+    for r, res in enumerate(_case(w2, "overlap")):
+        got = res[kind]
+        assert got["reductions"] == 5 and got["before_first_layer"] == 4, (r, got)
+        for k, v in sim["params"].items():
+            assert max_rel_err(got["params"][k], v) < 1e-12, (r, k)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gloo_rank_dependent_branch_reduces_in_one_order(w2, stage):
+    """Rank 0 takes a branch rank 1 skips: the buckets complete in different orders on the two
+    ranks, yet both issue the same collectives (no hang, no mismatched sizes) and train as
+    torch.optim on the averaged gradient."""
+    want = branchy_reference(cases.branchy_batches(2), 2)
+    for r, res in enumerate(_case(w2, "branchy")):
+        got = res[f"s{stage}"]
+        for k, v in want.items():
+            assert max_rel_err(got[k], v.detach()) < 1e-12, (r, k)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import fzero
 from fzero.pytree import replace
@@ -235,3 +236,75 @@ def test_group_names():
 def test_compiled_update_matches_torch_optim_float64(name, opt, cls, kw, compiled_both):
     expected = _torch_reference(cls, kw)
     _check(_run_fzero(opt, compiled_both), expected, bitwise_pure_vs_donated=False)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int64 if t.dtype == torch.float64 else torch.int32)
+
+
+@pytest.mark.parametrize("found", [1.0, 2.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("kind,amsgrad", [("adam", True), ("adamw", False), ("adamw", True)])
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_skipped_step_leaves_every_bit(mode, kind, amsgrad, found, compiled_both):
+    """Any nonzero found_inf skips (torch's fused kernel itself tests == 1.0 only), with NaN
+    and inf gradients, on a state holding a NaN payload, infinities and -0.0: the pure and
+    the donated step return every bit of their input, and the step count holds."""
+    make = fzero.adam if kind == "adam" else fzero.adamw
+    opt = make(lr=0.05, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.1, amsgrad=amsgrad)
+    comm = fzero.SimulatedWorld(W)
+    g = torch.Generator().manual_seed(3)
+    shard = fzero.init_shard({"w": torch.randn(N, generator=g)}, comm, optimizer=opt, alignment=1)
+    n = shard.master[0].shape[1]
+    special = torch.tensor([0x7FC01234, 0xFF800000 - 2**32, 0x7F800000, -(2**31)], dtype=torch.int32)
+    special = special.view(torch.float32)  # NaN with a payload, -inf, inf, -0.0
+    master = shard.master[0].clone()
+    master[0, :4] = special
+    moments = tuple(torch.rand(W, n, generator=g) for _ in opt.moment_names)
+    for m in moments:
+        m[1, :4] = special
+    shard = replace(shard, master=(master,))
+    state = replace(fzero.init_opt_state(opt, shard.master), step=torch.tensor(3), moments=(moments,))
+    grad = torch.randn(W, n, generator=g)
+    grad[0, ::2] = float("nan")
+    grad[1, ::3] = -float("inf")
+    before = [_bits(t).clone() for t in (master, *moments)]
+    step_fn = _both_steps if mode == "eager" else compiled_both
+    pure, donated = step_fn(shard, state, (grad,), torch.tensor(found))
+    for s, o in (pure, donated, (shard, state)):  # and the pure step's input
+        for b, t in zip(before, (s.master[0], *o.moments[0])):
+            assert torch.equal(b, _bits(t))
+        assert int(o.step) == 3
+
+
+def _pure_and_donated(shard, opt_state, grads, found_inf):
+    return _both_steps(shard, opt_state, grads, found_inf)
+
+
+def test_compiled_step_does_not_recompile_as_hyperparameters_change():
+    """Every hyperparameter and the step count are tensor inputs of the compiled AdamW step:
+    changing lr, betas, eps and weight decay and skipping a step run the same graph, and each
+    step matches the eager (fused-kernel) step, pure and donated bitwise equal."""
+    opt = fzero.adamw(lr=0.05, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.3)
+    comm = fzero.SimulatedWorld(W)
+    w, grads = _data()
+    shard = fzero.init_shard({"w": w}, comm, optimizer=opt, alignment=1)
+    state = fzero.init_opt_state(opt, shard.master)
+    n = shard.master[0].shape[1]
+    graphs, recompiles = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
+    compiled = torch.compile(_pure_and_donated, fullgraph=True)
+    changes = [dict(lr=0.01), dict(beta1=0.5, beta2=0.9), dict(weight_decay=0.0, eps=1e-6), dict(lr=0.2)]
+    eager_shard, eager_state = shard, state
+    for i in range(8):
+        gs = (_shards(grads[i % STEPS] * (-1) ** i, n),)
+        found = torch.tensor(float(i == 5))
+        (eager_shard, eager_state), _ = _both_steps(eager_shard, eager_state, gs, found)
+        (p_shard, p_state), (d_shard, d_state) = compiled(shard, state, gs, found)
+        for a, b in zip((p_shard.master[0], *p_state.moments[0]), (d_shard.master[0], *d_state.moments[0])):
+            assert torch.equal(a, b)
+        torch.testing.assert_close(p_shard.master[0], eager_shard.master[0], rtol=RTOL, atol=0)
+        assert int(p_state.step) == int(eager_state.step) == i + (i < 5)
+        new = changes[i % len(changes)]
+        shard, state = p_shard, fzero.set_hyperparams(p_state, **new)
+        eager_state = fzero.set_hyperparams(eager_state, **new)
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert sum(counters["recompiles"].values()) == recompiles

@@ -1,0 +1,222 @@
+"""Gradient buckets: reductions started while backward is still running.
+
+A *bucket* is a set of parameters whose gradients are reduced together, one
+collective per flat group of the bucket (the layout keys flat groups by
+(bucket, optimizer group, dtype)). Stage 3 takes its buckets from the shard
+units (:mod:`fzero.units`); stages 1 and 2 cut the parameters into buckets of
+about ``bucket_numel`` elements (:func:`size_buckets`), as DDP's reducer
+cuts them into ``bucket_cap_mb`` buckets and DeepSpeed into
+``reduce_bucket_size`` ones.
+
+Eagerly, :class:`BucketWatcher` hooks each parameter's leaf tensor and
+hands a bucket over when autograd has the gradient of every parameter in it:
+that is when its reduction can start (:class:`BucketReduction`,
+``Communicator.reduce_scatter_start`` / ``all_reduce_start``: on a real rank
+an unwaited functional collective, finished after backward). So the
+reduction of the last layers' gradients overlaps the backward of the first
+layers, as in DDP.
+
+Launch order. Every rank must issue its collectives in the same order, or the
+backend pairs different buckets (a hang or an error on gloo and NCCL). A
+bucket whose gradient is complete therefore waits until every bucket before
+it in a fixed *launch order* has been launched (DDP's rule): stages 1-2 use
+the reverse of the parameters' registration order, which is backward's order
+for most models; a bucket that backward never reached (unused parameters,
+data-dependent branches) is launched with zeros after backward, in the same
+order on every rank. A model whose backward completes buckets in another
+order gets the same numbers with less overlap.
+
+Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.sharding``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .comm import Communicator
+from .layout import FlatGroup, Layout, named_leaves
+from .sharding import average_flat_grads_start, stack_rows
+
+__all__ = ["DEFAULT_BUCKET_NUMEL", "size_buckets", "buckets_of", "BucketReduction", "BucketWatcher"]
+
+# The default bucket, 2^23 elements (32 MiB of fp32), about DDP's 25 MiB bucket_cap_mb: few
+# collectives for a large model. Measured on the 2-core gloo benchmark (design.md): a model
+# smaller than this trains fastest as one bucket, since each further bucket is one more
+# collective whose transport competes with backward for the same cores.
+DEFAULT_BUCKET_NUMEL = 1 << 23
+
+
+def size_buckets(
+    params: Any, bucket_numel: Optional[int] = None, trainable: Optional[Callable[[str], bool]] = None
+) -> dict[str, int]:
+    """``{path: bucket}`` cutting the trainable parameters into buckets of about ``bucket_numel``
+    elements (default :data:`DEFAULT_BUCKET_NUMEL`).
+
+    Parameters are taken in reverse registration order (backward's order for
+    most models) and a bucket closes once it holds at least ``bucket_numel``
+    elements, so no bucket is much larger than that (one parameter larger
+    than the cap makes a bucket of its own). Buckets are numbered in
+    registration order: bucket 0 holds the first parameters, the last bucket
+    the last ones, which backward completes first.
+    """
+    if bucket_numel is not None and not (isinstance(bucket_numel, int) and bucket_numel >= 1):
+        raise ValueError(f"bucket_numel must be a positive int, got {bucket_numel!r}")
+    is_module = isinstance(params, torch.nn.Module)
+    leaves = named_leaves(params)[0]
+    sizes = [
+        (path, x.numel()) for path, x in leaves
+        if ((x.requires_grad if is_module else True) if trainable is None else trainable(path))
+    ]
+    if bucket_numel is None:
+        bucket_numel = DEFAULT_BUCKET_NUMEL
+    # cut from the end, then number from the front
+    from_end: dict[str, int] = {}
+    b, filled = 0, 0
+    for path, n in reversed(sizes):
+        if filled >= bucket_numel:
+            b, filled = b + 1, 0
+        from_end[path] = b
+        filled += n
+    return {path: b - from_end.get(path, b) for path, _ in leaves}
+
+
+def buckets_of(layout: Layout) -> tuple[tuple[FlatGroup, ...], ...]:
+    """The flat groups of each bucket ``0 .. max bucket`` (a bucket may have none)."""
+    n = 1 + max((g.bucket for g in layout.groups), default=0)
+    return tuple(tuple(g for g in layout.groups if g.bucket == b) for b in range(n))
+
+
+class BucketReduction:
+    """Per bucket, each local rank's flat gradients until all have delivered them; then the
+    average over ranks is started. Eager only (Python state, side effects from backward).
+
+    ``groups[b]``: the flat groups of bucket ``b``. ``order``: the launch order
+    (every bucket once): a bucket ready out of turn waits for its turn; ``None``
+    launches each bucket as soon as it is ready (stage 3, whose units run in
+    the same order on every rank by contract). ``via_all_reduce``: ZeRO-1's
+    ``all_reduce`` and local slice instead of a ``reduce_scatter``.
+    ``prepare(group, flat)``: applied to the stacked ``[R, padded]`` gradient
+    before the collective (the last micro-step of a deferred accumulation adds
+    the accumulated gradient and divides).
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[Sequence[FlatGroup]],
+        comm: Communicator,
+        reduce_dtype: Optional[torch.dtype],
+        *,
+        order: Optional[Sequence[int]] = None,
+        via_all_reduce: bool = False,
+        prepare: Optional[Callable[[FlatGroup, torch.Tensor], torch.Tensor]] = None,
+    ):
+        self.groups, self.comm, self.reduce_dtype = groups, comm, reduce_dtype
+        self.order = None if order is None else [b for b in order if groups[b]]
+        self.via_all_reduce, self.prepare = via_all_reduce, prepare
+        self.rows = comm.local_ranks
+        self.parts: dict[int, dict[int, tuple[torch.Tensor, ...]]] = {}
+        self.ready: set[int] = set()
+        self.next = 0  # position in ``order`` of the next bucket to launch
+        self.launched: list[int] = []  # buckets in the order their collectives were issued
+        self.shards: list[Optional[Callable[[], torch.Tensor]]] = [None] * sum(len(g) for g in groups)
+
+    def add(self, bucket: int, row: int, grads: tuple[torch.Tensor, ...]) -> None:
+        """Local rank ``row``'s gradient of every flat group of ``bucket`` (compute dtype, ``[padded]``)."""
+        got = self.parts.setdefault(bucket, {})
+        got[row] = grads
+        if len(got) < self.rows:
+            return
+        if self.order is None:
+            self._launch(bucket)
+            return
+        self.ready.add(bucket)
+        while self.next < len(self.order) and self.order[self.next] in self.ready:
+            self._launch(self.order[self.next])
+            self.next += 1
+
+    def _launch(self, bucket: int) -> None:
+        got = self.parts.pop(bucket)
+        self.ready.discard(bucket)
+        self.launched.append(bucket)
+        for pos, g in enumerate(self.groups[bucket]):
+            flat = stack_rows([got[r][pos] for r in range(self.rows)])
+            if self.prepare is not None:
+                flat = self.prepare(g, flat)
+            # started now, finished in finish(): the collective overlaps the rest of backward
+            self.shards[g.index] = average_flat_grads_start(
+                flat, self.comm, self.reduce_dtype or g.master_dtype, g.master_dtype, self.via_all_reduce)
+
+    def finish(self, device: torch.device, dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, ...]:
+        """Launch what is left (a bucket no rank's loss reached, or not every rank's: zeros for
+        the missing rows), in launch order (bucket order if none): the same on every rank; then
+        wait for every reduction. Per flat group the averaged ``[R, shard_numel]`` shard."""
+        pending = self.order[self.next :] if self.order is not None else range(len(self.groups))
+        for b in pending:
+            groups = self.groups[b]
+            if not groups or self.shards[groups[0].index] is not None:
+                continue
+            got = self.parts.setdefault(b, {})
+            for r in range(self.rows):
+                if r not in got:
+                    got[r] = tuple(torch.zeros(g.padded_numel, dtype=dtype or g.dtype, device=device)
+                                   for g in groups)
+            self._launch(b)
+        if self.order is not None:
+            self.next = len(self.order)
+        return tuple(done() for done in self.shards)  # type: ignore[misc]
+
+
+class BucketWatcher:
+    """One local rank's gradients, bucket by bucket, as backward completes them.
+
+    A hook on each trainable parameter's leaf tensor receives its gradient as
+    soon as autograd has it whole (every use accumulated: autograd runs a
+    leaf's hooks at once, where a node built before the forward would wait
+    until the end of backward); when every parameter of a bucket has its
+    gradient, the bucket's flat gradients (compute dtype, ``[padded]`` per
+    flat group, zero padded) go to ``deliver(bucket, flats)``. A parameter
+    the loss does not reach has no gradient: its bucket is delivered by
+    :meth:`finish`, after backward, with zeros for it.
+    """
+
+    def __init__(self, layout: Layout, deliver: Callable[[int, tuple[torch.Tensor, ...]], None]):
+        self.layout, self.deliver = layout, deliver
+        self.groups = buckets_of(layout)
+        self.missing = [sum(len(g.slots) for g in gs) for gs in self.groups]
+        self.grads: dict[int, torch.Tensor] = {}  # slot index -> gradient, until its bucket goes
+        self.leaves: dict[int, torch.Tensor] = {}  # slot index -> the leaf (dtype, device of zeros)
+
+    def watch(self, leaves: Sequence[torch.Tensor]) -> None:
+        """Hook the leaf tensors of the trainable slots (in ``layout.trainable_slots`` order)."""
+        index = {s.path: i for i, s in enumerate(self.layout.slots)}
+        for s, leaf in zip(self.layout.trainable_slots, leaves):
+            self.leaves[index[s.path]] = leaf
+            leaf.register_hook(lambda g, i=index[s.path]: self._got(i, g))
+
+    def _got(self, slot: int, grad: torch.Tensor) -> None:
+        self.grads[slot] = grad
+        b = self.layout.slots[slot].bucket
+        self.missing[b] -= 1
+        if self.missing[b] == 0:
+            self._deliver(b)
+
+    def _deliver(self, bucket: int) -> None:
+        flats = []
+        for g in self.groups[bucket]:
+            parts = [self.grads[i].reshape(-1) if i in self.grads else self.leaves[i].new_zeros(self.leaves[i].numel())
+                     for i in g.slots]
+            if g.padding:
+                parts.append(parts[0].new_zeros(g.padding))
+            flats.append(torch.cat(parts))
+            for i in g.slots:
+                self.grads.pop(i, None)
+        self.missing[bucket] = -1  # delivered
+        self.deliver(bucket, tuple(flats))
+
+    def finish(self) -> None:
+        """Deliver the buckets backward left incomplete (parameters without a gradient: zeros)."""
+        for b, gs in enumerate(self.groups):
+            if gs and self.missing[b] > 0:
+                self._deliver(b)
