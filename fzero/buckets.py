@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .comm import Communicator
-from .layout import FlatGroup, Layout, named_leaves
+from .layout import FlatGroup, Layout, flatten_one, named_leaves
 from .sharding import average_flat_grads_start, stack_rows
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "size_buckets", "buckets_of", "BucketReduction", "BucketWatcher"]
@@ -119,7 +119,6 @@ class BucketReduction:
         self.parts: dict[int, dict[int, tuple[torch.Tensor, ...]]] = {}
         self.ready: set[int] = set()
         self.next = 0  # position in ``order`` of the next bucket to launch
-        self.launched: list[int] = []  # buckets in the order their collectives were issued
         self.shards: list[Optional[Callable[[], torch.Tensor]]] = [None] * sum(len(g) for g in groups)
 
     def add(self, bucket: int, row: int, grads: tuple[torch.Tensor, ...]) -> None:
@@ -139,7 +138,6 @@ class BucketReduction:
     def _launch(self, bucket: int) -> None:
         got = self.parts.pop(bucket)
         self.ready.discard(bucket)
-        self.launched.append(bucket)
         for pos, g in enumerate(self.groups[bucket]):
             flat = stack_rows([got[r][pos] for r in range(self.rows)])
             if self.prepare is not None:
@@ -181,9 +179,10 @@ class BucketWatcher:
     :meth:`finish`, after backward, with zeros for it.
     """
 
-    def __init__(self, layout: Layout, deliver: Callable[[int, tuple[torch.Tensor, ...]], None]):
-        self.layout, self.deliver = layout, deliver
-        self.groups = buckets_of(layout)
+    def __init__(self, layout: Layout, groups: Sequence[Sequence[FlatGroup]],
+                 deliver: Callable[[int, tuple[torch.Tensor, ...]], None]):
+        """``groups``: :func:`buckets_of` ``layout``."""
+        self.layout, self.groups, self.deliver = layout, groups, deliver
         self.missing = [sum(len(g.slots) for g in gs) for gs in self.groups]
         self.grads: dict[int, torch.Tensor] = {}  # slot index -> gradient, until its bucket goes
         self.leaves: dict[int, torch.Tensor] = {}  # slot index -> the leaf (dtype, device of zeros)
@@ -203,17 +202,11 @@ class BucketWatcher:
             self._deliver(b)
 
     def _deliver(self, bucket: int) -> None:
-        flats = []
-        for g in self.groups[bucket]:
-            parts = [self.grads[i].reshape(-1) if i in self.grads else self.leaves[i].new_zeros(self.leaves[i].numel())
-                     for i in g.slots]
-            if g.padding:
-                parts.append(parts[0].new_zeros(g.padding))
-            flats.append(torch.cat(parts))
-            for i in g.slots:
-                self.grads.pop(i, None)
+        groups = self.groups[bucket]
+        got = {i: self.grads.pop(i) if i in self.grads else self.leaves[i].new_zeros(self.leaves[i].shape)
+               for g in groups for i in g.slots}
         self.missing[bucket] = -1  # delivered
-        self.deliver(bucket, tuple(flats))
+        self.deliver(bucket, tuple(flatten_one(self.layout, g, got) for g in groups))
 
     def finish(self) -> None:
         """Deliver the buckets backward left incomplete (parameters without a gradient: zeros)."""

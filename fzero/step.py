@@ -264,7 +264,7 @@ def local_flat_grads(
         leaves = [views[s.path].detach().requires_grad_(True) for s in train_slots]
         watcher = None
         if reduction is not None:
-            watcher = BucketWatcher(lay, lambda b, grads, r=r: reduction.add(b, r, grads))
+            watcher = BucketWatcher(lay, reduction.groups, lambda b, grads, r=r: reduction.add(b, r, grads))
             watcher.watch(leaves)
         tensors = merge_params(lay, {s.path: v for s, v in zip(train_slots, leaves)}, shard.frozen, dtype)
         bufs = [b[r].clone() for b in state.buffers]

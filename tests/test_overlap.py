@@ -38,7 +38,6 @@ def test_reductions_issued_before_backward_reaches_the_first_layer(stage, world)
     x, y = data(1, world)[0]
     counting.reset()
     step(state, counting.split_batch((x, y)))
-    grad_op = "all_reduce"  # the simulated reduce-scatter and stage 1's reduction are both counted
     ops = [r.op for r in counting.records]
     reductions = [i for i, r in enumerate(counting.records)
                   if r.op in ("all_reduce", "reduce_scatter") and r.elements > 2]
@@ -47,7 +46,6 @@ def test_reductions_issued_before_backward_reaches_the_first_layer(stage, world)
     before = [i for i in reductions if i < marks[-1]]
     # the four buckets after the first Linear are on their way before backward reaches it
     assert len(before) == 4, (marks, reductions, ops)
-    assert grad_op in ops or "reduce_scatter" in ops
 
 
 def test_launch_order_is_fixed_whatever_order_backward_completes_buckets():
