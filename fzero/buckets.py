@@ -37,7 +37,7 @@ import torch
 
 from .comm import Communicator
 from .layout import FlatGroup, Layout, flatten_one, named_leaves
-from .sharding import average_flat_grads_start, stack_rows
+from .sharding import average_flat_groups_start, stack_rows
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "size_buckets", "buckets_of", "BucketReduction", "BucketWatcher"]
 
@@ -92,14 +92,17 @@ class BucketReduction:
     """Per bucket, each local rank's flat gradients until all have delivered them; then the
     average over ranks is started. Eager only (Python state, side effects from backward).
 
-    ``groups[b]``: the flat groups of bucket ``b``. ``order``: the launch order
-    (every bucket once): a bucket ready out of turn waits for its turn; ``None``
-    launches each bucket as soon as it is ready (stage 3, whose units run in
-    the same order on every rank by contract). ``via_all_reduce``: ZeRO-1's
-    ``all_reduce`` and local slice instead of a ``reduce_scatter``.
-    ``prepare(group, flat)``: applied to the stacked ``[R, padded]`` gradient
-    before the collective (the last micro-step of a deferred accumulation adds
-    the accumulated gradient and divides).
+    ``groups[b]``: the flat groups of bucket ``b``. ``launches``: which buckets
+    travel together, in launch order: each entry is a tuple of buckets reduced
+    in one collective (:func:`fzero.sharding.average_flat_groups_start`) once
+    all of them are complete; default: each bucket alone, in bucket order.
+    ``in_order``: a launch whose buckets are ready out of turn waits for its
+    turn (stages 1-2); otherwise each launch goes as soon as it is ready
+    (stage 3, whose units run in the same order on every rank by contract).
+    ``via_all_reduce``: ZeRO-1's ``all_reduce`` and local slice instead of a
+    ``reduce_scatter``. ``prepare(group, flat)``: applied to the stacked
+    ``[R, padded]`` gradient before the collective (the last micro-step of a
+    deferred accumulation adds the accumulated gradient and divides).
     """
 
     def __init__(
@@ -107,19 +110,24 @@ class BucketReduction:
         groups: Sequence[Sequence[FlatGroup]],
         comm: Communicator,
         reduce_dtype: Optional[torch.dtype],
+        launches: Optional[Sequence[Sequence[int]]] = None,
         *,
-        order: Optional[Sequence[int]] = None,
+        in_order: bool = False,
         via_all_reduce: bool = False,
         prepare: Optional[Callable[[FlatGroup, torch.Tensor], torch.Tensor]] = None,
     ):
         self.groups, self.comm, self.reduce_dtype = groups, comm, reduce_dtype
-        self.order = None if order is None else [b for b in order if groups[b]]
-        self.via_all_reduce, self.prepare = via_all_reduce, prepare
+        if launches is None:
+            launches = [(b,) for b in range(len(groups))]
+        self.launches = [ls for ls in (tuple(b for b in ls if groups[b]) for ls in launches) if ls]
+        self.launch_of = {b: i for i, ls in enumerate(self.launches) for b in ls}
+        self.in_order, self.via_all_reduce, self.prepare = in_order, via_all_reduce, prepare
         self.rows = comm.local_ranks
         self.parts: dict[int, dict[int, tuple[torch.Tensor, ...]]] = {}
         self.ready: set[int] = set()
-        self.next = 0  # position in ``order`` of the next bucket to launch
-        self.shards: list[Optional[Callable[[], torch.Tensor]]] = [None] * sum(len(g) for g in groups)
+        self.launched = [False] * len(self.launches)
+        self.next = 0  # with in_order: the next launch in turn
+        self.started: list[tuple[tuple[FlatGroup, ...], Callable[[], tuple[torch.Tensor, ...]]]] = []
 
     def add(self, bucket: int, row: int, grads: tuple[torch.Tensor, ...]) -> None:
         """Local rank ``row``'s gradient of every flat group of ``bucket`` (compute dtype, ``[padded]``)."""
@@ -127,43 +135,51 @@ class BucketReduction:
         got[row] = grads
         if len(got) < self.rows:
             return
-        if self.order is None:
-            self._launch(bucket)
-            return
         self.ready.add(bucket)
-        while self.next < len(self.order) and self.order[self.next] in self.ready:
-            self._launch(self.order[self.next])
+        if not self.in_order:
+            i = self.launch_of[bucket]
+            if all(b in self.ready for b in self.launches[i]):
+                self._launch(i)
+            return
+        while self.next < len(self.launches) and all(b in self.ready for b in self.launches[self.next]):
+            self._launch(self.next)
             self.next += 1
 
-    def _launch(self, bucket: int) -> None:
-        got = self.parts.pop(bucket)
-        self.ready.discard(bucket)
-        for pos, g in enumerate(self.groups[bucket]):
-            flat = stack_rows([got[r][pos] for r in range(self.rows)])
-            if self.prepare is not None:
-                flat = self.prepare(g, flat)
-            # started now, finished in finish(): the collective overlaps the rest of backward
-            self.shards[g.index] = average_flat_grads_start(
-                flat, self.comm, self.reduce_dtype or g.master_dtype, g.master_dtype, self.via_all_reduce)
+    def _launch(self, i: int) -> None:
+        groups, flats = [], []
+        for b in self.launches[i]:
+            got = self.parts.pop(b)
+            self.ready.discard(b)
+            for pos, g in enumerate(self.groups[b]):
+                flat = stack_rows([got[r][pos] for r in range(self.rows)])
+                groups.append(g)
+                flats.append(flat if self.prepare is None else self.prepare(g, flat))
+        self.launched[i] = True
+        # started now, finished in finish(): the collective overlaps the rest of backward
+        self.started.append((tuple(groups), average_flat_groups_start(
+            flats, groups, self.comm, self.reduce_dtype, self.via_all_reduce)))
 
     def finish(self, device: torch.device, dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, ...]:
         """Launch what is left (a bucket no rank's loss reached, or not every rank's: zeros for
-        the missing rows), in launch order (bucket order if none): the same on every rank; then
-        wait for every reduction. Per flat group the averaged ``[R, shard_numel]`` shard."""
-        pending = self.order[self.next :] if self.order is not None else range(len(self.groups))
-        for b in pending:
-            groups = self.groups[b]
-            if not groups or self.shards[groups[0].index] is not None:
+        the missing rows), in launch order: the same on every rank; then wait for every
+        reduction. Per flat group the averaged ``[R, shard_numel]`` shard."""
+        for i, buckets in enumerate(self.launches):
+            if self.launched[i]:
                 continue
-            got = self.parts.setdefault(b, {})
-            for r in range(self.rows):
-                if r not in got:
-                    got[r] = tuple(torch.zeros(g.padded_numel, dtype=dtype or g.dtype, device=device)
-                                   for g in groups)
-            self._launch(b)
-        if self.order is not None:
-            self.next = len(self.order)
-        return tuple(done() for done in self.shards)  # type: ignore[misc]
+            for b in buckets:
+                got = self.parts.setdefault(b, {})
+                for r in range(self.rows):
+                    if r not in got:
+                        got[r] = tuple(torch.zeros(g.padded_numel, dtype=dtype or g.dtype, device=device)
+                                       for g in self.groups[b])
+            self._launch(i)
+        self.next = len(self.launches)
+        shards: list[Optional[torch.Tensor]] = [None] * sum(len(g) for g in self.groups)
+        for groups, done in self.started:
+            for g, shard in zip(groups, done()):
+                shards[g.index] = shard
+        self.started.clear()
+        return tuple(shards)  # type: ignore[arg-type]
 
 
 class BucketWatcher:

@@ -14,8 +14,9 @@ Shapes (``W`` = world size, ``R`` = local ranks):
   * ``all_gather(x)``: ``[R, n] -> [R, W*n]``, chunks in rank order.
   * ``take_shard(x)``: ``[R, W*n] -> [R, n]``, this rank's chunk, no traffic.
   * ``all_reduce_start``, ``reduce_scatter_start``, ``all_gather_start``: the
-    same collectives started now and finished later (on a process group:
-    unwaited functional collectives; elsewhere they run at once).
+    same collectives started now; each returns a function that waits for the
+    result and gives it (on a process group: c10d ``async_op`` work, or an
+    unwaited functional collective when traced; elsewhere they run at once).
   * ``broadcast(x, src)``: ``[R, n] -> [R, n]``, every row becomes rank
     ``src``'s row (any dtype; module buffers).
 
@@ -79,14 +80,11 @@ class Communicator:
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def all_gather_start(self, x: torch.Tensor) -> torch.Tensor:
-        """``all_gather`` that may return before the data has arrived: the result waits for
-        it at its first use (stage 3 prefetches the next unit with it). Default: ``all_gather``."""
-        return self.all_gather(x)
-
-    def wait(self, x: torch.Tensor) -> torch.Tensor:
-        """The plain tensor of an ``all_gather_start`` result, once its data has arrived."""
-        return x
+    def all_gather_start(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start an ``all_gather``; the returned function gives its result (waiting for it
+        then; stage 3 prefetches the next unit with it). Default: the collective runs now."""
+        out = self.all_gather(x)
+        return lambda: out
 
     def reduce_scatter_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
         """Start a ``reduce_scatter``; the returned function gives its result (waiting for it
@@ -301,12 +299,9 @@ class CountingCommunicator(Communicator):
         self._record_reduce_scatter(x)
         return self.inner.reduce_scatter_start(x, op)
 
-    def all_gather_start(self, x: torch.Tensor) -> torch.Tensor:
+    def all_gather_start(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
         self._record("all_gather", x, x[0].numel() * self.world_size, 1.0)
         return self.inner.all_gather_start(x)
-
-    def wait(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner.wait(x)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         # a tree broadcast sends the buffer about once per rank: ring factor W/(W-1)

@@ -1,16 +1,19 @@
 """The communicator over a ``torch.distributed`` process group.
 
-One process is one rank: the local-rank axis has size 1. Collectives are
-``torch.distributed._functional_collectives`` calls, which run eagerly and
-trace under ``torch.compile(fullgraph=True)`` (the ``async_op=True`` c10d
-calls break the graph). Works with any backend; launched by ``torchrun``.
+One process is one rank: the local-rank axis has size 1. Eagerly, collectives
+are c10d calls with ``async_op=True`` (the ``*_start`` methods return a
+function that waits for the ``Work``); under ``torch.compile(fullgraph=True)``
+they are ``torch.distributed._functional_collectives`` calls, which trace (the
+c10d calls break the graph). Both run the process group's own algorithm, so
+eager and compiled steps reduce to the same bits. Works with any backend;
+launched by ``torchrun``.
 
 Imports: ``fzero.comm``, ``fzero.layout``.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,6 +26,42 @@ __all__ = ["TorchCommunicator", "LayoutMismatchError"]
 
 # torch 2.13 deprecates all_gather_tensor in favour of all_gather_single; older torch lacks the latter.
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+# torch 2.13 deprecates the *_tensor names of c10d in favour of *_single; older torch lacks those.
+_c10d_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_c10d_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_C10D_OP = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _eager() -> bool:
+    """Eagerly, collectives go through c10d with ``async_op=True``: the functional ones cost
+    about 0.1-0.3 ms more per call on gloo (a Python autograd wrapper and an
+    ``AsyncCollectiveTensor`` per result; ``benchmarks/bench_gloo_step.py``). Traced, the
+    functional ones are the only kind dynamo keeps in the graph. Both run the same
+    process-group algorithm, so the bits agree."""
+    return not torch.compiler.is_compiling()
+
+
+def _average(total: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
+    return total / world_size if op == "avg" and world_size > 1 else total
+
+
+def _waiter(work: Any, result: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """A function that waits for ``work`` and gives ``result()``.
+
+    The ``Work`` is dropped once waited for: it keeps the thread-local state of its launch,
+    saved-tensor hooks included, so a ``Work`` held by an object those hooks reach would be a
+    reference cycle through C++ that Python's collector cannot free (stage 3 leaked each
+    step's gradients that way)."""
+    pending = [work]
+
+    def done() -> torch.Tensor:
+        if pending:
+            pending.pop().wait()
+        return result()
+
+    return done
 
 
 class LayoutMismatchError(ValueError):
@@ -51,74 +90,95 @@ class TorchCommunicator(Communicator):
                 "TorchCommunicator needs an initialised default process group: call "
                 "torch.distributed.init_process_group (e.g. under torchrun) first"
             )
-        self.group = group if group is not None else dist.group.WORLD
-        self.world_size = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
+        # The default group is not held (None means "the default group" to c10d): a
+        # communicator that held it would keep gloo's worker threads alive after
+        # destroy_process_group, and a worker releasing a finished collective's tensors while
+        # the interpreter shuts down aborts the process ("terminate called without an active
+        # exception", torch's gloo backend; seen in about 1 of 10 runs under load).
+        self._pg = group
+        self._name = (group if group is not None else dist.group.WORLD).group_name  # traced calls
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         self.local_ranks = 1
         self.ranks = (self.rank,)
-        self.backend = str(dist.get_backend(self.group))
+        self.backend = str(dist.get_backend(group))
         if reduce_scatter_via_all_reduce is None:
             reduce_scatter_via_all_reduce = self.backend == "gloo"
         self.reduce_scatter_via_all_reduce = bool(reduce_scatter_via_all_reduce)
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        """The process group (the default one while it exists, when none was given)."""
+        return self._pg if self._pg is not None else dist.group.WORLD
 
     def __repr__(self) -> str:
         return f"TorchCommunicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend})"
 
     def _finish(self, total: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        # Eagerly, functional collectives return AsyncCollectiveTensor wrappers; states must hold
-        # plain tensors (a wrapper in a state would make a compiled step trace a second graph).
+        # Traced, functional collectives return AsyncCollectiveTensor wrappers eagerly; states
+        # must hold plain tensors (a wrapper in a state would make a compiled step trace twice).
         total = funcol.wait_tensor(total)
-        return total / self.world_size if op == "avg" and self.world_size > 1 else total
+        return _average(total, op, self.world_size)
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         return self.all_reduce_start(x, op)()
 
     def all_reduce_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
-        """Launch the functional collective; the returned function waits for it."""
+        """Launch the collective; the returned function waits for it."""
         self._check_rows(x, "all_reduce")
         if op not in ("sum", "avg", "max"):
             raise ValueError(f"unknown reduce op {op!r}")
-        started = funcol.all_reduce(x[0], "max" if op == "max" else "sum", self.group)
+        if _eager():
+            out = x[0].clone()  # c10d reduces in place; the caller's tensor stays as it was
+            work = dist.all_reduce(out, _C10D_OP[op], group=self._pg, async_op=True)
+            return _waiter(work, lambda: _average(out, op, self.world_size).unsqueeze(0))
+        started = funcol.all_reduce(x[0], "max" if op == "max" else "sum", self._name)
         return lambda: self._finish(started, op).unsqueeze(0)
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         return self.reduce_scatter_start(x, op)()
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return self.all_gather_start(x)()
+
+    def all_gather_start(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Launch the collective; the returned function waits for it: ``[1, W*n]``."""
         self._check_rows(x, "all_gather")
         if x.dim() != 2:
             raise ValueError(f"all_gather: expected shape [R, n], got {tuple(x.shape)}")
-        out = _all_gather(x[0].contiguous(), 0, self.group)
-        return self._finish(out, "sum").unsqueeze(0)
-
-    def all_gather_start(self, x: torch.Tensor) -> torch.Tensor:
-        """The functional collective's result, unwaited (eagerly an ``AsyncCollectiveTensor``):
-        ``wait`` or the first operation on it waits."""
-        self._check_rows(x, "all_gather")
-        if x.dim() != 2:
-            raise ValueError(f"all_gather: expected shape [R, n], got {tuple(x.shape)}")
-        return _all_gather(x[0].contiguous(), 0, self.group).view(1, -1)
-
-    def wait(self, x: torch.Tensor) -> torch.Tensor:
-        return funcol.wait_tensor(x)
+        if _eager():
+            out = x.new_empty(self.world_size * x.shape[1])
+            work = _c10d_all_gather(out, x[0].contiguous(), group=self._pg, async_op=True)
+            return _waiter(work, lambda: out.unsqueeze(0))
+        started = _all_gather(x[0].contiguous(), 0, self._name)
+        return lambda: self._finish(started, "sum").unsqueeze(0)
 
     def reduce_scatter_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
-        """Launch the functional collective; the returned function waits for it and takes this
-        rank's shard (``reduce_scatter`` calls it at once)."""
+        """Launch the collective; the returned function waits for it and takes this rank's
+        shard (``reduce_scatter`` calls it at once)."""
         self._check_rows(x, "reduce_scatter")
         if op not in ("sum", "avg"):
             raise ValueError("reduce_scatter supports 'sum' and 'avg'")
         n = self._chunk(x, "reduce_scatter")
+        mine = slice(self.rank * n, (self.rank + 1) * n)
+        if _eager():
+            if self.reduce_scatter_via_all_reduce:
+                total = x[0].clone()
+                work = dist.all_reduce(total, dist.ReduceOp.SUM, group=self._pg, async_op=True)
+                return _waiter(work, lambda: _average(total[mine], op, self.world_size).unsqueeze(0))
+            out = x.new_empty(n)
+            work = _c10d_reduce_scatter(out, x[0].contiguous(), dist.ReduceOp.SUM, group=self._pg,
+                                              async_op=True)
+            return _waiter(work, lambda: _average(out, op, self.world_size).unsqueeze(0))
         if self.reduce_scatter_via_all_reduce:
-            started = funcol.all_reduce(x[0], "sum", self.group)
+            started = funcol.all_reduce(x[0], "sum", self._name)
 
             def done() -> torch.Tensor:
                 # wait on the whole result before slicing it (slicing first made the compiled
                 # graph slower on gloo)
-                total = funcol.wait_tensor(started)[self.rank * n : (self.rank + 1) * n]
-                return self._finish(total, op).unsqueeze(0)
+                return self._finish(funcol.wait_tensor(started)[mine], op).unsqueeze(0)
         else:
-            started = funcol.reduce_scatter_tensor(x[0], "sum", 0, self.group)
+            started = funcol.reduce_scatter_tensor(x[0], "sum", 0, self._name)
 
             def done() -> torch.Tensor:
                 return self._finish(started, op).unsqueeze(0)
@@ -129,7 +189,7 @@ class TorchCommunicator(Communicator):
         if not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src must be a rank in [0, {self.world_size}), got {src}")
         # the functional op takes the rank within the group (the process group's root rank)
-        out = funcol.broadcast(x[0].contiguous(), src, self.group)
+        out = funcol.broadcast(x[0].contiguous(), src, self._name)
         return funcol.wait_tensor(out).unsqueeze(0)
 
     def check_layout(self, layout: Layout) -> None:
@@ -140,7 +200,7 @@ class TorchCommunicator(Communicator):
         """
         rows = layout.describe()
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, (layout.fingerprint, rows), group=self.group)
+        dist.all_gather_object(gathered, (layout.fingerprint, rows), group=self._pg)
         fingerprints = [g[0] for g in gathered]
         if len(set(fingerprints)) == 1:
             return

@@ -13,6 +13,7 @@ import torch.utils._pytree as tp
 
 from .comm import Communicator, gradient_divide_factors
 from .layout import (
+    FlatGroup,
     Layout,
     build_layout,
     check_floating_tensor,
@@ -232,50 +233,85 @@ def gather_flat_params(
 def gather_flat_params_at_once(
     shard: ShardState, comm: Communicator, dtype: Optional[torch.dtype] = None
 ) -> tuple[torch.Tensor, ...]:
-    """:func:`gather_flat_params` for every flat group in one ``all_gather``.
+    """:func:`gather_flat_params` for every flat group in one ``all_gather``
+    (:func:`gather_flat_groups_start` of all groups, waited for at once)."""
+    check_world(shard, comm)
+    return gather_flat_groups_start(shard, shard.layout.groups, comm, dtype)()
+
+
+def gather_flat_groups_start(
+    shard: ShardState, groups: Sequence[FlatGroup], comm: Communicator, dtype: Optional[torch.dtype] = None
+) -> Callable[[], tuple[torch.Tensor, ...]]:
+    """Start gathering the full flat buffers of ``groups`` in one ``all_gather``; the returned
+    function waits and gives them, ``[R, padded_numel]`` each, in ``dtype`` (default: each
+    group's parameter dtype).
 
     The shards are concatenated ``[R, S]``, gathered ``[R, W*S]`` (rank-major), and each
     group's ``[R, W*shard]`` buffer is cut back out: the same values as one gather per
     group, one collective's latency instead of one per group. Groups that would travel in
     different dtypes (``dtype=None`` with float32 and float64 groups) gather one by one.
     """
-    check_world(shard, comm)
-    lay = shard.layout
     rows, world = comm.local_ranks, comm.world_size
-    dtypes = {dtype or g.dtype for g in lay.groups}
-    if len(lay.groups) == 1 or len(dtypes) != 1:
-        return gather_flat_params(shard, comm, dtype)
-    dtype = dtypes.pop()
-    full = comm.all_gather(torch.cat([m.to(dtype) for m in shard.master], dim=1))
-    full = full.view(rows, world, -1)
-    out, offset = [], 0
-    for g in lay.groups:
-        out.append(full[:, :, offset : offset + g.shard_numel].reshape(rows, g.padded_numel))
-        offset += g.shard_numel
-    return tuple(out)
+    dtypes = {dtype or g.dtype for g in groups}
+    if len(groups) == 1 or len(dtypes) != 1:
+        started = [comm.all_gather_start(shard.master[g.index].to(dtype or g.dtype)) for g in groups]
+        return lambda: tuple(done() for done in started)
+    travel = dtypes.pop()
+    joined = comm.all_gather_start(torch.cat([shard.master[g.index].to(travel) for g in groups], dim=1))
+
+    def cut() -> tuple[torch.Tensor, ...]:
+        full = joined().view(rows, world, -1)
+        out, offset = [], 0
+        for g in groups:
+            out.append(full[:, :, offset : offset + g.shard_numel].reshape(rows, g.padded_numel))
+            offset += g.shard_numel
+        return tuple(out)
+
+    return cut
 
 
 def average_flat_grads_at_once(
     flats: Sequence[torch.Tensor], layout: Layout, comm: Communicator, reduce_dtype: Optional[torch.dtype]
 ) -> tuple[torch.Tensor, ...]:
     """:func:`average_flat_grads` of every flat group ``[R, padded]`` in one ``reduce_scatter``
-    (groups of one reduce dtype; rearranged rank-major first): the same sums of the same
-    elements in the same rank order, so the same bits; each shard in its master dtype."""
-    dtypes = {reduce_dtype or g.master_dtype for g in layout.groups}
-    if len(layout.groups) == 1 or len(dtypes) != 1:
-        return tuple(
-            average_flat_grads(f, comm, reduce_dtype or g.master_dtype, g.master_dtype)
-            for g, f in zip(layout.groups, flats)
-        )
+    (:func:`average_flat_groups_start` of all groups, waited for at once)."""
+    return average_flat_groups_start(flats, layout.groups, comm, reduce_dtype)()
+
+
+def average_flat_groups_start(
+    flats: Sequence[torch.Tensor],
+    groups: Sequence[FlatGroup],
+    comm: Communicator,
+    reduce_dtype: Optional[torch.dtype],
+    via_all_reduce: bool = False,
+) -> Callable[[], tuple[torch.Tensor, ...]]:
+    """:func:`average_flat_grads_start` of the flat gradients ``flats`` (``[R, padded]``, one per
+    group of ``groups``) in one collective; the returned function waits and gives each
+    group's averaged shard ``[R, shard_numel]`` in its master dtype.
+
+    Groups of one reduce dtype are rearranged rank-major and joined, so each element is
+    summed with the same elements in the same rank order as one collective per group: the
+    same bits (``SimulatedWorld``, and gloo at W = 2). Groups that reduce in different dtypes
+    go one by one."""
+    dtypes = {reduce_dtype or g.master_dtype for g in groups}
+    if len(groups) == 1 or len(dtypes) != 1:
+        started = [average_flat_grads_start(f, comm, reduce_dtype or g.master_dtype, g.master_dtype, via_all_reduce)
+                   for g, f in zip(groups, flats)]
+        return lambda: tuple(done() for done in started)
     rows, world = comm.local_ranks, comm.world_size
     rdtype = dtypes.pop()
-    joined = torch.cat([f.to(rdtype).view(rows, world, g.shard_numel) for g, f in zip(layout.groups, flats)], dim=2)
-    reduced = average_flat_grads(joined.reshape(rows, -1), comm, rdtype, rdtype)
-    out, offset = [], 0
-    for g in layout.groups:
-        out.append(reduced[:, offset : offset + g.shard_numel].to(g.master_dtype))
-        offset += g.shard_numel
-    return tuple(out)
+    joined = torch.cat([f.to(rdtype).view(rows, world, g.shard_numel) for g, f in zip(groups, flats)], dim=2)
+    reduced = average_flat_grads_start(joined.reshape(rows, -1), comm, rdtype, rdtype, via_all_reduce)
+
+    def cut() -> tuple[torch.Tensor, ...]:
+        whole = reduced()
+        out, offset = [], 0
+        for g in groups:
+            out.append(whole[:, offset : offset + g.shard_numel].to(g.master_dtype))
+            offset += g.shard_numel
+        return tuple(out)
+
+    return cut
 
 
 def trainable_views(layout: Layout, flat: Sequence[torch.Tensor], row: int) -> dict[str, torch.Tensor]:

@@ -480,7 +480,7 @@ def make_train_step(
                 return (prior[g.index].to(g.master_dtype) + flat) / accum_steps
         buckets = buckets_of(lay)
         reduction = BucketReduction(
-            buckets, comm, reduce_dtype, order=range(len(buckets) - 1, -1, -1),
+            buckets, comm, reduce_dtype, [(b,) for b in range(len(buckets) - 1, -1, -1)], in_order=True,
             via_all_reduce=stage == 1, prepare=prepare,
         )
         out = local_flat_grads(loss_fn, state, batch, rows, reduction)

@@ -59,7 +59,7 @@ from .layout import FlatGroup, Layout, split_views
 from .module import ModuleLoss, check_loss, row_of
 from .rng import rank_rng
 from .buckets import BucketReduction
-from .sharding import ShardState, stack_rows
+from .sharding import ShardState, gather_flat_groups_start, stack_rows
 
 __all__ = ["UnitPolicy", "select_units", "unit_buckets", "unit_grads", "UnitGrads"]
 
@@ -257,32 +257,46 @@ class _RankRun:
         self.expected = [0] * len(plan.groups)
         self.delivered = [0] * len(plan.groups)
         self.acc: dict[int, tuple[torch.Tensor, ...]] = {}
-        self.cache: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.cache: dict[int, tuple[torch.Tensor, ...]] = {}  # arrived, held for backward
         self.live: dict[int, tuple[int, int, int]] = {}
         self.bound: dict[int, Mapping[str, torch.Tensor]] = {}
-        self.ahead: dict[int, tuple[torch.Tensor, ...]] = {}  # forward prefetch
+        self.ahead: dict[int, Callable[[], tuple[torch.Tensor, ...]]] = {}  # started gathers (prefetch)
         self.order: list[int] = []  # units in the order of their first forward
-        self.started: set[int] = set()  # cache entries whose gather may still be in flight
         self.last_flats: tuple[torch.Tensor, ...] = ()  # what bucket_tensors gathered last
 
-    def gather(self, bucket: int, start: bool = False) -> tuple[torch.Tensor, ...]:
-        """This rank's row of the bucket's flat buffers, compute dtype: one ``all_gather`` per
-        flat group (``start``: ``all_gather_start``, waited for at first use)."""
-        if start:  # rows are taken when the data has arrived (see _arrived)
-            return tuple(self.comm.all_gather_start(self.shard.master[g.index].to(self.dtype or g.dtype))
-                         for g in self.plan.groups[bucket])
-        return tuple(self.comm.all_gather(self.shard.master[g.index].to(self.dtype or g.dtype))[self.row]
-                     for g in self.plan.groups[bucket])
+    def start(self, *buckets: int) -> dict[int, Callable[[], tuple[torch.Tensor, ...]]]:
+        """Start gathering ``buckets`` in one ``all_gather`` (compute dtype); per bucket a
+        function that waits and gives this rank's row of its flat buffers."""
+        groups = [g for b in buckets for g in self.plan.groups[b]]
+        started = gather_flat_groups_start(self.shard, groups, self.comm, self.dtype)
+        got: list[tuple[torch.Tensor, ...]] = []
 
-    def _arrived(self, started: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        return tuple(self.comm.wait(f)[self.row] for f in started)
+        def arrived(lo: int, hi: int) -> tuple[torch.Tensor, ...]:
+            if not got:
+                got.append(started())
+            return tuple(f[self.row] for f in got[0][lo:hi])
+
+        out, lo = {}, 0
+        for b in buckets:
+            hi = lo + len(self.plan.groups[b])
+            out[b] = lambda lo=lo, hi=hi: arrived(lo, hi)
+            lo = hi
+        return out
+
+    def take(self, bucket: int) -> tuple[torch.Tensor, ...]:
+        """The bucket's flat buffers: its started gather, or one started now."""
+        started = self.ahead.pop(bucket, None) or self.start(bucket)[bucket]
+        return started()
 
     def forward_flats(self, bucket: int) -> tuple[torch.Tensor, ...]:
-        """The bucket for its forward (prefetched, or gathered now); starts the next unit's gather."""
-        started = self.ahead.pop(bucket, None)
-        flats = self._arrived(started) if started is not None else self.gather(bucket)
-        if not self.backward and 0 < bucket < len(self.plan.groups) - 1 and self.expected[bucket + 1] == 0:
-            self.ahead[bucket + 1] = self.gather(bucket + 1, start=True)
+        """The bucket for its forward (prefetched, or gathered now); starts the next unit's
+        gather. The root travels with the first unit: one collective less per step."""
+        n = len(self.plan.groups)
+        if bucket == 0 and n > 1 and not self.backward:
+            self.ahead.update(self.start(0, 1))
+        flats = self.take(bucket)
+        if not self.backward and 0 < bucket < n - 1 and self.expected[bucket + 1] == 0:
+            self.ahead.update(self.start(bucket + 1))
         return flats
 
     def bucket_tensors(self, bucket: int, track: bool = True) -> dict[str, torch.Tensor]:
@@ -313,12 +327,14 @@ class _RankRun:
         if self.backward:  # a checkpointed unit recomputed through its __call__
             self.bind_for_backward(bucket)
             return
-        # The last unit's backward follows its forward at once: it is kept (FSDP2 keeps the
-        # root the same way), which saves one gather and a wait per step.
-        last = bucket == len(self.plan.groups) - 1
-        tensors = self.bucket_tensors(bucket, track=not last)
+        # The last two units are kept from their forward to their backward, which is then
+        # near (one gather and one wait less each per step): the last unit, and the one before
+        # it while the last has yet to run, so that at most two units are held at once.
+        n = len(self.plan.groups)
+        keep = bucket == n - 1 or (bucket == n - 2 and self.expected[n - 1] == 0)
+        tensors = self.bucket_tensors(bucket, track=not keep)
         flats, self.last_flats = self.last_flats, ()
-        if last and bucket not in self.cache:
+        if keep and bucket not in self.cache:
             self.cache[bucket] = flats
         self.bind(bucket, tensors)
         self.bound[bucket] = tensors
@@ -340,11 +356,7 @@ class _RankRun:
         The buffers require grad so that a checkpointed region recomputes as in forward."""
         flats = self.cache.get(bucket)
         if flats is None:
-            flats = self.gather(bucket)
-        elif bucket in self.started:
-            self.started.discard(bucket)
-            flats = self._arrived(flats)
-        self.cache[bucket] = flats
+            flats = self.cache[bucket] = self.take(bucket)
         return flats
 
     def bind_for_backward(self, bucket: int) -> None:
@@ -357,9 +369,8 @@ class _RankRun:
         self.bind(bucket, tensors)
         # prefetch the unit backward reaches next: the one that ran before this one in forward
         i = self.order.index(bucket) if bucket in self.order else 0
-        if i > 0 and self.order[i - 1] not in self.cache:
-            self.cache[self.order[i - 1]] = self.gather(self.order[i - 1], start=True)
-            self.started.add(self.order[i - 1])
+        if i > 0 and self.order[i - 1] not in self.cache and self.order[i - 1] not in self.ahead:
+            self.ahead.update(self.start(self.order[i - 1]))
 
     def _views(self, bucket: int, flats: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         """``{path: view}`` of the bucket's trainable parameters, by one ``split`` per flat buffer
@@ -377,7 +388,7 @@ class _RankRun:
         self.delivered[bucket] += 1
         if self.delivered[bucket] == self.expected[bucket]:
             self.cache.pop(bucket, None)
-            self.started.discard(bucket)
+            self.ahead.pop(bucket, None)
             self.unbind(bucket)
             self.reduction.add(bucket, self.row, self.acc.pop(bucket))
 
@@ -402,7 +413,6 @@ class _RankRun:
         self.acc.clear()
         self.cache.clear()
         self.ahead.clear()
-        self.started.clear()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -475,7 +485,10 @@ def unit_grads(
     frozen = {s.path: (f.to(param_dtype) if param_dtype is not None else f)
               for s, f in zip(lay.frozen_slots, shard.frozen)}
     device = shard.master[0].device
-    reduction = BucketReduction(plan.groups, comm, reduce_dtype)
+    # The root's gradient completes last (its embeddings ran first), just after the first
+    # unit's: the two travel in one collective.
+    reduction = BucketReduction(plan.groups, comm, reduce_dtype,
+                                [(0, 1)] + [(b,) for b in range(2, len(plan.groups))])
     losses, new_rng = [], []
     new_buffers: list[list[torch.Tensor]] = [[] for _ in buffer_names]
     unit_modules = [module.get_submodule(u) for u in units]
@@ -492,9 +505,7 @@ def unit_grads(
                     lambda mod, args, out, b=b: run.post_forward(b, out), always_call=True))
             with rank_rng(rng[r] if rng is not None else None, device, new_rng), torch.enable_grad(), \
                     torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
-                root = run.bucket_tensors(0, track=False)
-                if len(plan.groups) > 1:  # the first unit's gather overlaps the root's forward
-                    run.ahead[1] = run.gather(1, start=True)
+                root = run.bucket_tensors(0, track=False)  # and starts the first unit's gather
                 tensors = {**root, **frozen, **released,
                            **dict(zip(buffer_names, bufs))}
                 with loss_fn.bound(tensors):

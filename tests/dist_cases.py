@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -133,6 +134,24 @@ def overlap_order(comm: fzero.Communicator, stage: int) -> dict:
         "before_first_layer": sum(i < marks[-1] for i in reductions),
         "params": {k: v[-1].clone() for k, v in fzero.all_gather_params(state.shard, comm).items()},
     }
+
+
+def live_tensors(comm: fzero.Communicator, stage: int, checks: tuple[int, ...] = (3, 8)) -> list[int]:
+    """How many tensors are alive (after a garbage collection) once each step count in
+    ``checks`` has run, eagerly: a step that leaves anything behind makes the count grow."""
+    model = mlp(torch.float32)
+    units = children if stage == 3 else None
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=stage, units=units,
+                                   bucket_numel=None if units else 20)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage)
+    counts = []
+    for i, batch in enumerate(batches(max(checks), comm.world_size, 2, torch.float32), start=1):
+        state, metrics = step(state, comm.split_batch(batch))
+        if i in checks:
+            del metrics
+            gc.collect()
+            counts.append(sum(isinstance(o, torch.Tensor) for o in gc.get_objects()))
+    return counts
 
 
 def branchy_batches(world: int) -> list:

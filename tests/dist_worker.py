@@ -194,6 +194,10 @@ def case_overlap(comm):
             "s2_native": cases.overlap_order(native, 2)}
 
 
+def case_live_tensors(comm):
+    return {f"s{stage}": cases.live_tensors(comm, stage) for stage in (1, 2, 3)}
+
+
 def case_branchy(comm):
     return {"s1": cases.branchy(comm, 1), "s2": cases.branchy(comm, 2)}
 

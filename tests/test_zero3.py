@@ -134,16 +134,39 @@ def test_stage3_communication_is_two_gathers_and_one_reduce_scatter(world):
     scatters = counting.totals(["reduce_scatter"])
     # The simulated world runs each local rank's forward and backward in turn, and each rank
     # gathers its units for itself: W all-gathers where W real ranks run one together. Per
-    # real rank: every unit gathered in forward and again in backward, but the last one, which
-    # backward needs at once and keeps; every unit reduce-scattered once.
-    last = [g for g in state.layout.groups if g.bucket == len(state.module.units)]
-    psi_last = sum(g.padded_numel for g in last)
-    assert gathers["moved"] == pytest.approx(world * (2 * psi - psi_last) * frac)
-    assert gathers["calls"] == world * (2 * len(state.layout.groups) - len(last))
+    # real rank: every unit gathered in forward and again in backward, but the last two, which
+    # are kept from their forward to their backward; every unit reduce-scattered once.
+    kept = [g for g in state.layout.groups if g.bucket >= len(state.module.units) - 1]
+    psi_kept = sum(g.padded_numel for g in kept)
+    assert gathers["moved"] == pytest.approx(world * (2 * psi - psi_kept) * frac)
+    assert gathers["calls"] == world * (2 * len(state.layout.groups) - len(kept))
     assert scatters["moved"] == pytest.approx(psi * frac)
     assert scatters["calls"] == len(state.layout.groups)
     # beyond them, only the two scalars of every step (sum of squares, loss)
     assert counting.totals(["all_reduce"])["elements"] == 2
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_stage3_root_travels_with_the_first_unit(world):
+    """The root's parameters are gathered in the first unit's collective and its gradient is
+    reduced in the first unit's: per rank U gathers in forward, U - 2 in backward, U reductions
+    for U units and a root; the result is bitwise stage 2's."""
+    torch.manual_seed(0)
+    block = lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())  # noqa: E731
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), block(), block(), block(), torch.nn.Linear(8, 3))
+    units = lambda name, m: name in ("1", "2", "3")  # noqa: E731
+    counting = fzero.CountingCommunicator(fzero.SimulatedWorld(world))
+    s3 = fzero.init_train_state(model, fzero.adamw(lr=1e-2), counting, stage=3, units=units)
+    s2 = fzero.init_train_state(model, fzero.adamw(lr=1e-2), fzero.SimulatedWorld(world), stage=2, units=units)
+    step3 = fzero.make_train_step(fzero.module_loss(model, mse), counting, stage=3)
+    step2 = fzero.make_train_step(fzero.module_loss(model, mse), fzero.SimulatedWorld(world), stage=2)
+    for batch in batches(3, world, 2, torch.float32, d_in=4):
+        counting.reset()
+        s3, _ = step3(s3, counting.split_batch(batch))
+        s2, _ = step2(s2, counting.split_batch(batch))
+        assert counting.totals(["all_gather"])["calls"] == world * (3 + 1)
+        assert counting.totals(["reduce_scatter"])["calls"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(s3.shard.master, s2.shard.master))
 
 
 def test_stage3_holds_at_most_two_units_of_gathered_parameters():
