@@ -1,8 +1,9 @@
 """Gradient buckets: reductions started while backward is still running.
 
-A *bucket* is a set of parameters whose gradients are reduced together, one
-collective per flat group of the bucket (the layout keys flat groups by
-(bucket, optimizer group, dtype)). Stage 3 takes its buckets from the shard
+A *bucket* is a set of parameters whose gradients are reduced together, in
+one collective for all the flat groups of the bucket (the layout keys flat
+groups by (bucket, optimizer group, dtype); groups that reduce in different
+dtypes go one by one). Stage 3 takes its buckets from the shard
 units (:mod:`fzero.units`); stages 1 and 2 cut the parameters into buckets of
 about ``bucket_numel`` elements (:func:`size_buckets`), as DDP's reducer
 cuts them into ``bucket_cap_mb`` buckets and DeepSpeed into
@@ -12,7 +13,7 @@ Eagerly, :class:`BucketWatcher` hooks each parameter's leaf tensor and
 hands a bucket over when autograd has the gradient of every parameter in it:
 that is when its reduction can start (:class:`BucketReduction`,
 ``Communicator.reduce_scatter_start`` / ``all_reduce_start``: on a real rank
-an unwaited functional collective, finished after backward). So the
+a started c10d collective, waited for after backward). So the
 reduction of the last layers' gradients overlaps the backward of the first
 layers, as in DDP.
 
