@@ -661,6 +661,15 @@ def report(args, cfg, n_params: int, results: dict, volume: dict | None, refs: d
                 verdict = "MET" if a <= 1.0 and z <= 0.8 else "not met"
                 print(f"  {label(key):<20} {a:.2f}x DDP, {z:.2f}x ZeRO: {verdict}")
 
+    pairs = [(s3, s2, how) for s3, s2, how in (("fzero-s3", "fzero-s2", "eager"), ("fzero-s3c", "fzero-s2c", "compiled"))
+             if s3 in ok and s2 in ok]
+    if pairs:
+        print()
+        print("goal: fzero stage 3 <= 1.2x stage 2 (median, one run)")
+        for s3, s2, how in pairs:
+            r = med[s3] / med[s2]
+            print(f"  {how:<9} {med[s3]:.1f} / {med[s2]:.1f} ms = {r:.2f}x: {'MET' if r <= 1.2 else 'not met'}")
+
     # Sanity: every system trained the same thing.
     print()
     print(f"sanity (every system ran {args.warmup + args.steps} steps from the same init on the same data; "
