@@ -37,7 +37,7 @@ _C10D_OP = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.Redu
 def _eager() -> bool:
     """Eagerly, collectives go through c10d with ``async_op=True``: the functional ones cost
     about 0.1-0.3 ms more per call on gloo (a Python autograd wrapper and an
-    ``AsyncCollectiveTensor`` per result; ``benchmarks/bench_gloo_step.py``). Traced, the
+    ``AsyncCollectiveTensor`` per result; measured, see design.md). Traced, the
     functional ones are the only kind dynamo keeps in the graph. Both run the same
     process-group algorithm, so the bits agree."""
     return not torch.compiler.is_compiling()
@@ -115,8 +115,8 @@ class TorchCommunicator(Communicator):
         return f"TorchCommunicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend})"
 
     def _finish(self, total: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        # Traced, functional collectives return AsyncCollectiveTensor wrappers eagerly; states
-        # must hold plain tensors (a wrapper in a state would make a compiled step trace twice).
+        # A functional collective's result is waited for here, so states hold plain tensors (an
+        # AsyncCollectiveTensor in a state would make a compiled step trace a second graph).
         total = funcol.wait_tensor(total)
         return _average(total, op, self.world_size)
 
@@ -161,28 +161,18 @@ class TorchCommunicator(Communicator):
             raise ValueError("reduce_scatter supports 'sum' and 'avg'")
         n = self._chunk(x, "reduce_scatter")
         mine = slice(self.rank * n, (self.rank + 1) * n)
+        if self.reduce_scatter_via_all_reduce:
+            # the whole sum is waited for before it is sliced (slicing first made the compiled
+            # graph slower on gloo)
+            reduced = self.all_reduce_start(x, "sum")
+            return lambda: _average(reduced()[0, mine], op, self.world_size).unsqueeze(0)
         if _eager():
-            if self.reduce_scatter_via_all_reduce:
-                total = x[0].clone()
-                work = dist.all_reduce(total, dist.ReduceOp.SUM, group=self._pg, async_op=True)
-                return _waiter(work, lambda: _average(total[mine], op, self.world_size).unsqueeze(0))
             out = x.new_empty(n)
             work = _c10d_reduce_scatter(out, x[0].contiguous(), dist.ReduceOp.SUM, group=self._pg,
-                                              async_op=True)
+                                        async_op=True)
             return _waiter(work, lambda: _average(out, op, self.world_size).unsqueeze(0))
-        if self.reduce_scatter_via_all_reduce:
-            started = funcol.all_reduce(x[0], "sum", self._name)
-
-            def done() -> torch.Tensor:
-                # wait on the whole result before slicing it (slicing first made the compiled
-                # graph slower on gloo)
-                return self._finish(funcol.wait_tensor(started)[mine], op).unsqueeze(0)
-        else:
-            started = funcol.reduce_scatter_tensor(x[0], "sum", 0, self._name)
-
-            def done() -> torch.Tensor:
-                return self._finish(started, op).unsqueeze(0)
-        return done
+        started = funcol.reduce_scatter_tensor(x[0], "sum", 0, self._name)
+        return lambda: self._finish(started, op).unsqueeze(0)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         self._check_rows(x, "broadcast")
