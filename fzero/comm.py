@@ -273,7 +273,7 @@ class CountingCommunicator(Communicator):
         return self.inner.all_reduce(x, op)
 
     def _record_reduce_scatter(self, x: torch.Tensor) -> None:
-        if getattr(self.inner, "reduce_scatter_via_all_reduce", False):
+        if getattr(self.inner, "reduce_scatter_via", None) == "all_reduce":
             self._record("all_reduce", x, x[0].numel(), 2.0)  # what the backend really sends
         else:
             self._record("reduce_scatter", x, x[0].numel(), 1.0)

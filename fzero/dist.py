@@ -22,7 +22,9 @@ import torch.distributed._functional_collectives as funcol
 from .comm import Communicator, ReduceOp
 from .layout import Layout, first_difference
 
-__all__ = ["TorchCommunicator", "LayoutMismatchError"]
+__all__ = ["TorchCommunicator", "LayoutMismatchError", "REDUCE_SCATTER_PATHS"]
+
+REDUCE_SCATTER_PATHS = ("reduce_scatter", "all_to_all", "all_reduce")
 
 # torch 2.13 deprecates all_gather_tensor in favour of all_gather_single; older torch lacks the latter.
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -71,19 +73,24 @@ class LayoutMismatchError(ValueError):
 class TorchCommunicator(Communicator):
     """Collectives over ``group`` (default: the world group) for this process's rank.
 
-    ``reduce_scatter_via_all_reduce``: compute a reduce-scatter as an
-    all-reduce followed by a local slice. On gloo that is faster (a native
-    reduce-scatter plus all-gather of 100 MB measured 3.3x slower than one
-    all-reduce here) at twice the traffic of a reduce-scatter; the default,
-    ``None``, chooses it for gloo only. :class:`fzero.CountingCommunicator`
-    counts what is actually sent.
+    ``reduce_scatter_via``: how a reduce-scatter is computed.
+    ``"reduce_scatter"``: the backend's own. ``"all_to_all"``: each rank
+    sends every other rank that rank's chunk (``all_to_all_single``) and sums
+    what it received in rank order: a reduce-scatter's traffic, and the same
+    sum, bit for bit, as :class:`fzero.SimulatedWorld`'s at any W.
+    ``"all_reduce"``: an all-reduce and a local slice (twice the traffic).
+    The default, ``None``, is ``"all_to_all"`` on gloo, whose own
+    reduce-scatter is its slowest collective (gloo W=2, one call, median:
+    100k floats 674 us native, 625 us all-reduce, 290 us all-to-all; 1M
+    floats 5.0, 4.9 and 2.5 ms; ``benchmarks/bench_collectives.py``), and
+    the backend's own elsewhere (NCCL's reduce-scatter is the fastest there is).
     """
 
     def __init__(
         self,
         group: Optional[dist.ProcessGroup] = None,
         *,
-        reduce_scatter_via_all_reduce: Optional[bool] = None,
+        reduce_scatter_via: Optional[str] = None,
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -102,9 +109,11 @@ class TorchCommunicator(Communicator):
         self.local_ranks = 1
         self.ranks = (self.rank,)
         self.backend = str(dist.get_backend(group))
-        if reduce_scatter_via_all_reduce is None:
-            reduce_scatter_via_all_reduce = self.backend == "gloo"
-        self.reduce_scatter_via_all_reduce = bool(reduce_scatter_via_all_reduce)
+        if reduce_scatter_via is None:
+            reduce_scatter_via = "all_to_all" if self.backend == "gloo" else "reduce_scatter"
+        if reduce_scatter_via not in REDUCE_SCATTER_PATHS:
+            raise ValueError(f"reduce_scatter_via must be one of {REDUCE_SCATTER_PATHS}, got {reduce_scatter_via!r}")
+        self.reduce_scatter_via = reduce_scatter_via
 
     @property
     def group(self) -> Optional[dist.ProcessGroup]:
@@ -161,11 +170,13 @@ class TorchCommunicator(Communicator):
             raise ValueError("reduce_scatter supports 'sum' and 'avg'")
         n = self._chunk(x, "reduce_scatter")
         mine = slice(self.rank * n, (self.rank + 1) * n)
-        if self.reduce_scatter_via_all_reduce:
+        if self.reduce_scatter_via == "all_reduce":
             # the whole sum is waited for before it is sliced (slicing first made the compiled
             # graph slower on gloo)
             reduced = self.all_reduce_start(x, "sum")
             return lambda: _average(reduced()[0, mine], op, self.world_size).unsqueeze(0)
+        if self.reduce_scatter_via == "all_to_all":
+            return self._reduce_scatter_all_to_all(x, op, n)
         if _eager():
             out = x.new_empty(n)
             work = _c10d_reduce_scatter(out, x[0].contiguous(), dist.ReduceOp.SUM, group=self._pg,
@@ -173,6 +184,22 @@ class TorchCommunicator(Communicator):
             return _waiter(work, lambda: _average(out, op, self.world_size).unsqueeze(0))
         started = funcol.reduce_scatter_tensor(x[0], "sum", 0, self._name)
         return lambda: self._finish(started, op).unsqueeze(0)
+
+    def _reduce_scatter_all_to_all(self, x: torch.Tensor, op: ReduceOp, n: int) -> Callable[[], torch.Tensor]:
+        """Rank ``k``'s chunk of every rank's ``x`` arrives at rank ``k`` (``[W, n]``, in rank
+        order) and is summed there: ``sum(0)``, the kernel ``SimulatedWorld`` sums with."""
+        world = self.world_size
+
+        def summed(received: torch.Tensor) -> torch.Tensor:
+            total = received.view(world, n).sum(0) if world > 1 else received
+            return _average(total, op, world).unsqueeze(0)
+
+        if _eager():
+            out = x.new_empty(world * n)
+            work = dist.all_to_all_single(out, x[0].contiguous(), group=self._pg, async_op=True)
+            return _waiter(work, lambda: summed(out))
+        started = funcol.all_to_all_single(x[0].contiguous(), None, None, self._name)
+        return lambda: summed(funcol.wait_tensor(started))
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         self._check_rows(x, "broadcast")

@@ -74,6 +74,15 @@ def one_step_volume(comm: fzero.Communicator, stage: int, precision=fzero.MixedP
     }
 
 
+def reduce_scatter_inputs(world: int, dtype: torch.dtype, chunk: int = 1000) -> torch.Tensor:
+    """Every rank's input to a reduce-scatter, ``[W, W*chunk]``: values of mixed magnitude
+    (so that the order of summation shows in the last bits), a zero of each sign."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(world, world * chunk, generator=g) * torch.logspace(-3, 3, world * chunk)
+    x[:, 0], x[:, 1] = 0.0, -0.0
+    return x.to(dtype)
+
+
 def mismatched_models(comm: fzero.Communicator) -> dict:
     """Each rank builds a different model; every rank must get the clear error."""
     sizes = (6, 9, 5, 3) if comm.ranks[0] == 0 else (6, 9, 4, 3)

@@ -164,15 +164,31 @@ def case_inf_even(comm):
 
 
 def case_volume(comm):
-    native = TorchCommunicator(reduce_scatter_via_all_reduce=False)
+    native = TorchCommunicator(reduce_scatter_via="reduce_scatter")
     return {
         "s1": cases.one_step_volume(comm, 1),
         "s2": cases.one_step_volume(comm, 2),
         "s2_native": cases.one_step_volume(native, 2),
+        "s2_all_reduce": cases.one_step_volume(TorchCommunicator(reduce_scatter_via="all_reduce"), 2),
         "s2_bf16": cases.one_step_volume(
             native, 2, fzero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
         ),
     }
+
+
+def case_reduce_scatter_ways(comm):
+    """This rank's reduce-scatter of its row of ``cases.reduce_scatter_inputs``, computed each
+    way ``TorchCommunicator`` can, started and waited (as buckets do) and at once."""
+    from fzero.dist import REDUCE_SCATTER_PATHS
+
+    out = {}
+    for way in REDUCE_SCATTER_PATHS:
+        c = TorchCommunicator(reduce_scatter_via=way)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = cases.reduce_scatter_inputs(comm.world_size, dtype)[comm.rank : comm.rank + 1]
+            for op in ("sum", "avg"):
+                out[f"{way} {dtype} {op}"] = (c.reduce_scatter(x, op), c.reduce_scatter_start(x, op)())
+    return out
 
 
 def case_mismatch(comm):
@@ -188,10 +204,11 @@ def case_fp16_40000(comm):
 
 
 def case_overlap(comm):
-    # the native reduce-scatter too: both ways of reducing start during backward
-    native = TorchCommunicator(reduce_scatter_via_all_reduce=False)
+    # every way of reducing starts during backward
+    native = TorchCommunicator(reduce_scatter_via="reduce_scatter")
+    via_all_reduce = TorchCommunicator(reduce_scatter_via="all_reduce")
     return {"s1": cases.overlap_order(comm, 1), "s2": cases.overlap_order(comm, 2),
-            "s2_native": cases.overlap_order(native, 2)}
+            "s2_native": cases.overlap_order(native, 2), "s2_all_reduce": cases.overlap_order(via_all_reduce, 2)}
 
 
 def case_live_tensors(comm):

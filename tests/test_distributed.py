@@ -21,9 +21,10 @@ pytestmark = pytest.mark.distributed
 W2_CASES = [
     "eager_s2", "eager_s1", "compiled_s2", "eager_s3", "compiled_s3", "fsdp_full_vs_stage3", "ddp_adamw", "zero_sgd", "zero_adam", "fsdp",
     "inf_even", "volume", "mismatch", "padding_only", "fp16_40000", "overlap", "branchy",
-    "live_tensors",
+    "live_tensors", "reduce_scatter_ways",
 ]
-W4_CASES = ["eager_s2", "compiled_s2", "inf_even", "volume", "padding_only", "fp16_40000", "ddp_adamw"]
+W4_CASES = ["eager_s2", "compiled_s2", "inf_even", "volume", "padding_only", "fp16_40000", "ddp_adamw",
+            "reduce_scatter_ways"]
 
 
 @pytest.fixture(scope="module")
@@ -155,18 +156,49 @@ def test_mismatched_models_fail_clearly_on_every_rank(w2):
 
 
 @pytest.mark.parametrize("fixture,world", [("w2", 2), ("w4", 4)])
+def test_gloo_reduce_scatter_ways_equal_the_simulated_world(fixture, world, request):
+    """Every way TorchCommunicator computes a reduce-scatter gives the simulated world's
+    result; the all-to-all (gloo's default) sums in rank order with the simulated world's
+    kernel, so bit for bit at any W, signed zeros included; the others equal at W=2 (two terms
+    round alike in either order) and within rounding beyond."""
+    from fzero.dist import REDUCE_SCATTER_PATHS
+
+    sim = fzero.SimulatedWorld(world)
+    for r, res in enumerate(_case(request.getfixturevalue(fixture), "reduce_scatter_ways")):
+        assert len(res) == len(REDUCE_SCATTER_PATHS) * 4
+        for key, (at_once, started) in res.items():
+            way, dtype_name, op = key.split()
+            dtype = getattr(torch, dtype_name.removeprefix("torch."))
+            want = sim.reduce_scatter(cases.reduce_scatter_inputs(world, dtype), op)[r]
+            assert at_once.shape == (1, want.shape[0]) and at_once.dtype == dtype, key
+            assert torch.equal(at_once, started), key
+            if way == "all_to_all":
+                assert torch.equal(at_once[0], want), (r, key)
+                assert torch.equal(torch.signbit(at_once[0]), torch.signbit(want)), (r, key)
+            elif world == 2:  # equal values (gloo keeps -0 + -0 negative, a sum from 0 does not)
+                assert torch.equal(at_once[0], want), (r, key)
+            else:  # within a few roundings of the terms' magnitude (the sums cancel)
+                terms = sim.reduce_scatter(cases.reduce_scatter_inputs(world, dtype).abs().double(), "sum")[r]
+                eps = torch.finfo(dtype).eps
+                assert ((at_once[0].double() - want.double()).abs() <= 4 * eps * terms).all(), (r, key)
+
+
+@pytest.mark.parametrize("fixture,world", [("w2", 2), ("w4", 4)])
 def test_counted_volume_equals_theory(fixture, world, request):
     for res in _case(request.getfixturevalue(fixture), "volume"):
         psi = res["s2"]["psi_padded"]
         frac = (world - 1) / world
-        # gloo: the reduce-scatter is an all-reduce and a slice; stage 1 all-reduces by definition:
-        # all-reduce 2Ψ(W-1)/W + all-gather Ψ(W-1)/W.
-        for key in ("s1", "s2"):
+        # stage 1 all-reduces by definition, as does a reduce-scatter computed as an all-reduce and
+        # a slice: all-reduce 2Ψ(W-1)/W + all-gather Ψ(W-1)/W.
+        for key in ("s1", "s2_all_reduce"):
             big = res[key]["big"]
             assert big["calls"] == 2 and big["moved"] == pytest.approx(3 * psi * frac), res[key]["ops"]
-        # a native reduce-scatter (NCCL's default): reduce-scatter + all-gather = 2Ψ(W-1)/W.
+        # gloo's default (all-to-all and a local sum) and the native reduce-scatter (NCCL's
+        # default) move a reduce-scatter's traffic: + all-gather = 2Ψ(W-1)/W.
+        for key in ("s2", "s2_native"):
+            big = res[key]["big"]
+            assert big["calls"] == 2 and big["moved"] == pytest.approx(2 * psi * frac), res[key]["ops"]
         native = res["s2_native"]["big"]
-        assert native["moved"] == pytest.approx(2 * psi * frac), res["s2_native"]["ops"]
         assert res["s2_bf16"]["big"]["bytes"] == native["bytes"] / 2
         # beyond the two big collectives only two scalars move: sum of squares (norm and
         # overflow flag) and loss.
@@ -182,7 +214,7 @@ def test_fp16_communication_of_large_gradients_does_not_overflow(fixture, world,
         assert torch.all(res == value)
 
 
-@pytest.mark.parametrize("kind", ["s1", "s2", "s2_native"])
+@pytest.mark.parametrize("kind", ["s1", "s2", "s2_native", "s2_all_reduce"])
 def test_gloo_reductions_start_during_backward(w2, kind):
     """On a real rank each bucket's reduction is issued from its own backward: the four buckets
     after the first Linear before backward reaches it; the result equals the simulated world."""

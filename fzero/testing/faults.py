@@ -155,7 +155,7 @@ class FaultyWorld(Communicator):
         return f"FaultyWorld({self.inner!r}, {len(self.faults)} faults)"
 
     def __getattr__(self, name: str) -> Any:
-        # backend attributes (rank, group, reduce_scatter_via_all_reduce, ...) come from inner
+        # backend attributes (rank, group, reduce_scatter_via, ...) come from inner
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
