@@ -61,8 +61,8 @@ How to run (from the repository root; it launches itself under
 ``OMP_NUM_THREADS=1`` in a new session and kills the whole process group if it
 runs past ``--timeout`` seconds)::
 
-    python benchmarks/bench_gloo_step.py [--steps 40] [--warmup 5]
-        [--rounds 8] [--systems ddp,zero,fsdp,fzero-s2c,ds-z2,...] [--timeout 420]
+    python benchmarks/bench_gloo_step.py [--steps 80] [--warmup 5]
+        [--rounds 16] [--systems ddp,zero,fsdp,fzero-s2c,ds-z2,...] [--timeout 420]
 
 DeepSpeed's systems need the ``bench`` extra; without it the default run skips
 them with a note, and naming them in ``--systems`` is an error that says so::
@@ -74,7 +74,7 @@ The ``local (no comm)`` row is a floor, not a data-parallel system: forward,
 backward and AdamW on the rank's own micro-batch with no communication, timed
 in the same interleaved rounds. The header also reports one gloo all-reduce and
 all-gather of a parameter-sized buffer and one torch AdamW step.
-A full default run takes 1-2 minutes on 2 cores, most of it compiling the
+A full default run takes 2-4 minutes on 2 cores, much of it compiling the
 two compiled fzero steps (``TORCHINDUCTOR_CACHE_DIR`` defaults to
 ``$TMPDIR/fzero-bench-inductor``, so later runs compile faster).
 """
@@ -156,9 +156,9 @@ def label(key: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=40, help="timed steps per system")
+    p.add_argument("--steps", type=int, default=80, help="timed steps per system")
     p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps per system (compiles)")
-    p.add_argument("--rounds", type=int, default=8,
+    p.add_argument("--rounds", type=int, default=16,
                    help="the timed steps of all systems run interleaved in this many rounds")
     p.add_argument("--systems", default=None,
                    help="comma-separated subset of: " + ", ".join(k for k, _ in SYSTEMS)

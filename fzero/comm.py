@@ -28,8 +28,9 @@ Imports: torch only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, ContextManager, Literal, Sequence
 
 import torch
 import torch.utils._pytree as tp
@@ -97,6 +98,13 @@ class Communicator:
         then). Default: the collective runs now."""
         out = self.all_reduce(x, op)
         return lambda: out
+
+    def batched(self) -> ContextManager[None]:
+        """A block whose started collectives may travel together: a communicator that can
+        carry several in one (``TorchCommunicator`` on gloo: one ``all_to_all``) issues them
+        at the end of the block, or when one of them is waited for inside it. Default: each
+        runs as it is started. Every rank must start the same collectives in the block."""
+        return contextlib.nullcontext()
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``[R, n] -> [R, n]``: every row becomes rank ``src``'s row.

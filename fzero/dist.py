@@ -13,7 +13,8 @@ Imports: ``fzero.comm``, ``fzero.layout``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import contextlib
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,48 @@ def _waiter(work: Any, result: Callable[[], torch.Tensor]) -> Callable[[], torch
     return done
 
 
+class _Batch:
+    """Collectives started in a ``TorchCommunicator.batched`` block, issued as one
+    ``all_to_all_single`` per dtype: each part sends row ``k`` of its ``[W, k_part]`` to rank
+    ``k`` and finishes from what it received, row ``j`` from rank ``j``. A part alone in its
+    dtype is started by itself, as outside a block."""
+
+    def __init__(self, comm: "TorchCommunicator"):
+        self.comm = comm
+        self.pending: list[dict] = []
+
+    def add(self, send: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor],
+            alone: Callable[[], Callable[[], torch.Tensor]]) -> Callable[[], torch.Tensor]:
+        part = {"send": send, "finish": finish, "alone": alone, "result": None}
+        self.pending.append(part)
+
+        def done() -> torch.Tensor:
+            if part["result"] is None:  # waited for inside the block: issue what is pending now
+                self.issue()
+            return part["result"]()
+
+        return done
+
+    def issue(self) -> None:
+        parts, self.pending = self.pending, []
+        by_dtype: dict[torch.dtype, list[dict]] = {}
+        for part in parts:  # in the order they were started: the same on every rank
+            by_dtype.setdefault(part["send"].dtype, []).append(part)
+        for group in by_dtype.values():
+            if len(group) == 1:
+                group[0]["result"] = group[0]["alone"]()
+                continue
+            send = torch.cat([p["send"] for p in group], dim=1)
+            received = torch.empty_like(send)
+            work = dist.all_to_all_single(received, send, group=self.comm._pg, async_op=True)
+            arrived = _waiter(work, lambda received=received: received)
+            lo = 0
+            for p in group:
+                hi = lo + p["send"].shape[1]
+                p["result"] = lambda p=p, lo=lo, hi=hi: p["finish"](arrived()[:, lo:hi])
+                lo = hi
+
+
 class LayoutMismatchError(ValueError):
     """Ranks built different parameter layouts (different models or settings)."""
 
@@ -114,6 +157,25 @@ class TorchCommunicator(Communicator):
         if reduce_scatter_via not in REDUCE_SCATTER_PATHS:
             raise ValueError(f"reduce_scatter_via must be one of {REDUCE_SCATTER_PATHS}, got {reduce_scatter_via!r}")
         self.reduce_scatter_via = reduce_scatter_via
+        self._batch: Optional[_Batch] = None
+
+    @contextlib.contextmanager
+    def batched(self) -> Iterator[None]:
+        """Eagerly with ``reduce_scatter_via="all_to_all"``: the reduce-scatters and all-gathers
+        started in the block travel in one ``all_to_all_single`` per dtype, issued at the end of
+        the block (or when one is waited for in it): one collective's latency for several (stage
+        3 sends a unit's gradient and the gather of a later unit together). Otherwise, and
+        nested, each collective goes as it is started."""
+        if self._batch is not None or not _eager() or self.reduce_scatter_via != "all_to_all" \
+                or self.world_size == 1:
+            yield
+            return
+        self._batch = batch = _Batch(self)
+        try:
+            yield
+        finally:
+            self._batch = None
+            batch.issue()
 
     @property
     def group(self) -> Optional[dist.ProcessGroup]:
@@ -155,12 +217,18 @@ class TorchCommunicator(Communicator):
         self._check_rows(x, "all_gather")
         if x.dim() != 2:
             raise ValueError(f"all_gather: expected shape [R, n], got {tuple(x.shape)}")
-        if _eager():
+        if not _eager():
+            started = _all_gather(x[0].contiguous(), 0, self._name)
+            return lambda: self._finish(started, "sum").unsqueeze(0)
+
+        def alone() -> Callable[[], torch.Tensor]:
             out = x.new_empty(self.world_size * x.shape[1])
             work = _c10d_all_gather(out, x[0].contiguous(), group=self._pg, async_op=True)
             return _waiter(work, lambda: out.unsqueeze(0))
-        started = _all_gather(x[0].contiguous(), 0, self._name)
-        return lambda: self._finish(started, "sum").unsqueeze(0)
+
+        if self._batch is not None:  # every rank receives this rank's row
+            return self._batch.add(x[0].expand(self.world_size, x.shape[1]), lambda got: got.reshape(1, -1), alone)
+        return alone()
 
     def reduce_scatter_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
         """Launch the collective; the returned function waits for it and takes this rank's
@@ -190,16 +258,22 @@ class TorchCommunicator(Communicator):
         order) and is summed there: ``sum(0)``, the kernel ``SimulatedWorld`` sums with."""
         world = self.world_size
 
-        def summed(received: torch.Tensor) -> torch.Tensor:
-            total = received.view(world, n).sum(0) if world > 1 else received
+        def summed(received: torch.Tensor) -> torch.Tensor:  # [W, n] or [W * n]
+            total = received.reshape(world, n).sum(0) if world > 1 else received.reshape(n)
             return _average(total, op, world).unsqueeze(0)
 
-        if _eager():
+        if not _eager():
+            started = funcol.all_to_all_single(x[0].contiguous(), None, None, self._name)
+            return lambda: summed(funcol.wait_tensor(started))
+
+        def alone() -> Callable[[], torch.Tensor]:
             out = x.new_empty(world * n)
             work = dist.all_to_all_single(out, x[0].contiguous(), group=self._pg, async_op=True)
             return _waiter(work, lambda: summed(out))
-        started = funcol.all_to_all_single(x[0].contiguous(), None, None, self._name)
-        return lambda: summed(funcol.wait_tensor(started))
+
+        if self._batch is not None:
+            return self._batch.add(x[0].view(world, n), summed, alone)
+        return alone()
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         self._check_rows(x, "broadcast")

@@ -28,7 +28,10 @@ One local rank's forward and backward (:func:`unit_grads`):
   ``_Gather.backward`` with it: that is the moment the bucket's gradient is
   complete. Once every local rank has delivered it, its average over ranks is
   started (``reduce_scatter``, waited for after backward; on a real rank that
-  is during backward, unit by unit); the unit is dropped.
+  is during backward, unit by unit); the unit is dropped, and the gather of
+  the unit backward reaches after the next one starts with the reduction, in
+  one collective where the communicator can carry both
+  (``Communicator.batched``: gloo's all-to-all).
 
 In the simulated world the local ranks run in turn and each gathers its units
 for itself (``all_gather`` of all rows, keeping its own): W collectives where W
@@ -396,7 +399,22 @@ class _RankRun:
             self.cache.pop(bucket, None)
             self.ahead.pop(bucket, None)
             self.unbind(bucket)
-            self.reduction.add(bucket, self.row, self.acc.pop(bucket))
+            # the reduction and the gather of the unit backward reaches after the next one travel
+            # together where the communicator can carry both in one collective (gloo)
+            with self.comm.batched():
+                self.reduction.add(bucket, self.row, self.acc.pop(bucket))
+                self.prefetch_after_next(bucket)
+
+    def prefetch_after_next(self, bucket: int) -> None:
+        """Start gathering the unit two before ``bucket`` in forward order, whose backward comes
+        after the next unit's, if the next one is held or on its way: two units at most."""
+        i = self.order.index(bucket) if bucket in self.order else -1
+        if i < 2:
+            return
+        nxt, after = self.order[i - 1], self.order[i - 2]
+        held = nxt in self.cache or nxt in self.ahead
+        if held and after not in self.cache and after not in self.ahead:
+            self.ahead.update(self.start(after))
 
     def pack(self, t: torch.Tensor) -> Any:
         hit = self.live.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None

@@ -163,6 +163,77 @@ def live_tensors(comm: fzero.Communicator, stage: int, checks: tuple[int, ...] =
     return counts
 
 
+class C10dCalls:
+    """Counts the c10d collectives fzero's TorchCommunicator issues eagerly while active
+    (``with C10dCalls() as calls``): ``calls.counts`` by collective."""
+
+    # label -> (module attribute TorchCommunicator calls through, on fzero.dist or torch.distributed)
+    PATCHED = {"all_to_all": ("dist", "all_to_all_single"), "all_reduce": ("dist", "all_reduce"),
+               "all_gather": ("fdist", "_c10d_all_gather"), "reduce_scatter": ("fdist", "_c10d_reduce_scatter")}
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+        self._saved: list = []
+
+    def __enter__(self) -> "C10dCalls":
+        import fzero.dist as fdist
+
+        for label, (where, name) in self.PATCHED.items():
+            owner = fdist if where == "fdist" else fdist.dist
+            original = getattr(owner, name)
+
+            def counted(*args, _label=label, _original=original, **kwargs):
+                self.counts[_label] = self.counts.get(_label, 0) + 1
+                return _original(*args, **kwargs)
+
+            self._saved.append((owner, name, original))
+            setattr(owner, name, counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in self._saved:
+            setattr(owner, name, original)
+        self._saved.clear()
+
+
+def batched_collectives(comm: fzero.Communicator) -> dict:
+    """Collectives started in ``comm.batched()`` blocks: results, the same collectives
+    outside a block, and the c10d calls each block issued."""
+    world, rank = comm.world_size, comm.ranks[0]
+    x = reduce_scatter_inputs(world, torch.float32)[rank : rank + 1]
+    x16 = reduce_scatter_inputs(world, torch.bfloat16)[rank : rank + 1]
+    shard = torch.arange(5.0).unsqueeze(0) + 10 * rank
+    out = {"plain": (comm.reduce_scatter(x, "avg"), comm.all_gather(shard), comm.reduce_scatter(x16, "sum"))}
+    with C10dCalls() as calls:
+        with comm.batched():
+            rs, ag, rs16 = comm.reduce_scatter_start(x, "avg"), comm.all_gather_start(shard), \
+                comm.reduce_scatter_start(x16, "sum")
+        out["block"] = (rs(), ag(), rs16(), calls.counts)
+    with C10dCalls() as calls:
+        with comm.batched():
+            ag = comm.all_gather_start(shard)
+            early = ag()  # waited for inside the block: issued then, by itself
+            rs = comm.reduce_scatter_start(x, "avg")
+        out["waited_inside"] = (early, rs(), calls.counts)
+    return out
+
+
+def stage3_c10d_calls(comm: fzero.Communicator) -> dict:
+    """The c10d calls of one eager stage-3 step (after the first) of a model with four units
+    and a root, and the step's parameters."""
+    torch.manual_seed(0)
+    block = lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())  # noqa: E731
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), block(), block(), block(), block(), torch.nn.Linear(8, 3))
+    units = lambda name, m: name in ("1", "2", "3", "4")  # noqa: E731
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3, units=units)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)
+    data = batches(2, comm.world_size, 2, torch.float32, d_in=4)
+    state, _ = step(state, comm.split_batch(data[0]))
+    with C10dCalls() as calls:
+        state, _ = step(state, comm.split_batch(data[1]))
+    return {"calls": calls.counts, "masters": masters(state)}
+
+
 def branchy_batches(world: int) -> list:
     """Rank 0's micro-batches take Branchy's branch, the other ranks' do not."""
     batches = overlap_data(4, world)

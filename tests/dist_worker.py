@@ -191,6 +191,14 @@ def case_reduce_scatter_ways(comm):
     return out
 
 
+def case_batched(comm):
+    return cases.batched_collectives(comm)
+
+
+def case_stage3_calls(comm):
+    return cases.stage3_c10d_calls(comm)
+
+
 def case_mismatch(comm):
     return cases.mismatched_models(comm)
 

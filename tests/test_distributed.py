@@ -21,10 +21,10 @@ pytestmark = pytest.mark.distributed
 W2_CASES = [
     "eager_s2", "eager_s1", "compiled_s2", "eager_s3", "compiled_s3", "fsdp_full_vs_stage3", "ddp_adamw", "zero_sgd", "zero_adam", "fsdp",
     "inf_even", "volume", "mismatch", "padding_only", "fp16_40000", "overlap", "branchy",
-    "live_tensors", "reduce_scatter_ways",
+    "live_tensors", "reduce_scatter_ways", "batched", "stage3_calls",
 ]
 W4_CASES = ["eager_s2", "compiled_s2", "inf_even", "volume", "padding_only", "fp16_40000", "ddp_adamw",
-            "reduce_scatter_ways"]
+            "reduce_scatter_ways", "batched"]
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +181,38 @@ def test_gloo_reduce_scatter_ways_equal_the_simulated_world(fixture, world, requ
                 terms = sim.reduce_scatter(cases.reduce_scatter_inputs(world, dtype).abs().double(), "sum")[r]
                 eps = torch.finfo(dtype).eps
                 assert ((at_once[0].double() - want.double()).abs() <= 4 * eps * terms).all(), (r, key)
+
+
+@pytest.mark.parametrize("fixture", ["w2", "w4"])
+def test_gloo_batched_collectives_travel_in_one_all_to_all(fixture, request):
+    """A reduce-scatter and an all-gather started in ``batched()`` give what they give alone,
+    in one all-to-all (a bf16 reduce-scatter beside them: its own); one waited for inside the
+    block is issued then, alone (a native all-gather), and the rest at the end."""
+    for r, res in enumerate(_case(request.getfixturevalue(fixture), "batched")):
+        rs, ag, rs16 = res["plain"]
+        *got, calls = res["block"]
+        assert calls == {"all_to_all": 2}, (r, calls)
+        for a, b in zip(got, (rs, ag, rs16)):
+            assert a.shape == b.shape and torch.equal(a, b), r
+        early, late, calls = res["waited_inside"]
+        assert calls == {"all_gather": 1, "all_to_all": 1}, (r, calls)
+        assert torch.equal(early, ag) and torch.equal(late, rs), r
+
+
+def test_gloo_stage3_backward_gathers_ride_on_reductions(w2):
+    """Four units and a root on gloo: U all-gathers in forward; in backward the U - 2 regathers
+    travel in the all-to-alls of the reductions (U of them, the root's in the first unit's);
+    one scalar all-reduce. The parameters equal the simulated world's bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(SIM_THREADS)  # as the workers (see _sim)
+    try:
+        sim = cases.stage3_c10d_calls(fzero.SimulatedWorld(2))["masters"]
+    finally:
+        torch.set_num_threads(threads)
+    for r, res in enumerate(_case(w2, "stage3_calls")):
+        assert res["calls"] == {"all_gather": 4, "all_to_all": 4, "all_reduce": 1}, (r, res["calls"])
+        for mine, want in zip(res["masters"], sim):
+            assert torch.equal(mine[0], want[r]), r
 
 
 @pytest.mark.parametrize("fixture,world", [("w2", 2), ("w4", 4)])
