@@ -293,6 +293,11 @@ class CountingCommunicator(Communicator):
     def check_layout(self, layout: Any) -> None:
         self.inner.check_layout(layout)
 
+    def batched(self) -> ContextManager[None]:
+        """The inner communicator's: counting does not change what travels together (each
+        collective of a batch is recorded as itself)."""
+        return self.inner.batched()
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         self._record("all_gather", x, x[0].numel() * self.world_size, 1.0)
         return self.inner.all_gather(x)
