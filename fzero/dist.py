@@ -124,8 +124,8 @@ class TorchCommunicator(Communicator):
     ``"all_reduce"``: an all-reduce and a local slice (twice the traffic).
     The default, ``None``, is ``"all_to_all"`` on gloo, whose own
     reduce-scatter is its slowest collective (gloo W=2, one call, median:
-    100k floats 674 us native, 625 us all-reduce, 290 us all-to-all; 1M
-    floats 5.0, 4.9 and 2.5 ms; ``benchmarks/bench_collectives.py``), and
+    100k floats per rank 798 us native, 691 us all-reduce, 432 us all-to-all;
+    1M floats 5.5, 4.7 and 2.6 ms; ``benchmarks/bench_collectives.py``), and
     the backend's own elsewhere (NCCL's reduce-scatter is the fastest there is).
     """
 
