@@ -14,6 +14,7 @@ Imports: ``fzero.comm``, ``fzero.layout``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -67,45 +68,54 @@ def _waiter(work: Any, result: Callable[[], torch.Tensor]) -> Callable[[], torch
     return done
 
 
+@dataclasses.dataclass
+class _Part:
+    """One collective of a batch: ``send`` ``[W, k]`` (row ``j`` goes to rank ``j``),
+    ``finish`` of what arrived ``[W, k]`` (row ``j`` from rank ``j``), ``alone`` to start it by
+    itself; ``result`` (waits, gives it) once issued."""
+
+    send: torch.Tensor
+    finish: Callable[[torch.Tensor], torch.Tensor]
+    alone: Callable[[], Callable[[], torch.Tensor]]
+    result: Optional[Callable[[], torch.Tensor]] = None
+
+
 class _Batch:
     """Collectives started in a ``TorchCommunicator.batched`` block, issued as one
-    ``all_to_all_single`` per dtype: each part sends row ``k`` of its ``[W, k_part]`` to rank
-    ``k`` and finishes from what it received, row ``j`` from rank ``j``. A part alone in its
-    dtype is started by itself, as outside a block."""
+    ``all_to_all_single`` per dtype; a part alone in its dtype is started by itself, as
+    outside a block."""
 
-    def __init__(self, comm: "TorchCommunicator"):
-        self.comm = comm
-        self.pending: list[dict] = []
+    def __init__(self, group: Optional[dist.ProcessGroup]):
+        self.group = group
+        self.pending: list[_Part] = []
 
-    def add(self, send: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor],
-            alone: Callable[[], Callable[[], torch.Tensor]]) -> Callable[[], torch.Tensor]:
-        part = {"send": send, "finish": finish, "alone": alone, "result": None}
+    def add(self, part: _Part) -> Callable[[], torch.Tensor]:
         self.pending.append(part)
 
         def done() -> torch.Tensor:
-            if part["result"] is None:  # waited for inside the block: issue what is pending now
+            if part.result is None:  # waited for inside the block: issue what is pending now
                 self.issue()
-            return part["result"]()
+            return part.result()  # type: ignore[misc]
 
         return done
 
     def issue(self) -> None:
         parts, self.pending = self.pending, []
-        by_dtype: dict[torch.dtype, list[dict]] = {}
+        by_dtype: dict[torch.dtype, list[_Part]] = {}
         for part in parts:  # in the order they were started: the same on every rank
-            by_dtype.setdefault(part["send"].dtype, []).append(part)
+            by_dtype.setdefault(part.send.dtype, []).append(part)
         for group in by_dtype.values():
             if len(group) == 1:
-                group[0]["result"] = group[0]["alone"]()
+                group[0].result = group[0].alone()
                 continue
-            send = torch.cat([p["send"] for p in group], dim=1)
+            send = torch.cat([p.send for p in group], dim=1)
             received = torch.empty_like(send)
-            work = dist.all_to_all_single(received, send, group=self.comm._pg, async_op=True)
+            work = dist.all_to_all_single(received, send, group=self.group, async_op=True)
             arrived = _waiter(work, lambda received=received: received)
             lo = 0
             for p in group:
-                hi = lo + p["send"].shape[1]
-                p["result"] = lambda p=p, lo=lo, hi=hi: p["finish"](arrived()[:, lo:hi])
+                hi = lo + p.send.shape[1]
+                p.result = lambda p=p, lo=lo, hi=hi: p.finish(arrived()[:, lo:hi])
                 lo = hi
 
 
@@ -170,7 +180,7 @@ class TorchCommunicator(Communicator):
                 or self.world_size == 1:
             yield
             return
-        self._batch = batch = _Batch(self)
+        self._batch = batch = _Batch(self._pg)
         try:
             yield
         finally:
@@ -227,7 +237,7 @@ class TorchCommunicator(Communicator):
             return _waiter(work, lambda: out.unsqueeze(0))
 
         if self._batch is not None:  # every rank receives this rank's row
-            return self._batch.add(x[0].expand(self.world_size, x.shape[1]), lambda got: got.reshape(1, -1), alone)
+            return self._batch.add(_Part(x[0].expand(self.world_size, x.shape[1]), lambda got: got.reshape(1, -1), alone))
         return alone()
 
     def reduce_scatter_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
@@ -272,7 +282,7 @@ class TorchCommunicator(Communicator):
             return _waiter(work, lambda: summed(out))
 
         if self._batch is not None:
-            return self._batch.add(x[0].view(world, n), summed, alone)
+            return self._batch.add(_Part(x[0].view(world, n), summed, alone))
         return alone()
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:

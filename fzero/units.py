@@ -377,9 +377,20 @@ class _RankRun:
             tensors = self._views(bucket, [f.detach().requires_grad_(True) for f in flats])
         self.bind(bucket, tensors)
         # prefetch the unit backward reaches next: the one that ran before this one in forward
-        i = self.order.index(bucket) if bucket in self.order else 0
-        if i > 0 and self.order[i - 1] not in self.cache and self.order[i - 1] not in self.ahead:
-            self.ahead.update(self.start(self.order[i - 1]))
+        self.prefetch(self.before(bucket, 1))
+
+    def before(self, bucket: int, k: int) -> Optional[int]:
+        """The unit ``k`` places before ``bucket`` in forward order, if there is one."""
+        i = self.order.index(bucket) if bucket in self.order else -1
+        return self.order[i - k] if i >= k else None
+
+    def held(self, bucket: int) -> bool:
+        """Gathered and kept, or its gather on its way."""
+        return bucket in self.cache or bucket in self.ahead
+
+    def prefetch(self, bucket: Optional[int]) -> None:
+        if bucket is not None and not self.held(bucket):
+            self.ahead.update(self.start(bucket))
 
     def _views(self, bucket: int, flats: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         """``{path: view}`` of the bucket's trainable parameters, by one ``split`` per flat buffer
@@ -408,13 +419,9 @@ class _RankRun:
     def prefetch_after_next(self, bucket: int) -> None:
         """Start gathering the unit two before ``bucket`` in forward order, whose backward comes
         after the next unit's, if the next one is held or on its way: two units at most."""
-        i = self.order.index(bucket) if bucket in self.order else -1
-        if i < 2:
-            return
-        nxt, after = self.order[i - 1], self.order[i - 2]
-        held = nxt in self.cache or nxt in self.ahead
-        if held and after not in self.cache and after not in self.ahead:
-            self.ahead.update(self.start(after))
+        after = self.before(bucket, 2)
+        if after is not None and self.held(self.before(bucket, 1)):  # type: ignore[arg-type]
+            self.prefetch(after)
 
     def pack(self, t: torch.Tensor) -> Any:
         hit = self.live.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None
