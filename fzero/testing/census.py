@@ -28,14 +28,17 @@ allocations made on threads the profiler does not follow (autograd's CPU
 backward runs on the calling thread, so it is followed). A buffer allocated in
 the block and freed on a thread the profiler does not follow stays live in the
 replay until its address is handed out again (``missed_frees`` counts those
-reuses). So the census is a lower bound on the process's resident memory and
-the difference to an RSS measurement is everything listed here.
+reuses). Allocated is not resident either: pages never written cost no RSS. So
+the census and an RSS measurement differ by everything listed here.
 
-Cost: the profiler slows the block down (tens of µs per op), and replaying
-takes a fraction of a second per thousand ops; ``categories=True`` (the
-profiler's own split of the unnamed bytes into activations, gradients,
-temporaries, ...) also records shapes and runs torch's memory profiler on
-exit, several times slower.
+Cost (measured on a 2-core CPU): the first profiler session of a process starts
+Kineto (about 2 s); then one eager fzero step of a small GPT (d_model 128, 2
+layers, SimulatedWorld(2), about 300 allocations) took 0.05-0.08 s in all under
+the census, replay included. ``categories=True`` (the profiler's own split of
+the unnamed bytes into activations, gradients, temporaries, ...) records shapes
+and runs torch's (private) memory profiler on exit: 0.4-0.7 s for that step. On
+fzero's steps it names little (most bytes stay ``other``); the table's split by
+allocating operator says more.
 
 Imports: torch only.
 """
