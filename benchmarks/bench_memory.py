@@ -90,6 +90,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from models import GPTConfig, build, random_batch  # noqa: E402
+from fzero.testing.census import malloc_in_use  # noqa: E402
 
 WORLD = 2
 MIB = 2.0**20
@@ -119,25 +120,6 @@ def peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def malloc_in_use() -> Optional[int]:
-    """Bytes glibc's malloc has handed out and not taken back, all arenas plus mmapped
-    chunks (``mallinfo2``: ``uordblks + hblkhd``): the heap that is live, whatever RSS the
-    allocator keeps after frees. ``None`` without glibc 2.33+."""
-    import ctypes
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-    try:
-        fn = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):
-        return None
-    fn.restype = MallInfo2
-    info = fn()
-    return int(info.uordblks + info.hblkhd)
 
 
 def reset_peak_rss() -> bool:

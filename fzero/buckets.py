@@ -33,6 +33,7 @@ Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.sharding``.
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
+import functools
 
 import torch
 
@@ -40,13 +41,21 @@ from .comm import Communicator
 from .layout import FlatGroup, Layout, flatten_one, named_leaves
 from .sharding import average_flat_groups_start, stack_rows
 
-__all__ = ["DEFAULT_BUCKET_NUMEL", "size_buckets", "buckets_of", "BucketReduction", "BucketWatcher"]
+__all__ = [
+    "DEFAULT_BUCKET_NUMEL", "MAX_IN_FLIGHT", "size_buckets", "buckets_of", "BufferPool", "BucketReduction",
+    "BucketWatcher",
+]
 
 # The default bucket, 2^23 elements (32 MiB of fp32), about DDP's 25 MiB bucket_cap_mb: few
 # collectives for a large model. Measured on the 2-core gloo benchmark (design.md): a model
 # smaller than this trains fastest as one bucket, since each further bucket is one more
 # collective whose transport competes with backward for the same cores.
 DEFAULT_BUCKET_NUMEL = 1 << 23
+
+# Reductions a rank keeps under way before it waits for the oldest. Each holds its bucket's
+# gradient buffer until it is done, so this bounds the gradient a rank holds during backward
+# to a few buckets (DeepSpeed's ZeRO-2 holds one reduction bucket), not the whole model.
+MAX_IN_FLIGHT = 2
 
 
 def size_buckets(
@@ -89,6 +98,37 @@ def buckets_of(layout: Layout) -> tuple[tuple[FlatGroup, ...], ...]:
     return tuple(tuple(g for g in layout.groups if g.bucket == b) for b in range(n))
 
 
+class BufferPool:
+    """Gradient bucket buffers kept from one step to the next (eager stages 1-2).
+
+    A fresh buffer the size of a bucket costs its page faults on every step
+    (measured on this project's machine: filling fresh memory runs at about
+    2 GB/s, memory already mapped at about 7 GB/s), and the allocator returns
+    large blocks to the system as soon as they are freed. The pool keeps at
+    most ``limit`` buffers; it is scratch memory of a step function, never
+    part of the state. Not thread-safe (one step at a time).
+    """
+
+    def __init__(self, limit: int = MAX_IN_FLIGHT + 1):
+        self.limit = limit
+        self.free: list[torch.Tensor] = []
+
+    def take(self, numel: int, dtype: torch.dtype, device: Optional[torch.device]) -> torch.Tensor:
+        """An uninitialised 1-D buffer of at least ``numel`` elements: the smallest free one
+        that fits, else a new one of exactly ``numel``."""
+        fits = [i for i, t in enumerate(self.free)
+                if t.numel() >= numel and t.dtype == dtype and (device is None or t.device == device)]
+        if fits:
+            return self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, t: torch.Tensor) -> None:
+        """Return a buffer nothing else refers to any more; a full pool keeps the largest."""
+        self.free.append(t)
+        if len(self.free) > self.limit:
+            self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].numel()))
+
+
 class BucketReduction:
     """Per bucket, each local rank's flat gradients until all have delivered them; then the
     average over ranks is started. Eager only (Python state, side effects from backward).
@@ -104,6 +144,14 @@ class BucketReduction:
     ``reduce_scatter``. ``prepare(group, flat)``: applied to the stacked
     ``[R, padded]`` gradient before the collective (the last micro-step of a
     deferred accumulation adds the accumulated gradient and divides).
+
+    A rank's gradient arrives either whole (:meth:`add` with ``grads``; stage 3)
+    or written by the rank into its row of the bucket's own buffers
+    (:meth:`buffers`, then :meth:`add` without ``grads``; stages 1-2): those
+    come from ``pool`` (``dtype`` on ``device``) and go back to it when their
+    reduction is done. At most :data:`MAX_IN_FLIGHT` launches are under way:
+    starting another waits for the oldest first, so a rank holds a few
+    buckets of gradient at a time.
     """
 
     def __init__(
@@ -116,6 +164,9 @@ class BucketReduction:
         in_order: bool = False,
         via_all_reduce: bool = False,
         prepare: Optional[Callable[[FlatGroup, torch.Tensor], torch.Tensor]] = None,
+        pool: Optional[BufferPool] = None,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
     ):
         self.groups, self.comm, self.reduce_dtype = groups, comm, reduce_dtype
         if launches is None:
@@ -123,15 +174,32 @@ class BucketReduction:
         self.launches = [ls for ls in (tuple(b for b in ls if groups[b]) for ls in launches) if ls]
         self.launch_of = {b: i for i, ls in enumerate(self.launches) for b in ls}
         self.in_order, self.via_all_reduce, self.prepare = in_order, via_all_reduce, prepare
+        self.pool = pool if pool is not None else BufferPool(0)
+        self.dtype, self.device = dtype, device
         self.rows = comm.local_ranks
-        self.parts: dict[int, dict[int, tuple[torch.Tensor, ...]]] = {}
+        self.parts: dict[int, dict[int, Optional[tuple[torch.Tensor, ...]]]] = {}
+        self.own: dict[int, tuple[torch.Tensor, ...]] = {}  # bucket -> its [R, padded] buffers
         self.ready: set[int] = set()
         self.launched = [False] * len(self.launches)
         self.next = 0  # with in_order: the next launch in turn
-        self.started: list[tuple[tuple[FlatGroup, ...], Callable[[], tuple[torch.Tensor, ...]]]] = []
+        # started launches not yet waited for: (groups, their buffers' bases, the waiting function)
+        self.started: list[tuple[tuple[FlatGroup, ...], tuple[torch.Tensor, ...], Callable[[], tuple[torch.Tensor, ...]]]] = []
+        self.shards: dict[int, torch.Tensor] = {}  # flat group index -> averaged shard
 
-    def add(self, bucket: int, row: int, grads: tuple[torch.Tensor, ...]) -> None:
-        """Local rank ``row``'s gradient of every flat group of ``bucket`` (compute dtype, ``[padded]``)."""
+    def buffers(self, bucket: int) -> tuple[torch.Tensor, ...]:
+        """Bucket ``bucket``'s gradient buffers, ``[R, padded]`` per flat group (uninitialised
+        until the ranks write their rows)."""
+        if bucket not in self.own:
+            self.own[bucket] = tuple(
+                self.pool.take(self.rows * g.padded_numel, self.dtype or g.dtype, self.device)
+                for g in self.groups[bucket]
+            )
+        return tuple(base[: self.rows * g.padded_numel].view(self.rows, g.padded_numel)
+                     for g, base in zip(self.groups[bucket], self.own[bucket]))
+
+    def add(self, bucket: int, row: int, grads: Optional[tuple[torch.Tensor, ...]] = None) -> None:
+        """Local rank ``row``'s gradient of every flat group of ``bucket`` (compute dtype,
+        ``[padded]``), or, without ``grads``, written into its row of :meth:`buffers`."""
         got = self.parts.setdefault(bucket, {})
         got[row] = grads
         if len(got) < self.rows:
@@ -147,18 +215,32 @@ class BucketReduction:
             self.next += 1
 
     def _launch(self, i: int) -> None:
-        groups, flats = [], []
+        while len(self.started) >= MAX_IN_FLIGHT:
+            self._wait_oldest()
+        groups, flats, owned = [], [], []
         for b in self.launches[i]:
             got = self.parts.pop(b)
             self.ready.discard(b)
+            bufs = self.buffers(b) if b in self.own else None
+            owned.extend(self.own.pop(b, ()))
             for pos, g in enumerate(self.groups[b]):
-                flat = stack_rows([got[r][pos] for r in range(self.rows)])
+                flat = bufs[pos] if bufs is not None else stack_rows([got[r][pos] for r in range(self.rows)])
                 groups.append(g)
                 flats.append(flat if self.prepare is None else self.prepare(g, flat))
         self.launched[i] = True
-        # started now, finished in finish(): the collective overlaps the rest of backward
-        self.started.append((tuple(groups), average_flat_groups_start(
+        # started now, waited for later: the collective overlaps the rest of backward
+        self.started.append((tuple(groups), tuple(owned), average_flat_groups_start(
             flats, groups, self.comm, self.reduce_dtype, self.via_all_reduce)))
+
+    def _wait_oldest(self) -> None:
+        groups, owned, done = self.started.pop(0)
+        shards = done()
+        for g, shard in zip(groups, shards):
+            self.shards[g.index] = shard
+        kept = {s.untyped_storage().data_ptr() for s in shards}
+        for base in owned:  # back to the pool unless a result views it (one rank: the identity)
+            if base.untyped_storage().data_ptr() not in kept:
+                self.pool.give(base)
 
     def finish(self, device: torch.device, dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, ...]:
         """Launch what is left (a bucket no rank's loss reached, or not every rank's: zeros for
@@ -169,64 +251,93 @@ class BucketReduction:
                 continue
             for b in buckets:
                 got = self.parts.setdefault(b, {})
+                bufs = self.buffers(b) if b in self.own else None
                 for r in range(self.rows):
-                    if r not in got:
+                    if r in got:
+                        continue
+                    if bufs is not None:
+                        for buf in bufs:
+                            buf[r].zero_()
+                        got[r] = None
+                    else:
                         got[r] = tuple(torch.zeros(g.padded_numel, dtype=dtype or g.dtype, device=device)
                                        for g in self.groups[b])
             self._launch(i)
         self.next = len(self.launches)
-        shards: list[Optional[torch.Tensor]] = [None] * sum(len(g) for g in self.groups)
-        for groups, done in self.started:
-            for g, shard in zip(groups, done()):
-                shards[g.index] = shard
-        self.started.clear()
-        return tuple(shards)  # type: ignore[arg-type]
+        while self.started:
+            self._wait_oldest()
+        shards, self.shards = self.shards, {}
+        return tuple(shards[i] for i in range(len(shards)))
 
 
 class BucketWatcher:
-    """One local rank's gradients, bucket by bucket, as backward completes them.
+    """One local rank's gradients, written into its row of each bucket's buffers as backward
+    completes them.
 
-    A hook on each trainable parameter's leaf tensor receives its gradient as
-    soon as autograd has it whole (every use accumulated: autograd runs a
-    leaf's hooks at once, where a node built before the forward would wait
-    until the end of backward); when every parameter of a bucket has its
-    gradient, the bucket's flat gradients (compute dtype, ``[padded]`` per
-    flat group, zero padded) go to ``deliver(bucket, flats)``. A parameter
-    the loss does not reach has no gradient: its bucket is delivered by
-    :meth:`finish`, after backward, with zeros for it.
+    A post-accumulate-grad hook on each trainable parameter's leaf tensor runs
+    as soon as autograd has the parameter's whole gradient (every use
+    accumulated: autograd runs a leaf's hooks at once, where a node built
+    before the forward would wait until the end of backward); it copies the
+    gradient into the parameter's place in the bucket buffer
+    (``buffers(bucket)``, ``[R, padded]`` per flat group) and drops it, so
+    no second full copy of the gradients exists. When every parameter of a
+    bucket has its gradient, the padding is zeroed and ``deliver(bucket)``
+    is called. A parameter the loss does not reach has no gradient: its
+    bucket is delivered by :meth:`finish`, after backward, with zeros for it.
+    :meth:`close` removes the hooks (also after an error): a hook holds the
+    watcher, the watcher the leaves, so hooks left in place would keep every
+    leaf (and the parameters it views) in a reference cycle.
     """
 
-    def __init__(self, layout: Layout, groups: Sequence[Sequence[FlatGroup]],
-                 deliver: Callable[[int, tuple[torch.Tensor, ...]], None]):
+    def __init__(self, layout: Layout, groups: Sequence[Sequence[FlatGroup]], row: int,
+                 buffers: Callable[[int], tuple[torch.Tensor, ...]], deliver: Callable[[int], None]):
         """``groups``: :func:`buckets_of` ``layout``."""
-        self.layout, self.groups, self.deliver = layout, groups, deliver
+        self.layout, self.groups, self.row = layout, groups, row
+        self.buffers, self.deliver = buffers, deliver
         self.missing = [sum(len(g.slots) for g in gs) for gs in self.groups]
-        self.grads: dict[int, torch.Tensor] = {}  # slot index -> gradient, until its bucket goes
-        self.leaves: dict[int, torch.Tensor] = {}  # slot index -> the leaf (dtype, device of zeros)
+        self.position = {g.index: pos for gs in groups for pos, g in enumerate(gs)}
+        self.filled: set[int] = set()  # slot indices whose gradient is in the buffer
+        self.handles: list[Any] = []
 
     def watch(self, leaves: Sequence[torch.Tensor]) -> None:
         """Hook the leaf tensors of the trainable slots (in ``layout.trainable_slots`` order)."""
         index = {s.path: i for i, s in enumerate(self.layout.slots)}
         for s, leaf in zip(self.layout.trainable_slots, leaves):
-            self.leaves[index[s.path]] = leaf
-            leaf.register_hook(lambda g, i=index[s.path]: self._got(i, g))
+            self.handles.append(leaf.register_post_accumulate_grad_hook(functools.partial(self._got, index[s.path])))
 
-    def _got(self, slot: int, grad: torch.Tensor) -> None:
-        self.grads[slot] = grad
+    def _view(self, slot: int) -> torch.Tensor:
+        s = self.layout.slots[slot]
+        g = self.layout.groups[s.group]
+        return self.buffers(s.bucket)[self.position[g.index]][self.row, s.offset : s.offset + s.numel]
+
+    def _got(self, slot: int, leaf: torch.Tensor) -> None:
+        self._view(slot).view(leaf.shape).copy_(leaf.grad)
+        leaf.grad = None
+        self.filled.add(slot)
         b = self.layout.slots[slot].bucket
         self.missing[b] -= 1
         if self.missing[b] == 0:
             self._deliver(b)
 
     def _deliver(self, bucket: int) -> None:
-        groups = self.groups[bucket]
-        got = {i: self.grads.pop(i) if i in self.grads else self.leaves[i].new_zeros(self.leaves[i].shape)
-               for g in groups for i in g.slots}
+        for g in self.groups[bucket]:
+            for i in g.slots:
+                if i not in self.filled:
+                    self._view(i).zero_()
+            if g.padding:
+                self.buffers(bucket)[self.position[g.index]][self.row, g.numel:].zero_()
         self.missing[bucket] = -1  # delivered
-        self.deliver(bucket, tuple(flatten_one(self.layout, g, got) for g in groups))
+        self.deliver(bucket)
 
     def finish(self) -> None:
         """Deliver the buckets backward left incomplete (parameters without a gradient: zeros)."""
+        self.close()
         for b, gs in enumerate(self.groups):
             if gs and self.missing[b] > 0:
                 self._deliver(b)
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()

@@ -13,6 +13,8 @@ Shapes (``W`` = world size, ``R`` = local ranks):
     chunk ``ranks[r]`` of the reduction. ``op`` in sum/avg.
   * ``all_gather(x)``: ``[R, n] -> [R, W*n]``, chunks in rank order.
   * ``take_shard(x)``: ``[R, W*n] -> [R, n]``, this rank's chunk, no traffic.
+  * ``all_gather_into_start(x, out)``: the ``all_gather`` written into ``out``
+    (``[R, W*n]``, the caller's buffer: the parameters the next forward reads);
   * ``all_reduce_start``, ``reduce_scatter_start``, ``all_gather_start``: the
     same collectives started now; each returns a function that waits for the
     result and gives it (on a process group: c10d ``async_op`` work, or an
@@ -85,6 +87,15 @@ class Communicator:
         """Start an ``all_gather``; the returned function gives its result (waiting for it
         then; stage 3 prefetches the next unit with it). Default: the collective runs now."""
         out = self.all_gather(x)
+        return lambda: out
+
+    def all_gather_into_start(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start an ``all_gather`` of ``x`` ``[R, n]`` into ``out`` ``[R, W*n]`` (same dtype); the
+        returned function waits and gives ``out``. No buffer of the result's size is allocated
+        where the backend can write into ``out`` (c10d eagerly, the simulated world); traced or
+        elsewhere the result is gathered and copied. Default: :meth:`all_gather` and a copy."""
+        self._check_into(x, out)
+        out.copy_(self.all_gather(x))
         return lambda: out
 
     def reduce_scatter_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
@@ -163,6 +174,15 @@ class Communicator:
                 f"got shape {tuple(x.shape)}"
             )
 
+    def _check_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        self._check_rows(x, "all_gather_into_start")
+        want = (self.local_ranks, self.world_size * x.shape[-1])
+        if x.dim() != 2 or tuple(out.shape) != want or out.dtype != x.dtype:
+            raise ValueError(
+                f"all_gather_into_start: x {tuple(x.shape)} {x.dtype} needs out of shape {want} and "
+                f"dtype {x.dtype}, got {tuple(out.shape)} {out.dtype}"
+            )
+
     def _chunk(self, x: torch.Tensor, what: str) -> int:
         if x.dim() != 2 or x.shape[1] % self.world_size:
             raise ValueError(
@@ -231,6 +251,11 @@ class SimulatedWorld(Communicator):
         # repeat always allocates, as a real all-gather does: the output must never alias
         # its input (with W=1, expand().contiguous() would return the input itself).
         return x.reshape(1, -1).repeat(self.world_size, 1)
+
+    def all_gather_into_start(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], torch.Tensor]:
+        self._check_into(x, out)
+        out.copy_(x.reshape(1, -1).expand(self.world_size, -1))
+        return lambda: out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +340,10 @@ class CountingCommunicator(Communicator):
     def all_gather_start(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
         self._record("all_gather", x, x[0].numel() * self.world_size, 1.0)
         return self.inner.all_gather_start(x)
+
+    def all_gather_into_start(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], torch.Tensor]:
+        self._record("all_gather", x, x[0].numel() * self.world_size, 1.0)
+        return self.inner.all_gather_into_start(x, out)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         # a tree broadcast sends the buffer about once per rank: ring factor W/(W-1)

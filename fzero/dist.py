@@ -14,6 +14,7 @@ Imports: ``fzero.comm``, ``fzero.layout``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import dataclasses
 from typing import Any, Callable, Iterator, Optional
 
@@ -80,6 +81,11 @@ class _Part:
     result: Optional[Callable[[], torch.Tensor]] = None
 
 
+def _cut(finish: Callable[[torch.Tensor], torch.Tensor], arrived: Callable[[], torch.Tensor],
+         lo: int, hi: int) -> torch.Tensor:
+    return finish(arrived()[:, lo:hi])
+
+
 class _Batch:
     """Collectives started in a ``TorchCommunicator.batched`` block, issued as one
     ``all_to_all_single`` per dtype; a part alone in its dtype is started by itself, as
@@ -115,7 +121,10 @@ class _Batch:
             lo = 0
             for p in group:
                 hi = lo + p.send.shape[1]
-                p.result = lambda p=p, lo=lo, hi=hi: p.finish(arrived()[:, lo:hi])
+                # the result holds the part's finish, not the part: a part holding a function
+                # that holds it would be a cycle keeping the received buffer (and the Work) alive
+                # until Python's cyclic collector ran (RSS grew about 0.36 MB a step)
+                p.result = functools.partial(_cut, p.finish, arrived, lo, hi)
                 lo = hi
 
 
@@ -239,6 +248,16 @@ class TorchCommunicator(Communicator):
         if self._batch is not None:  # every rank receives this rank's row
             return self._batch.add(_Part(x[0].expand(self.world_size, x.shape[1]), lambda got: got.reshape(1, -1), alone))
         return alone()
+
+    def all_gather_into_start(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Eagerly, c10d gathers straight into ``out`` (no buffer of its size allocated);
+        traced, the functional gather's result is copied into it."""
+        self._check_into(x, out)
+        if not _eager() or self._batch is not None or not out.is_contiguous():
+            started = self.all_gather_start(x)
+            return lambda: out.copy_(started())
+        work = _c10d_all_gather(out[0], x[0].contiguous(), group=self._pg, async_op=True)
+        return _waiter(work, lambda: out)
 
     def reduce_scatter_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
         """Launch the collective; the returned function waits for it and takes this rank's

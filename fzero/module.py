@@ -42,6 +42,10 @@ __all__ = [
     "model_output",
     "check_loss",
     "row_of",
+    "adopt_parameters",
+    "release_parameters",
+    "restore_parameters",
+    "check_materialized",
 ]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -318,3 +322,94 @@ def check_loss(loss: Any) -> None:
 def row_of(batch: Any, r: int) -> Any:
     """Local rank ``r``'s part of a batch whose tensor leaves are ``[R, ...]``."""
     return tp.tree_map(lambda x: x[r] if isinstance(x, torch.Tensor) else x, batch)
+
+
+# -- who owns a module's parameter memory ---------------------------------------------------
+# After init_train_state the training state owns the parameters: the module keeps its
+# Parameter objects (identity, names, shapes, requires_grad) but no memory of its own.
+_RELEASED = "_fzero_released"
+
+
+def adopt_parameters(module: torch.nn.Module, views: Mapping[str, torch.Tensor]) -> None:
+    """Point each parameter ``name`` of ``module`` at ``views[name]`` (same shape and dtype):
+    the module's own storage is freed and the module reads the state's buffers.
+
+    Stages 1-2 hand in views of the gathered parameters (row 0); a donating step
+    gathers into those buffers in place, so the module follows the training."""
+    named = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, view in views.items():
+            p = named[name]
+            if p.shape != view.shape or p.dtype != view.dtype:
+                raise ValueError(f"adopt_parameters: {name!r} is {tuple(p.shape)} {p.dtype}, the view "
+                                 f"{tuple(view.shape)} {view.dtype}")
+            p.data = view
+            p.grad = None
+
+
+def release_parameters(module: torch.nn.Module, names: Sequence[str]) -> None:
+    """Move parameters ``names`` of ``module`` to the meta device (shape, dtype and
+    ``requires_grad`` kept, memory freed), as FSDP2 and DeepSpeed's ZeRO-3 leave a module
+    whose parameters they shard. A forward of the module outside a step then raises a
+    ``RuntimeError`` that says to call ``fzero.write_back`` (a meta parameter would
+    otherwise compute meta outputs without complaint). Stage 3."""
+    named = dict(module.named_parameters())
+    for name in names:
+        p = named[name]
+        if not p.is_meta:
+            torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty_like(p, device="meta"),
+                                                           requires_grad=p.requires_grad))
+        p.grad = None
+    if names and getattr(module, _RELEASED, None) is None:
+        probe = named[names[0]]
+
+        def guard(mod: torch.nn.Module, args: Any) -> None:
+            if probe.is_meta and mod._parameters is not None and _bound_is_meta(mod, names[0]):
+                raise RuntimeError(
+                    f"{type(mod).__name__}: its parameters were handed to a fzero stage-3 state by "
+                    "init_train_state and live there (this module holds none): call "
+                    "fzero.write_back(state, comm, model) before running the module itself"
+                )
+
+        setattr(module, _RELEASED, module.register_forward_pre_hook(guard))
+
+
+def _bound_is_meta(module: torch.nn.Module, name: str) -> bool:
+    """Whether the tensor registered as ``name`` right now (a step binds its own) is on meta."""
+    owner, _, attr = name.rpartition(".")
+    sub = module.get_submodule(owner) if owner else module
+    t = sub._parameters.get(attr)
+    return t is not None and t.is_meta
+
+
+def restore_parameters(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> None:
+    """Give every released (meta) parameter of ``module`` memory of its own holding
+    ``values[name]`` and remove the guard :func:`release_parameters` installed."""
+    for name, p in module.named_parameters():
+        if p.is_meta and name in values:
+            torch.utils.swap_tensors(p, torch.nn.Parameter(
+                values[name].detach().to(p.dtype).clone(), requires_grad=p.requires_grad))
+    handle = getattr(module, _RELEASED, None)
+    if handle is not None:
+        handle.remove()
+        setattr(module, _RELEASED, None)
+
+
+def check_materialized(module: torch.nn.Module) -> None:
+    """Raise ``ValueError`` if a parameter of ``module`` is on the meta device (it has no
+    values to build a state from), saying why it is there and what to do."""
+    meta = [n for n, p in module.named_parameters() if p.is_meta]
+    if not meta:
+        return
+    if getattr(module, _RELEASED, None) is not None:
+        raise ValueError(
+            f"init_train_state: {type(module).__name__}'s parameters ({meta[0]!r}, ...) were handed to a "
+            "stage-3 state by an earlier init_train_state and are on the meta device: build the model "
+            "again (or copy.deepcopy it before the first init_train_state), or fzero.write_back(state, "
+            "comm, model) first"
+        )
+    raise ValueError(
+        f"init_train_state: parameter {meta[0]!r} of {type(module).__name__} is on the meta device and "
+        "has no values; materialise the model first (e.g. model.to_empty(device='cpu') and its "
+        "reset_parameters)"
+    )

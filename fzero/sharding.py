@@ -31,6 +31,8 @@ __all__ = [
     "check_world",
     "reduce_scatter_grads",
     "gather_flat_params",
+    "gather_flat_params_into",
+    "gather_step_params",
     "all_gather_params",
     "trainable_views",
     "merge_params",
@@ -89,7 +91,10 @@ def init_shard(
     master = tuple(
         torch.stack([flat_shard(layout, g, leaves, r) for r in comm.ranks]) for g in layout.groups
     )
-    frozen = tuple(leaves[i].detach().clone() for i, s in enumerate(layout.slots) if s.group < 0)
+    # A module's frozen parameters are shared with it, never written (one copy in memory); a
+    # pytree's are copied, since its tensors stay the caller's to change.
+    own = (lambda t: t.detach()) if isinstance(params, torch.nn.Module) else (lambda t: t.detach().clone())
+    frozen = tuple(own(leaves[i]) for i, s in enumerate(layout.slots) if s.group < 0)
     return ShardState(master, frozen, layout)
 
 
@@ -239,6 +244,55 @@ def gather_flat_params_at_once(
     return gather_flat_groups_start(shard, shard.layout.groups, comm, dtype)()
 
 
+# Flat groups of up to this many padded elements in all travel joined in one collective (one
+# latency; measured faster on gloo for small models, design.md); larger ones go one collective
+# per flat group, each straight into its own buffer: joining would cost a send buffer and a
+# rank-major receive buffer of their size and a copy to cut the groups back out, which at
+# GPT-2-small size took longer than the collective itself (fresh memory faults in at about
+# 2 GB/s on this project's machine; a copy into memory already mapped runs at 7 GB/s).
+GATHER_AT_ONCE_NUMEL = 1 << 22
+
+
+def gather_flat_params_into(
+    shard: ShardState,
+    comm: Communicator,
+    out: Sequence[torch.Tensor],
+    dtype: Optional[torch.dtype] = None,
+) -> tuple[torch.Tensor, ...]:
+    """:func:`gather_flat_params` written into ``out`` (one ``[R, padded_numel]`` buffer per flat
+    group, in ``dtype``; e.g. the gathered parameters of a state a donating step consumes, which
+    the next forward then reads in place). One ``all_gather`` per flat group, all started before
+    any is waited for. Returns ``out``."""
+    check_world(shard, comm)
+    started = [
+        comm.all_gather_into_start(m.to(dtype or g.dtype), o)
+        for g, m, o in zip(shard.layout.groups, shard.master, out)
+    ]
+    return tuple(done() for done in started)
+
+
+def gather_step_params(
+    shard: ShardState,
+    comm: Communicator,
+    dtype: Optional[torch.dtype] = None,
+    into: Optional[Sequence[torch.Tensor]] = None,
+) -> tuple[torch.Tensor, ...]:
+    """The gathered parameters the next step reads, ``[R, padded_numel]`` per flat group.
+
+    ``into``: buffers to overwrite (a donated state's), used eagerly
+    (:func:`gather_flat_params_into`); otherwise new buffers
+    (:func:`gather_flat_params_at_once`). Same values either way."""
+    if into is not None and not torch.compiler.is_compiling():
+        return gather_flat_params_into(shard, comm, into, dtype)
+    return gather_flat_params_at_once(shard, comm, dtype)
+
+
+def _join(groups: Sequence[FlatGroup]) -> bool:
+    """Whether ``groups`` travel joined in one collective: only while they are small (see
+    :data:`GATHER_AT_ONCE_NUMEL`); joining copies them into one send and one receive buffer."""
+    return sum(g.padded_numel for g in groups) <= GATHER_AT_ONCE_NUMEL
+
+
 def gather_flat_groups_start(
     shard: ShardState, groups: Sequence[FlatGroup], comm: Communicator, dtype: Optional[torch.dtype] = None
 ) -> Callable[[], tuple[torch.Tensor, ...]]:
@@ -249,11 +303,12 @@ def gather_flat_groups_start(
     The shards are concatenated ``[R, S]``, gathered ``[R, W*S]`` (rank-major), and each
     group's ``[R, W*shard]`` buffer is cut back out: the same values as one gather per
     group, one collective's latency instead of one per group. Groups that would travel in
-    different dtypes (``dtype=None`` with float32 and float64 groups) gather one by one.
+    different dtypes (``dtype=None`` with float32 and float64 groups), or more than
+    :data:`GATHER_AT_ONCE_NUMEL` elements in all, gather one by one (all started at once).
     """
     rows, world = comm.local_ranks, comm.world_size
     dtypes = {dtype or g.dtype for g in groups}
-    if len(groups) == 1 or len(dtypes) != 1:
+    if len(groups) == 1 or len(dtypes) != 1 or not _join(groups):
         started = [comm.all_gather_start(shard.master[g.index].to(dtype or g.dtype)) for g in groups]
         return lambda: tuple(done() for done in started)
     travel = dtypes.pop()
@@ -291,10 +346,10 @@ def average_flat_groups_start(
 
     Groups of one reduce dtype are rearranged rank-major and joined, so each element is
     summed with the same elements in the same rank order as one collective per group: the
-    same bits (``SimulatedWorld``, and gloo at W = 2). Groups that reduce in different dtypes
-    go one by one."""
+    same bits (``SimulatedWorld``, and gloo at W = 2). Groups that reduce in different dtypes,
+    or more than :data:`GATHER_AT_ONCE_NUMEL` elements in all, go one by one (all started)."""
     dtypes = {reduce_dtype or g.master_dtype for g in groups}
-    if len(groups) == 1 or len(dtypes) != 1:
+    if len(groups) == 1 or len(dtypes) != 1 or not _join(groups):
         started = [average_flat_grads_start(f, comm, reduce_dtype or g.master_dtype, g.master_dtype, via_all_reduce)
                    for g, f in zip(groups, flats)]
         return lambda: tuple(done() for done in started)

@@ -32,11 +32,11 @@ import torch
 import torch.utils._pytree as tp
 
 from .comm import Communicator
-from .buckets import BucketReduction, BucketWatcher, buckets_of, size_buckets
+from .buckets import BucketReduction, BucketWatcher, BufferPool, buckets_of, size_buckets
 from .layout import FlatGroup, flatten_one, named_leaves
 from .module import (
-    ModuleLoss, ModuleSpec, broadcast_buffers as broadcast_module_buffers, check_loss, init_buffers, module_loss,
-    module_spec, row_of,
+    ModuleLoss, ModuleSpec, adopt_parameters, broadcast_buffers as broadcast_module_buffers, check_loss,
+    check_materialized, init_buffers, module_loss, module_spec, release_parameters, row_of,
 )
 from .optim import OptState, Optimizer, init_opt_state
 from .precision import MixedPrecision
@@ -53,6 +53,7 @@ from .sharding import (
     check_world,
     gather_flat_params,
     gather_flat_params_at_once,
+    gather_step_params,
     init_shard,
     local_sq_norm,
     merge_params,
@@ -160,6 +161,8 @@ def init_train_state(
             "init_train_state: bucket_numel cuts stages 1-2 into gradient buckets by size; with "
             "units= (or at stage 3) the shard units are the buckets: give one or the other"
         )
+    if isinstance(params, torch.nn.Module):
+        check_materialized(params)
     unit_names: tuple[str, ...] = ()
     bucket_of = None
     if units is None and stage < 3:
@@ -181,11 +184,33 @@ def init_train_state(
         scaler = init_scaler() if precision.param_dtype == torch.float16 else static_scaler(1.0)
     gathered = gather_flat_params(shard, comm, precision.param_dtype) if stage < 3 else ()
     spec, buffers = ModuleSpec(), ()
+    rng = () if seed is None else (init_rng(seed, comm.ranks, _device_of(params)),)
     if isinstance(params, torch.nn.Module):
         spec = replace(module_spec(params), units=unit_names)
         buffers = init_buffers(params, spec, comm.local_ranks)
-    rng = () if seed is None else (init_rng(seed, comm.ranks, _device_of(params)),)
+        hand_over_parameters(params, shard.layout, gathered, stage)
     return TrainState(shard, opt, scaler, gathered, buffers, rng, precision, spec)
+
+
+def hand_over_parameters(module: torch.nn.Module, layout: Any, gathered: tuple[torch.Tensor, ...],
+                         stage: int) -> set[str]:
+    """After :func:`init_train_state` the state owns the module's trainable parameters: one
+    copy in memory, not the module's and the state's.
+
+    Stages 1-2: each parameter becomes a view of row 0 of the gathered buffers (when the
+    compute dtype is the parameter's; with a different compute dtype the module keeps its
+    own copy). A donating step gathers into those buffers, so the module follows the
+    training; a pure step returns new buffers and the module keeps the ones it views.
+    Stage 3: the parameters move to the meta device (as FSDP2 and DeepSpeed's ZeRO-3 leave a
+    module): :func:`fzero.write_back` gives them values again. Returns the names of the
+    parameters that now view the state. No collective."""
+    if stage == 3:
+        release_parameters(module, [s.path for s in layout.trainable_slots])
+        return set()
+    views = trainable_views(layout, gathered, 0)
+    adopted = {s.path: views[s.path] for s in layout.trainable_slots if views[s.path].dtype == s.dtype}
+    adopt_parameters(module, adopted)
+    return set(adopted)
 
 
 def _check_leaf(path: Any, x: Any, what: str, rows: int, accum_steps: int) -> None:
@@ -264,7 +289,8 @@ def local_flat_grads(
         leaves = [views[s.path].detach().requires_grad_(True) for s in train_slots]
         watcher = None
         if reduction is not None:
-            watcher = BucketWatcher(lay, reduction.groups, lambda b, grads, r=r: reduction.add(b, r, grads))
+            watcher = BucketWatcher(lay, reduction.groups, r, reduction.buffers,
+                                    lambda b, r=r: reduction.add(b, r))
             watcher.watch(leaves)
         tensors = merge_params(lay, {s.path: v for s, v in zip(train_slots, leaves)}, shard.frozen, dtype)
         bufs = [b[r].clone() for b in state.buffers]
@@ -272,11 +298,20 @@ def local_flat_grads(
             tensors = {**tensors, **dict(zip(names, bufs))}
         bound = loss_fn.bound(tensors) if isinstance(loss_fn, ModuleLoss) else contextlib.nullcontext()
         forward = loss_fn.forward_loss if isinstance(loss_fn, ModuleLoss) else loss_fn
-        with rank_rng(state.rng[0][r] if swap_rng else None, device, new_rng), torch.enable_grad(), bound:
-            loss = forward(tensors, batch_r)
-            check_loss(loss)
-            loss = loss.float()
-            grads = torch.autograd.grad(scale(scaler, loss), leaves, allow_unused=True)
+        try:
+            with rank_rng(state.rng[0][r] if swap_rng else None, device, new_rng), torch.enable_grad(), bound:
+                loss = forward(tensors, batch_r)
+                check_loss(loss)
+                loss = loss.float()
+                if watcher is not None:
+                    # gradients go into the bucket buffers as backward completes them (the
+                    # watcher's hooks); none is kept here
+                    torch.autograd.backward(scale(scaler, loss), inputs=leaves)
+                else:
+                    grads = torch.autograd.grad(scale(scaler, loss), leaves, allow_unused=True)
+        finally:
+            if watcher is not None:
+                watcher.close()
         if watcher is not None:
             watcher.finish()
         else:
@@ -287,7 +322,7 @@ def local_flat_grads(
             slot_grads = [by_path.get(s.path) for s in lay.slots]
             for g in lay.groups:
                 flat[g.index].append(flatten_one(lay, g, slot_grads))
-        del grads
+            del grads
         losses.append(loss.detach())
         for i, b in enumerate(bufs):
             new_buffers[i].append(b)
@@ -420,6 +455,7 @@ def make_train_step(
         )
     schedules = dict(schedules or {})
     defer = stage == 1 or defer_reduce
+    pool = BufferPool()  # eager stages 1-2: gradient bucket buffers reused from step to step
 
     def micro_batch(batch: Any, k: int) -> Any:
         if accum_steps == 1:
@@ -481,7 +517,8 @@ def make_train_step(
         buckets = buckets_of(lay)
         reduction = BucketReduction(
             buckets, comm, reduce_dtype, [(b,) for b in range(len(buckets) - 1, -1, -1)], in_order=True,
-            via_all_reduce=stage == 1, prepare=prepare,
+            via_all_reduce=stage == 1, prepare=prepare, pool=pool, dtype=state.precision.param_dtype,
+            device=state.params[0].device,
         )
         out = local_flat_grads(loss_fn, state, batch, rows, reduction)
         shards = reduction.finish(state.params[0].device, state.precision.param_dtype)
@@ -695,9 +732,17 @@ def finish_step(
     factor = scale64.reciprocal().float().double()
     if clip_norm is not None:
         factor = factor * torch.clamp(clip_norm / (norm64 + 1e-6), max=1.0)
-    shards = tuple(s * factor.to(s.dtype) for s in shards)
+    eager = not torch.compiler.is_compiling()
+    if eager:  # the step's own gradient shards: unscaled in place, no second copy
+        for s in shards:
+            s.mul_(factor.to(s.dtype))
+    else:
+        shards = tuple(s * factor.to(s.dtype) for s in shards)
     new_shard, new_opt = shard_step(state.shard, state.opt, shards, found_inf, donate=donate)
-    params = gather_flat_params_at_once(new_shard, comm, state.precision.param_dtype) if state.params else ()
+    # A donating step gathers into the parameters it was given: the next forward reads the
+    # buffers it read (and nothing of the parameters' size is allocated).
+    into = state.params if donate and eager else None
+    params = gather_step_params(new_shard, comm, state.precision.param_dtype, into) if state.params else ()
     new_state = replace(
         state, shard=new_shard, opt=new_opt, scaler=update_scale(scaler, found_inf), params=params
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import time
 from typing import Any
 
@@ -161,6 +162,70 @@ def live_tensors(comm: fzero.Communicator, stage: int, checks: tuple[int, ...] =
             gc.collect()
             counts.append(sum(isinstance(o, torch.Tensor) for o in gc.get_objects()))
     return counts
+
+
+def cyclic_garbage(comm: fzero.Communicator, stage: int, compiled: bool, steps: int = 3) -> dict:
+    """Run ``steps`` steps with Python's cyclic collector off, then collect: what the collector
+    finds is what a training loop would keep alive until the collector happens to run (a
+    step's buffers held by a reference cycle grow memory without bound on a long run).
+    Returns the number of unreachable tensors, their bytes (storages counted once) and the
+    model's fp32 bytes (about 85k parameters, in buckets of 20000 elements at stages 1-2)."""
+    sizes = (64, 256, 256, 8)
+    model = mlp(torch.float32, sizes=sizes)
+    units = children if stage == 3 else None
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=stage, units=units,
+                                   bucket_numel=None if units else 20000)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage, compile=compiled)
+    data = [comm.split_batch(b) for b in batches(steps + 1, comm.world_size, 2, torch.float32, d_in=sizes[0],
+                                                  d_out=sizes[-1])]
+    state, _ = step(state, data[0])  # compiles, and creates what lives for the whole run
+    gc.collect()
+    was_enabled, flags = gc.isenabled(), gc.get_debug()
+    gc.disable()
+    try:
+        for batch in data[1:]:
+            state, metrics = step(state, batch)
+        del metrics
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        found = [o for o in gc.garbage if issubclass(type(o), torch.Tensor)]  # (weak proxies too)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found}
+        gc.garbage.clear()
+    finally:
+        gc.set_debug(flags)
+        if was_enabled:
+            gc.enable()
+    return {"tensors": len(found), "bytes": sum(storages.values()), "model_bytes": 4 * state.layout.num_params}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_growth(comm: fzero.Communicator, stage: int, compiled: bool, steps: int = 1000,
+                  sizes: tuple[int, ...] = (64, 1024, 1024, 8)) -> dict:
+    """Train an MLP (about 1.1M parameters) for ``steps`` steps as a training loop would (no
+    ``gc.collect()``), reading malloc's live bytes (``mallinfo2``) and the RSS after step
+    ``steps // 4`` and after the last one. Returns both pairs of readings and the model's
+    fp32 size in bytes."""
+    from fzero.testing.census import malloc_in_use
+
+    model = mlp(torch.float32, sizes=sizes)
+    units = children if stage == 3 else None
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-4), comm, stage=stage, units=units)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage, compile=compiled)
+    data = [comm.split_batch(b) for b in batches(8, comm.world_size, 2, torch.float32, d_in=sizes[0],
+                                                  d_out=sizes[-1])]
+    heap, rss = {}, {}
+    for i in range(1, steps + 1):
+        state, metrics = step(state, data[i % len(data)])
+        if i in (steps // 4, steps):
+            metrics["loss"].item()  # the step has finished
+            heap[i], rss[i] = malloc_in_use(), _rss_bytes()
+    first, last = steps // 4, steps
+    return {"heap": (heap[first], heap[last]), "rss": (rss[first], rss[last]),
+            "model_bytes": 4 * state.layout.num_params}
 
 
 class C10dCalls:

@@ -153,12 +153,21 @@ def test_fzero_step_against_memory_report(stage, donate):
           f"transient {rep.transient_total / MIB:.3f} MiB; census (both simulated ranks):\n{census.table()}")
     assert census.baseline["held"] == pytest.approx(R * rep.held_total, rel=0.01)
     assert census.baseline["held"] >= R * rep.held_total
-    assert census.baseline["module"] == sum(p.numel() * p.element_size() for p in model.parameters())
+    # The module holds no parameter memory of its own: at stage 3 its parameters are on the meta
+    # device; at stages 1-2 they view the gathered buffers they were given at init, which a
+    # donating step refills in place and a pure step replaces (the module then keeps the old ones).
+    if stage == 3:
+        assert census.baseline.get("module", 0) == 0
+    elif donate:
+        assert {p.untyped_storage().data_ptr() for p in model.parameters()} <= {
+            t.untyped_storage().data_ptr() for t in held["s"].params}
+    else:
+        assert census.baseline["module"] == R * rep.held["params"]
     assert census.peak_bytes >= R * rep.transient_total
     new = census.in_block_by_category.get("new state", 0)
     made = census.end_by_category.get("new state", 0)
     if donate:
-        # master and moments are updated in place; stages 1-2 gather fresh parameters
+        # master and moments are updated in place; stages 1-2 gather into the parameters
         reused = R * (rep.held["master"] + rep.held["moments"])
         assert made <= R * rep.held_total - reused + 0.01 * R * rep.held_total
     else:

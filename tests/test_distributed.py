@@ -278,3 +278,4 @@ def test_gloo_eager_steps_leave_no_tensors_behind(w2, stage):
     for r, res in enumerate(_case(w2, "live_tensors")):
         after3, after8 = res[f"s{stage}"]
         assert after8 == after3, (r, after3, after8)
+

@@ -72,3 +72,13 @@ def test_held_is_what_the_state_keeps_between_steps(stage, world):
     assert rep.held_total + rep.transient_total == pytest.approx(fzero.zero_paper_bytes(padded, stage, world))
     table = fzero.format_memory_table([rep])
     assert "held" in table and "in-step" in table
+
+
+@pytest.mark.parametrize("stage,compiled", [(1, False), (2, False), (3, False), (2, True)])
+def test_steps_leave_no_cyclic_garbage(stage, compiled):
+    """A step leaves nothing that only Python's cyclic collector frees (the simulated world;
+    tests/test_distributed.py checks real ranks, compiled stages included)."""
+    from dist_cases import cyclic_garbage
+
+    got = cyclic_garbage(fzero.SimulatedWorld(2), stage, compiled)
+    assert got["tensors"] == 0 and got["bytes"] == 0, got

@@ -8,6 +8,8 @@ contract, activation checkpointing (HF's and torch's own).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -100,6 +102,7 @@ def oracle_loss(kind: str):
 
 def run(model, units, kind, data, world, *, stage, opt, compile=False, seed=0, comm=None):
     comm = comm or fzero.SimulatedWorld(world)
+    model = copy.deepcopy(model)  # a stage-3 state takes the module's parameters (they move to meta)
     state = fzero.init_train_state(model, opt, comm, stage=stage, units=units, seed=seed)
     step = fzero.make_train_step(loss_for(model, kind), comm, stage=stage, compile=compile)
     losses = []
@@ -193,15 +196,15 @@ def test_tied_sequential_at_stage3():
     model = torch.nn.Sequential(emb, torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6), head).double()
     units = lambda name, m: isinstance(m, torch.nn.Linear)  # noqa: E731 - selects the head too
     comm = fzero.SimulatedWorld(2)
-    state = fzero.init_train_state(model, fzero.sgd(lr=0.1), comm, stage=3, units=units)
-    assert state.module.units == ("1", "3", "4")
-    buckets = {s.path: s.bucket for s in state.layout.slots}
-    assert buckets["0.weight"] == 0  # registered in unit "4" and outside it: the root
     g = torch.Generator().manual_seed(0)
     data = [(torch.randint(0, 10, (4, 3), generator=g), torch.randint(0, 10, (4, 3), generator=g)) for _ in range(3)]
     crit = lambda out, y: F.cross_entropy(out.reshape(-1, 10), y.reshape(-1))  # noqa: E731
     ref, _, _ = um.oracle_run(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), data, 2,
                               lambda m, b: crit(m(b[0]), b[1]))
+    state = fzero.init_train_state(model, fzero.sgd(lr=0.1), comm, stage=3, units=units)
+    assert state.module.units == ("1", "3", "4")
+    buckets = {s.path: s.bucket for s in state.layout.slots}
+    assert buckets["0.weight"] == 0  # registered in unit "4" and outside it: the root
     step = fzero.make_train_step(fzero.module_loss(model, crit), comm, stage=3)
     for b in data:
         state, _ = step(state, comm.split_batch(b))
@@ -274,10 +277,10 @@ def test_checkpoints_move_between_stage3_and_stage2(tmp_path):
     a = fzero.all_gather_params(s3.shard, comm)
     w3 = fzero.SimulatedWorld(3)
     # into stage 2 (no units: another bucketing) at W=3, and back into stage 3 at W=3
-    template = fzero.init_train_state(model, fzero.adamw(), w3, stage=2)
+    template = fzero.init_train_state(um.gpt2(), fzero.adamw(), w3, stage=2)
     loaded, _ = fzero.load_checkpoint(path, template, w3)
     path2 = fzero.save_checkpoint(loaded, tmp_path / "again", w3)
-    template3 = fzero.init_train_state(model, fzero.adamw(), w3, stage=3, units=(GPT2Block,))
+    template3 = fzero.init_train_state(um.gpt2(), fzero.adamw(), w3, stage=3, units=(GPT2Block,))
     back, _ = fzero.load_checkpoint(path2, template3, w3)
     for st in (loaded, back):
         b = fzero.all_gather_params(st.shard, w3)
@@ -315,7 +318,7 @@ def test_parameters_changed_between_init_and_step():
     model = um.gpt2()
     comm = fzero.SimulatedWorld(2)
     state = fzero.init_train_state(model, fzero.adamw(), comm, stage=3, units=(GPT2Block,))
-    model.resize_token_embeddings(um.VOCAB + 8)
+    model.transformer.wte = torch.nn.Embedding(um.VOCAB + 8, 16)  # a layer resized after init
     step = fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), comm, stage=3)
     with pytest.raises(ValueError, match=r"'transformer.wte.weight' of the state is \(32, 16\).*now has \(40, 16\)"):
         step(state, comm.split_batch(_data("lm", 2, torch.float32, n=1)[0]))

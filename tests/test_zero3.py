@@ -3,6 +3,7 @@ compiled, memory and communication."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -108,7 +109,8 @@ def test_stage3_compiled_equals_eager_without_recompiles():
 def test_stage3_donating_equals_pure():
     model = mlp(torch.float32)
     comm = fzero.SimulatedWorld(2)
-    pure = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3, units=children)
+    # a stage-3 state takes the module's parameters (they move to meta): one model per state
+    pure = fzero.init_train_state(copy.deepcopy(model), fzero.adamw(lr=1e-2), comm, stage=3, units=children)
     donated = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3, units=children)
     sp = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)
     sd = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3, donate=True)
@@ -156,8 +158,8 @@ def test_stage3_root_travels_with_the_first_unit(world):
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), block(), block(), block(), torch.nn.Linear(8, 3))
     units = lambda name, m: name in ("1", "2", "3")  # noqa: E731
     counting = fzero.CountingCommunicator(fzero.SimulatedWorld(world))
-    s3 = fzero.init_train_state(model, fzero.adamw(lr=1e-2), counting, stage=3, units=units)
     s2 = fzero.init_train_state(model, fzero.adamw(lr=1e-2), fzero.SimulatedWorld(world), stage=2, units=units)
+    s3 = fzero.init_train_state(model, fzero.adamw(lr=1e-2), counting, stage=3, units=units)
     step3 = fzero.make_train_step(fzero.module_loss(model, mse), counting, stage=3)
     step2 = fzero.make_train_step(fzero.module_loss(model, mse), fzero.SimulatedWorld(world), stage=2)
     for batch in batches(3, world, 2, torch.float32, d_in=4):

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from ..comm import Communicator
 from ..pytree import replace
-from ..sharding import check_world, gather_flat_params
+from ..sharding import check_world, gather_flat_params, gather_step_params
 from ..step import TrainState, consume, ensure_live
 from .errors import CheckpointMismatchError
 from .manifest import (
@@ -265,10 +265,9 @@ def load_checkpoint(
     dcp_load(sd, d, pg)  # raises CheckpointError naming the entry and file
     if hyperparams == "template":
         replicated.update({k: v.clone() for k, v in _replicated(template).items() if k.startswith(_HYPER_PREFIX)})
-    if donate:
-        for p in template.params:
-            p.set_()  # derived data, regathered below: freed before the gather allocates
-    state = _assemble(template, comm, masters, moments, replicated)
+    # donating, the parameters are regathered into the template's own buffers (which a stage
+    # 1-2 module views): nothing of their size is allocated
+    state = _assemble(template, comm, masters, moments, replicated, into=template.params if donate else None)
     if donate:
         state = consume(template, state)
     return state, _unflatten_extra({k: sd[k] for k in extra})
@@ -302,9 +301,10 @@ def _assemble(
     masters: tuple[torch.Tensor, ...],
     moments: tuple[tuple[torch.Tensor, ...], ...],
     replicated: Mapping[str, torch.Tensor],
+    into: Optional[Sequence[torch.Tensor]] = None,
 ) -> TrainState:
     """``template`` with the loaded leaves, and ``params`` regathered (one ``all_gather``
-    per flat group) unless the template keeps none (stage 3)."""
+    per flat group; ``into``: into those buffers) unless the template keeps none (stage 3)."""
     lay, opt = template.layout, template.opt
     hyper = tuple(
         {name: replicated[f"fzero/hyper/{k}/{name}"] for name in h} for k, h in enumerate(opt.hyper)
@@ -317,7 +317,10 @@ def _assemble(
         growth_tracker=replicated["fzero/scaler/growth_tracker"],
         hysteresis_left=replicated["fzero/scaler/hysteresis_left"],
     )
-    params = gather_flat_params(shard, comm, template.precision.param_dtype) if len(template.params) else ()
+    params = ()
+    if len(template.params):
+        dtype = template.precision.param_dtype
+        params = gather_step_params(shard, comm, dtype, into) if into else gather_flat_params(shard, comm, dtype)
     saved = dict(persistent_buffers(template))
     buffers = tuple(
         replicated[f"{BUFFER_PREFIX}{n}"].unsqueeze(0).expand_as(b).clone() if n in saved else b

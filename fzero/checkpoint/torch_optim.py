@@ -20,8 +20,8 @@ from ..layout import Layout, flat_shard, group_views
 from ..optim import Optimizer
 from ..pytree import replace
 from ..sharding import check_world, gather_flat_params
-from ..module import ModuleSpec
-from ..step import TrainState, ensure_live
+from ..module import ModuleSpec, restore_parameters
+from ..step import TrainState, ensure_live, hand_over_parameters
 from .errors import CheckpointMismatchError
 
 def _full_flat(rows: torch.Tensor, comm: Communicator) -> torch.Tensor:
@@ -122,14 +122,28 @@ def module_state_dict(
 
 
 def write_back(state: TrainState, comm: Communicator, module: torch.nn.Module) -> torch.nn.Module:
-    """Copy the trained parameters and buffers (rank 0's) into ``module`` in place.
+    """Put the trained parameters and buffers (rank 0's) into ``module``.
 
     ``module`` is the model the state was built from (or one of the same
-    architecture): ``load_state_dict(strict=True)`` of :func:`export_model_state_dict`,
-    then the non-persistent buffers, which a ``state_dict`` leaves out.
-    Collectives: those of :func:`export_model_state_dict`. Returns ``module``.
+    architecture). Stages 1-2: each parameter whose dtype is the compute dtype
+    becomes a view of this state's gathered parameters (no copy; as after
+    :func:`fzero.init_train_state`); stage 3 (and parameters of another dtype):
+    the values are copied in, giving parameters left on the meta device by
+    ``init_train_state`` memory of their own. Then the buffers, the
+    non-persistent ones too. Collectives: those of :func:`export_model_state_dict`.
+    Returns ``module``.
     """
-    module.load_state_dict(export_model_state_dict(state, comm), strict=True)
+    exported = export_model_state_dict(state, comm)
+    viewed: set[str] = set()
+    if state.params:
+        viewed = hand_over_parameters(module, state.layout, state.params, stage=2)
+    viewed |= {alias for alias, canonical in state.module.aliases if canonical in viewed}
+    restore_parameters(module, exported)
+    _, unexpected = module.load_state_dict({k: v for k, v in exported.items() if k not in viewed}, strict=False)
+    missing = set(module.state_dict(keep_vars=True)) - set(exported)
+    if missing or unexpected:
+        raise ValueError(f"write_back: the module does not match the state: missing {sorted(missing)[:4]}, "
+                         f"unexpected {sorted(unexpected)[:4]}")
     named = dict(module.named_buffers())
     with torch.no_grad():
         for n, b, keep in zip(state.module.buffers, state.buffers, state.module.persistent):

@@ -53,7 +53,7 @@ from typing import Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
-__all__ = ["Allocation", "Census", "storages_of"]
+__all__ = ["Allocation", "Census", "malloc_in_use", "storages_of"]
 
 KnownTensors = Union[Iterable[torch.Tensor], Callable[[], Iterable[torch.Tensor]]]
 OTHER = "other"
@@ -415,3 +415,22 @@ def _peak(allocations: list[Allocation], start_ns: int) -> tuple[int, int]:
         if live > best:
             best, when = live, t
     return best, when
+
+
+def malloc_in_use() -> Optional[int]:
+    """Bytes glibc's malloc has handed out and not taken back, all arenas plus mmapped
+    chunks (``mallinfo2``: ``uordblks + hblkhd``): the heap that is live, whatever RSS the
+    allocator keeps after frees. ``None`` without glibc 2.33+."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = MallInfo2
+    info = fn()
+    return int(info.uordblks + info.hblkhd)
