@@ -25,8 +25,9 @@ stage  held between steps                           transient (inside a step onl
 =====  ===========================================  ===========================================
 
 Not counted at all (they depend on the model and the batch, not on Ψ alone):
-activations; in stages 1-2 the full local gradients in the compute dtype during
-backward, before they are reduced; in stage 3 eagerly the root and at most two
+activations; in stages 1-2 eagerly the gradient buckets being reduced (at most
+``MAX_IN_FLIGHT + 1`` buckets of the compute dtype; compiled, or deferring
+accumulation, the full local gradients); in stage 3 eagerly the root and at most two
 units of gathered parameters (``GatherTracker`` measures them,
 ``benchmarks/bench_zero3_memory.py``), compiled every unit from its forward to
 its backward.
