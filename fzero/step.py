@@ -34,6 +34,7 @@ import torch.utils._pytree as tp
 from .comm import Communicator
 from .buckets import BucketReduction, BucketWatcher, buckets_of, size_buckets
 from .layout import FlatGroup, flatten_one, named_leaves
+from .materialize import Init, check_init, materialized_shard
 from .module import (
     ModuleLoss, ModuleSpec, broadcast_buffers as broadcast_module_buffers, check_loss, init_buffers, module_loss,
     module_spec, row_of,
@@ -106,7 +107,8 @@ class TrainState:
 
 def _device_of(params: Any) -> torch.device:
     leaves = [x for _, x in named_leaves(params)[0]]
-    return leaves[0].device if leaves else torch.device("cpu")
+    # a meta model is materialised on the CPU (fzero.materialize)
+    return leaves[0].device if leaves and not leaves[0].is_meta else torch.device("cpu")
 
 
 def init_train_state(
@@ -122,6 +124,7 @@ def init_train_state(
     trainable: Optional[Callable[[str], bool]] = None,
     alignment: int = 16,
     seed: Optional[int] = 0,
+    init: Optional[Init] = None,
 ) -> TrainState:
     """The initial state for ``params`` (an ``nn.Module`` or a pytree of tensors).
 
@@ -173,9 +176,12 @@ def init_train_state(
         unit_names = select_units(params, units)
         buckets = unit_buckets(params, unit_names)
         bucket_of = buckets.__getitem__
-    shard = init_shard(
-        params, comm, trainable=trainable, optimizer=optimizer, alignment=alignment, bucket_of=bucket_of,
-    )
+    check_init(params, init)
+    layout_kw = dict(trainable=trainable, optimizer=optimizer, alignment=alignment, bucket_of=bucket_of)
+    if init is None:
+        shard, made_buffers = init_shard(params, comm, **layout_kw), None
+    else:
+        shard, made_buffers = materialized_shard(params, comm, init, unit_names, **layout_kw)
     opt = init_opt_state(optimizer, shard.master)
     if scaler is None:
         scaler = init_scaler() if precision.param_dtype == torch.float16 else static_scaler(1.0)
@@ -183,7 +189,7 @@ def init_train_state(
     spec, buffers = ModuleSpec(), ()
     if isinstance(params, torch.nn.Module):
         spec = replace(module_spec(params), units=unit_names)
-        buffers = init_buffers(params, spec, comm.local_ranks)
+        buffers = init_buffers(params, spec, comm.local_ranks) if made_buffers is None else made_buffers
     rng = () if seed is None else (init_rng(seed, comm.ranks, _device_of(params)),)
     return TrainState(shard, opt, scaler, gathered, buffers, rng, precision, spec)
 
