@@ -17,6 +17,7 @@ import torch
 
 from ..comm import Communicator
 from ..layout import Layout, flat_shard, group_views
+from ..materialize import has_meta, to_empty_tied
 from ..optim import Optimizer
 from ..pytree import replace
 from ..sharding import check_world, gather_flat_params
@@ -127,8 +128,12 @@ def write_back(state: TrainState, comm: Communicator, module: torch.nn.Module) -
     ``module`` is the model the state was built from (or one of the same
     architecture): ``load_state_dict(strict=True)`` of :func:`export_model_state_dict`,
     then the non-persistent buffers, which a ``state_dict`` leaves out.
+    A module on the meta device (built for ``init_train_state(init=...)``) is first given
+    empty CPU tensors (:func:`fzero.materialize.to_empty_tied`: tied names stay tied).
     Collectives: those of :func:`export_model_state_dict`. Returns ``module``.
     """
+    if has_meta(module):
+        to_empty_tied(module)
     module.load_state_dict(export_model_state_dict(state, comm), strict=True)
     named = dict(module.named_buffers())
     with torch.no_grad():
