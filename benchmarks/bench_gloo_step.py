@@ -207,11 +207,29 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
 class Runner:
     """One system: ``step(i)`` runs training step ``i`` (no host sync beyond what the
     system itself does); ``finish()`` -> (mean loss over ranks of the first and of the
-    last step, full parameters). ``finish`` runs collectives: every rank calls it."""
+    last step, full parameters). ``finish`` runs collectives: every rank calls it.
+    ``tensors()`` (for ``bench_memory.py``'s census; no collectives): the tensors the
+    system keeps between steps, ``{"state": [...], "module": [...]}`` (``module``: the
+    model's own parameters where they are not the training state)."""
 
     step: Callable[[int], None]
     finish: Callable[[], tuple[float, float, dict[str, torch.Tensor]]]
+    tensors: Callable[[], dict[str, list[torch.Tensor]]] = staticmethod(lambda: {})
     note: str = ""
+
+
+def _optimizer_tensors(opt) -> list[torch.Tensor]:
+    """Every tensor in a torch optimizer's state (moments, step counters)."""
+    return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+def _torch_state(module: torch.nn.Module, opt) -> Callable[[], dict[str, list[torch.Tensor]]]:
+    """Parameters, their ``.grad`` if any, and the optimizer state: what an eager torch
+    loop keeps between steps."""
+    def tensors() -> dict[str, list[torch.Tensor]]:
+        ps = list(module.parameters())
+        return {"state": [*ps, *(p.grad for p in ps if p.grad is not None), *_optimizer_tensors(opt)]}
+    return tensors
 
 
 def _torch_adamw(params, **extra):
@@ -269,6 +287,7 @@ def make_torch_runner(kind: str, ctx: dict) -> Runner:
         params_of = lambda: {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()}  # noqa: E731
     else:
         raise ValueError(kind)
+    r.tensors = _torch_state(net, opt)
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
@@ -322,6 +341,31 @@ def _ds_config(stage: int, micro_batch: int) -> dict:
     }
 
 
+def _reachable_tensors(obj, depth: int = 4) -> list[torch.Tensor]:
+    """Tensors reachable from a DeepSpeed optimizer through containers and DeepSpeed's own
+    objects (its flat parameter, master and gradient buffers), not through modules."""
+    out, seen = [], set()
+
+    def walk(x, d: int) -> None:
+        if id(x) in seen or d < 0:
+            return
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v, d - 1)
+        elif isinstance(x, (list, tuple, set)):
+            for v in x:
+                walk(v, d - 1)
+        elif type(x).__module__.startswith("deepspeed") and not isinstance(x, torch.nn.Module):
+            for v in getattr(x, "__dict__", {}).values():
+                walk(v, d - 1)
+
+    walk(obj, depth)
+    return out
+
+
 def make_deepspeed_runner(stage: int, ctx: dict) -> Runner:
     """A DeepSpeed engine (ZeRO ``stage``) over the process group this script made."""
     # The benchmark is gloo on CPU whatever else the machine has; DeepSpeed reads the
@@ -342,6 +386,7 @@ def make_deepspeed_runner(stage: int, ctx: dict) -> Runner:
     r = Runner()
     r.note = (f"deepspeed {deepspeed.__version__}, stage {stage} ({type(opt).__name__} over torch AdamW), "
               f"buckets {DS_BUCKET / 1e6:.2f}M el.")
+    r.tensors = lambda: {"state": [*_reachable_tensors(opt), *_torch_state(engine.module, opt.optimizer)()["state"]]}
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = lm_loss(engine(x), y)
@@ -376,6 +421,9 @@ def make_fzero_runner(stage: int, compiled: bool, donate: bool, ctx: dict, bucke
     def step(i: int) -> None:
         holder["state"], holder["metrics"] = step_fn(holder["state"], batches[i])
         holder.setdefault("first", holder["metrics"])
+
+    r.tensors = lambda: {"state": torch.utils._pytree.tree_leaves(holder["state"]),
+                         "module": list(model.parameters())}
 
     def finish():
         # .item() only here, after the timed loop; metric "loss" is already the mean over ranks.

@@ -6,7 +6,9 @@
 * :mod:`fzero.testing.strategies`: hypothesis strategies for property tests
   of training code (needs ``hypothesis``: ``pip install fzero[testing]``;
   ``import fzero.testing`` works without it);
-* :class:`GatherTracker` (live gathered bytes), :func:`run_torchrun`.
+* :class:`GatherTracker` (live gathered bytes), :func:`run_torchrun`;
+* :class:`Census` (``fzero.testing.census``): live CPU tensor bytes of a block
+  at its peak, by what holds them (the profiler's allocator events, replayed).
 
 Imports: ``fzero.comm``.
 """
@@ -24,9 +26,11 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..comm import Communicator, ReduceOp
+from .census import Census
 from .faults import CorruptResult, Delay, FaultRecord, FaultyWorld, GradFault
 
 __all__ = [
+    "Census",
     "CorruptResult",
     "Delay",
     "FaultRecord",
