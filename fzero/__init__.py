@@ -46,7 +46,7 @@ from . import schedules
 from .module import ModuleSpec, model_output
 from .replicas import ReplicaDivergenceError, check_replicas, replicas_differ
 from .rng import rank_seed
-from .pretrained import Pretrained, WeightsFileError, pretrained
+from .weights import Pretrained, WeightsFileError, pretrained
 from .step import (
     TrainState,
     check_batch,

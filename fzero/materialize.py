@@ -29,8 +29,10 @@ write (``_version`` unchanged and not replaced: it would be uninitialised
 memory), a tensor written after it was cut (an init of an ancestor reaching
 into a finished piece: the shards would not hold what the eager model holds),
 tied names replaced apart, a replacement of another shape or dtype; and, on a
-real process group, ranks whose global generators differ before a random
-init (their shards would come from different models).
+real process group, one collective at the end (:func:`agree`): every rank raises
+if any rank failed (rather than wait for it in the first step), or if the ranks'
+global generators differed before a random init (their shards would come from
+different models).
 
 Same numbers as eagerly: the init draws from the global generator in the
 walk's order, one module at a time, as ``model.apply(fn)`` on the eagerly built
@@ -70,7 +72,8 @@ __all__ = [
     "materialized_shard",
     "init_buffers_of",
     "to_empty_tied",
-    "check_same_generator",
+    "agree",
+    "generator_digest",
 ]
 
 InitFn = Callable[[torch.nn.Module], Any]
@@ -165,26 +168,47 @@ def _reset_parameters(module: torch.nn.Module) -> None:
         reset()
 
 
-def check_same_generator(comm: Communicator) -> None:
-    """Raise ``ValueError`` on every rank if the ranks' global CPU generators differ.
+def generator_digest() -> list[float]:
+    """A 64-bit digest of what the global CPU generator would draw next, as four exact 16-bit
+    floats; the global generator does not advance.
 
-    A random init builds every unit whole on every rank and keeps each rank's slice:
-    with different generators the shards would come from different models. One
-    ``all_reduce(max)`` of 8 float64 (a 64-bit digest of the generator state, as four
-    16-bit halves and their negations); none when the process holds every rank.
+    Of draws from a copy, not of the state's bytes: the serialized CPU state holds a cached
+    normal sample's bytes even when the cache is invalid, which differ between processes
+    seeded alike (seen on gloo)."""
+    copy = torch.Generator()
+    copy.set_state(torch.get_rng_state())
+    draws = torch.cat([torch.randint(0, 2**62, (4,), generator=copy).double(), torch.randn(2, generator=copy).double()])
+    digest = hashlib.sha256(draws.numpy().tobytes()).digest()
+    return [float(int.from_bytes(digest[k : k + 2], "little")) for k in range(0, 8, 2)]
+
+
+def agree(comm: Communicator, failure: Optional[Exception], digest: Optional[list[float]]) -> None:
+    """Raise on every rank if materialising failed on any rank, or (``digest`` given: a random
+    init) the ranks' generators differed when it started; else return.
+
+    A rank that failed alone would leave the others waiting in the step's first collective;
+    a random init builds every piece whole on every rank and keeps each rank's slice, so
+    ranks with different generators would hold shards of different models. One
+    ``all_reduce(max)`` of 9 float64 (the digest, its negation, a failure flag); none
+    when this process holds every rank (``failure`` is raised as it is).
     """
-    if comm.local_ranks == comm.world_size:
-        return
-    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).digest()
-    parts = [float(int.from_bytes(digest[k : k + 2], "little")) for k in range(0, 8, 2)]
-    x = torch.tensor([parts + [-p for p in parts]], dtype=torch.float64).repeat(comm.local_ranks, 1)
-    top = comm.all_reduce(x, "max")[0]
-    if not torch.equal(top[:4], -top[4:]):
-        raise ValueError(
-            "init_train_state: the ranks' global random generators differ, so a random init would "
-            "build a different model on each rank; call torch.manual_seed(s) with the same s on "
-            "every rank before init_train_state (as for an eagerly built model)"
-        )
+    if comm.local_ranks < comm.world_size:
+        parts = digest or [0.0] * 4
+        x = torch.tensor([parts + [-p for p in parts] + [float(failure is not None)]], dtype=torch.float64)
+        top = comm.all_reduce(x.repeat(comm.local_ranks, 1), "max")[0]
+        if failure is None and top[8] > 0:
+            raise ValueError(
+                "init_train_state: another rank failed to fill the model (its error says why); this "
+                "rank stops too, rather than wait for it in the first step"
+            )
+        if failure is None and not torch.equal(top[:4], -top[4:8]):
+            raise ValueError(
+                "init_train_state: the ranks' global random generators differ, so a random init would "
+                "build a different model on each rank; call torch.manual_seed(s) with the same s on "
+                "every rank before init_train_state (as for an eagerly built model)"
+            )
+    if failure is not None:
+        raise failure
 
 
 # ----------------------------------------------------------------------------- shard rows
@@ -435,13 +459,29 @@ def materialize(
     ``init``: ``"reset_parameters"``, ``fn(module)``, or an :class:`InitSource` (which
     builds them itself). ``units``: the stage-3 unit names (pieces are units and the
     largest subtrees outside them). Peak: the shards, one piece, tensors tied across
-    pieces. Collective: :func:`check_same_generator` (random inits on a process group).
+    pieces. Collective: :func:`agree` (on a process group: every rank raises if one failed,
+    or if a random init found the ranks' generators different).
     """
-    if isinstance(init, InitSource):
-        return init.materialize(module, layout, comm, units)
+    digest = None if isinstance(init, InitSource) else generator_digest()
+    try:
+        if isinstance(init, InitSource):
+            made = init.materialize(module, layout, comm, units)
+        else:
+            made = _random_init(module, layout, comm.ranks, init, units)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it (agree), then it is raised
+        agree(comm, e, digest)
+        raise
+    agree(comm, None, digest)
+    return made
+
+
+def _random_init(
+    module: torch.nn.Module, layout: Layout, ranks: Sequence[int], init: Union[str, InitFn], units: Sequence[str]
+) -> Materialized:
+    """:func:`materialize` by ``"reset_parameters"`` or ``fn(module)``: the walk, each tensor cut
+    into the local ranks' rows (parameters), kept whole (frozen) or per rank (buffers)."""
     fn = init_fn(init)
-    check_same_generator(comm)
-    rows = ShardRows(layout, comm.ranks)
+    rows = ShardRows(layout, ranks)
     slot_of = {s.path: i for i, s in enumerate(layout.slots)}
     frozen: dict[int, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}

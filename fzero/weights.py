@@ -284,8 +284,12 @@ class Pretrained:
     def materialize(
         self, module: torch.nn.Module, layout: Layout, comm: Communicator, units: Sequence[str] = ()
     ) -> Materialized:
-        """This process's shards, frozen parameters and buffers read from the files (no collective)."""
+        """This process's shards, frozen parameters and buffers read from the files (no collective;
+        :func:`fzero.materialize.materialize` makes the ranks agree that every one succeeded)."""
         wants, transient, keys = _wanted(module, layout)
+        # before the files are opened: their mappings and the buffer init's temporaries apart
+        fn, who = self._buffer_init(module)
+        computed = init_buffers_of(module, transient, fn, who)
         with contextlib.ExitStack() as stack:
             files = _open(self.path, stack)
             chosen = _check(files, wants, keys, self.cast)
@@ -301,8 +305,7 @@ class Pretrained:
                 w.name: _rows(files.read(chosen[w.name]).to(w.dtype), len(comm.ranks))
                 for w in wants[len(layout.slots):]
             }
-        fn, who = self._buffer_init(module)
-        computed = init_buffers_of(module, transient, fn, who)
+            del files  # the mappings go with it
         buffers = {**persistent, **{n: _rows(b, len(comm.ranks)) for n, b in computed.items()}}
         return Materialized(rows.rows, tuple(frozen), tuple(buffers[n] for n, _ in module.named_buffers()))
 
