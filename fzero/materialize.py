@@ -324,8 +324,9 @@ def _restore(entries: Iterable[_Entry]) -> None:
         e.installed = None
 
 
-def _take(e: _Entry, who: str) -> torch.Tensor:
-    """The value the init left for ``e`` (``who`` names the init in errors)."""
+def _take(e: _Entry, who: str, hint: str = _WHAT_TO_PASS) -> torch.Tensor:
+    """The value the init left for ``e`` (``who`` names the init in errors, ``hint`` says what
+    to give instead)."""
     held = {id(table[attr]): table[attr] for table, attr in e.slots}
     if len(held) > 1:
         raise ValueError(
@@ -346,15 +347,14 @@ def _take(e: _Entry, who: str) -> torch.Tensor:
         raise ValueError(
             f"{who} did not write {kind} {e.name!r} (of module {e.owners[0] or '<root>'!r}, a "
             f"{e.owner_type}), which is on the meta device: it would hold uninitialised memory. "
-            f"Give an init that writes it: {_WHAT_TO_PASS}"
+            f"Give an init that writes it: {hint}"
         )
     return t.detach()
 
 
 def _check_untouched(closed: Iterable[_Entry], module_name: str, who: str) -> None:
     for e in closed:
-        t = e.slots[0][0][e.slots[0][1]]
-        if t is not e.installed or t._version != e.version:
+        if any(table[attr] is not e.installed for table, attr in e.slots) or e.installed._version != e.version:
             raise ValueError(
                 f"{who} of module {module_name or '<root>'!r} wrote {e.name!r} after fzero had cut it "
                 "into shards (its piece was complete): an ancestor's init reaching into a finished "
@@ -389,10 +389,20 @@ def piece_of(name: str, units: Sequence[str]) -> str:
     return name
 
 
-def _schedule(
-    module: torch.nn.Module, entries: Sequence[_Entry], units: Sequence[str]
-) -> tuple[list[torch.nn.Module], list[str], dict[int, list[_Entry]], dict[int, list[_Entry]]]:
-    """The walk: visits, each visit's module name, and which tensors open before / close after each visit."""
+@dataclasses.dataclass
+class _Schedule:
+    """The walk: modules in ``apply`` order and their names; which tensors open before and
+    close after each visit; the visits that may reach a finished piece (ancestors of a
+    piece's top module), after which closed tensors are checked."""
+
+    visits: list[torch.nn.Module]
+    names: list[str]
+    opens: dict[int, list[_Entry]]
+    closes: dict[int, list[_Entry]]
+    above: set[int]
+
+
+def _schedule(module: torch.nn.Module, entries: Sequence[_Entry], units: Sequence[str]) -> _Schedule:
     visits = _apply_order(module)
     named = dict(module.named_modules(remove_duplicate=False))
     first: dict[int, int] = {}
@@ -405,12 +415,16 @@ def _schedule(
         first_name.setdefault(id(m), name)
     opens: dict[int, list[_Entry]] = {}
     closes: dict[int, list[_Entry]] = {}
+    tops: set[str] = set()
     for e in entries:
         start = min(first[id(named[o])] for o in e.owners)
         stop = max(last[id(named[piece_of(o, units)])] for o in e.owners)
         opens.setdefault(start, []).append(e)
         closes.setdefault(stop, []).append(e)
-    return visits, [first_name[id(m)] for m in visits], opens, closes
+        tops.update(piece_of(o, units) for o in e.owners)
+    names = [first_name[id(m)] for m in visits]
+    above = {i for i, n in enumerate(names) if any(t != n and (n == "" or t.startswith(n + ".")) for t in tops)}
+    return _Schedule(visits, names, opens, closes, above)
 
 
 # ----------------------------------------------------------------------------- the walk
@@ -428,16 +442,17 @@ def _walk(
     ``cut(entry, value)`` takes each value as its piece completes. The module's own tensors are
     back in place afterwards."""
     entries = _entries(module)
-    visits, names, opens, closes = _schedule(module, entries, units)
+    plan = _schedule(module, entries, units)
     closed: list[_Entry] = []
     try:
-        for i, m in enumerate(visits):
-            for e in opens.get(i, ()):
+        for i, m in enumerate(plan.visits):
+            for e in plan.opens.get(i, ()):
                 _install(e, _fresh(e.original, device))
             with torch.no_grad():
                 fn(m)
-            _check_untouched(closed, names[i], who)
-            for e in closes.get(i, ()):
+            if i in plan.above:  # only an ancestor of a finished piece can reach into it
+                _check_untouched(closed, plan.names[i], who)
+            for e in plan.closes.get(i, ()):
                 value = _take(e, who)
                 cut(e, value)
                 del value
@@ -494,8 +509,8 @@ def _random_init(
         i = slot_of[e.name]
         if layout.slots[i].group >= 0:
             rows.write(i, flat_reader(value))
-        else:
-            frozen[i] = value.clone() if value.data_ptr() == e.original.data_ptr() else value
+        else:  # kept whole; a tensor the init put in place of ours may be the caller's: copied
+            frozen[i] = value if value.data_ptr() == e.installed.data_ptr() else value.clone()
 
     _walk(module, fn, init_name(init), units, cut, torch.device("cpu"))
     return Materialized(rows.rows, _frozen_in_order(layout, frozen), _buffers_in_order(module, buffers))
@@ -521,7 +536,7 @@ def _buffers_in_order(module: torch.nn.Module, buffers: dict[str, torch.Tensor])
 
 
 def init_buffers_of(
-    module: torch.nn.Module, names: Iterable[str], fn: InitFn, who: str
+    module: torch.nn.Module, names: Iterable[str], fn: InitFn, who: str, hint: str = _WHAT_TO_PASS
 ) -> dict[str, torch.Tensor]:
     """Buffers ``names`` (canonical) computed by ``fn`` on the modules that register them.
 
@@ -529,7 +544,8 @@ def init_buffers_of(
     ``inv_freq``): only those buffers are created (on the CPU), ``fn`` runs on each
     module registering one, in ``apply`` order, under ``no_grad`` and with the global
     generator forked (loading weights draws nothing). A meta buffer ``fn`` did not
-    write is a ``ValueError`` naming it (``who`` names the init). Buffers not on the meta
+    write is a ``ValueError`` naming it (``who`` names the init, ``hint`` what to give
+    instead). Buffers not on the meta
     device are taken as they are. The module is left as it was.
     """
     wanted = set(names)
@@ -538,16 +554,16 @@ def init_buffers_of(
     todo = [e for e in entries if e.original.is_meta]
     if not todo:
         return out
-    owners = {o for e in todo for o in e.owners}
+    owners = {id(module.get_submodule(o)) for e in todo for o in e.owners}
     try:
         for e in todo:
             _install(e, _fresh(e.original, torch.device("cpu")))
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             for m in _apply_order(module):
-                if any(m is module.get_submodule(o) for o in owners):
+                if id(m) in owners:
                     fn(m)
         for e in todo:
-            out[e.name] = _take(e, who)
+            out[e.name] = _take(e, who, hint)
     finally:
         _restore(todo)
     return out

@@ -74,6 +74,13 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+_BUFFER_HINT = (
+    "files hold no non-persistent buffers: pass fzero.pretrained(path, init=fn) with an fn(module) "
+    "that computes it (as the module's __init__ does), or build the model with its buffers off "
+    "the meta device (they are then taken as they are)"
+)
+
+
 class WeightsFileError(ValueError):
     """A weights file that does not fit the model or is not what it claims; names the key and file."""
 
@@ -289,7 +296,7 @@ class Pretrained:
         wants, transient, keys = _wanted(module, layout)
         # before the files are opened: their mappings and the buffer init's temporaries apart
         fn, who = self._buffer_init(module)
-        computed = init_buffers_of(module, transient, fn, who)
+        computed = init_buffers_of(module, transient, fn, who, _BUFFER_HINT)
         with contextlib.ExitStack() as stack:
             files = _open(self.path, stack)
             chosen = _check(files, wants, keys, self.cast)
