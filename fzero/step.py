@@ -19,7 +19,7 @@ A step, for every local rank ``r`` (one on a real rank, W in the simulated world
    ``update_scale``, and, for stages 1-2, ``all_gather`` of the new
    parameters in the compute dtype for the next step.
 
-Imports: comm, layout, module, optim, precision, pytree, rng, scaler, schedules, sharding, units.
+Imports: comm, layout, materialize, module, optim, precision, pytree, rng, scaler, schedules, sharding, units.
 """
 
 from __future__ import annotations
