@@ -50,7 +50,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -197,8 +197,10 @@ def _open_index(files: _Files, index: Path, stack: contextlib.ExitStack) -> None
         for key in keys:
             if key not in held:
                 raise _bad(file, f"has no tensor {key!r}, which {index.name} says it holds")
-    # only what the index lists is the checkpoint (as transformers reads it)
+    # only what the index lists is the checkpoint (as transformers reads it), and the index
+    # is where a missing key is missing from
     files.index = {k: files.index[k] for k in weight_map}
+    files.names = [str(index)]
 
 
 def _open(path: Path, stack: contextlib.ExitStack) -> _Files:
@@ -297,24 +299,16 @@ class Pretrained:
         # before the files are opened: their mappings and the buffer init's temporaries apart
         fn, who = self._buffer_init(module)
         computed = init_buffers_of(module, transient, fn, who, _BUFFER_HINT)
+        reps = len(comm.ranks)
         with contextlib.ExitStack() as stack:
             files = _open(self.path, stack)
             chosen = _check(files, wants, keys, self.cast)
-            rows = ShardRows(layout, comm.ranks)
-            frozen = []
-            for i, s in enumerate(layout.slots):
-                key = chosen[s.path]
-                if s.group >= 0:
-                    rows.write(i, _converting(files.read_flat, key, s.dtype))
-                else:
-                    frozen.append(files.read(key).to(s.dtype, copy=True))
-            persistent = {
-                w.name: _rows(files.read(chosen[w.name]).to(w.dtype), len(comm.ranks))
-                for w in wants[len(layout.slots):]
-            }
+            rows, frozen = _read_params(files, chosen, layout, comm.ranks)
+            persistent = {w.name: _rows(files.read(chosen[w.name]).to(w.dtype), reps)
+                          for w in wants[len(layout.slots):]}
             del files  # the mappings go with it
-        buffers = {**persistent, **{n: _rows(b, len(comm.ranks)) for n, b in computed.items()}}
-        return Materialized(rows.rows, tuple(frozen), tuple(buffers[n] for n, _ in module.named_buffers()))
+        buffers = {**persistent, **{n: _rows(b, reps) for n, b in computed.items()}}
+        return Materialized(rows, frozen, tuple(buffers[n] for n, _ in module.named_buffers()))
 
     def _buffer_init(self, module: torch.nn.Module) -> tuple[InitFn, str]:
         if self.init is not None:
@@ -325,7 +319,25 @@ class Pretrained:
         return init_fn(RESET), "fzero.pretrained's default buffer init (reset_parameters)"
 
 
-def _converting(read: Callable[[str, int, int], torch.Tensor], key: str, dtype: torch.dtype) -> Callable[[int, int], torch.Tensor]:
+def _read_params(
+    files: _Files, chosen: Mapping[str, str], layout: Layout, ranks: Sequence[int]
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """The local ranks' rows of every flat group (each rank's owned range of each parameter,
+    read as the rows holding it) and the frozen parameters whole, in layout order."""
+    rows = ShardRows(layout, ranks)
+    frozen = []
+    for i, s in enumerate(layout.slots):
+        key = chosen[s.path]
+        if s.group >= 0:
+            rows.write(i, _converting(files.read_flat, key, s.dtype))
+        else:
+            frozen.append(files.read(key).to(s.dtype, copy=True))
+    return rows.rows, tuple(frozen)
+
+
+def _converting(
+    read: Callable[[str, int, int], torch.Tensor], key: str, dtype: torch.dtype
+) -> Callable[[int, int], torch.Tensor]:
     # to the parameter's dtype first, as load_state_dict into the module would
     return lambda start, stop: read(key, start, stop).to(dtype)
 

@@ -46,11 +46,6 @@ def assert_same(a: fzero.TrainState, b: fzero.TrainState) -> None:
         assert torch.equal(x, y)
 
 
-def _rng_after(fn):
-    fn()
-    return torch.get_rng_state()
-
-
 # ----------------------------------------------------------------------------- same numbers
 
 
@@ -59,7 +54,7 @@ def test_stage3_from_meta_equals_eager_bitwise(kind):
     comm = fzero.SimulatedWorld(2)
     meta = mc.meta_model(kind)
     eager = mc.eager_model(kind)
-    sm, lm = mc.train(kind, meta, comm, init=mc.init_of(kind, meta), steps=0)
+    sm, _ = mc.train(kind, meta, comm, init=mc.init_of(kind, meta), steps=0)
     se, _ = mc.train(kind, eager, comm, steps=0)
     assert_same(sm, se)
     step_m = fzero.make_train_step(mc.loss_of(kind, meta), comm, stage=3)
