@@ -169,16 +169,8 @@ def _reset_parameters(module: torch.nn.Module) -> None:
 
 
 def generator_digest() -> list[float]:
-    """A 64-bit digest of what the global CPU generator would draw next, as four exact 16-bit
-    floats; the global generator does not advance.
-
-    Of draws from a copy, not of the state's bytes: the serialized CPU state holds a cached
-    normal sample's bytes even when the cache is invalid, which differ between processes
-    seeded alike (seen on gloo)."""
-    copy = torch.Generator()
-    copy.set_state(torch.get_rng_state())
-    draws = torch.cat([torch.randint(0, 2**62, (4,), generator=copy).double(), torch.randn(2, generator=copy).double()])
-    digest = hashlib.sha256(draws.numpy().tobytes()).digest()
+    """A 64-bit digest of the global CPU generator's state, as four exact 16-bit floats."""
+    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).digest()
     return [float(int.from_bytes(digest[k : k + 2], "little")) for k in range(0, 8, 2)]
 
 
