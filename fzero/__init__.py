@@ -46,6 +46,7 @@ from . import schedules
 from .module import ModuleSpec, model_output
 from .replicas import ReplicaDivergenceError, check_replicas, replicas_differ
 from .rng import rank_seed
+from .weights import Pretrained, WeightsFileError, pretrained
 from .step import (
     TrainState,
     check_batch,
@@ -104,6 +105,8 @@ __all__ = [
     "Optimizer",
     "ParamGroup",
     "ParamSlot",
+    "Pretrained",
+    "WeightsFileError",
     "ScalerState",
     "ShardState",
     "SimulatedWorld",
@@ -132,6 +135,7 @@ __all__ = [
     "native_bf16",
     "no_weight_decay",
     "no_weight_decay_for",
+    "pretrained",
     "reduce_scatter_grads",
     "replicas_differ",
     "scale",

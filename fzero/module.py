@@ -396,20 +396,17 @@ def restore_parameters(module: torch.nn.Module, values: Mapping[str, torch.Tenso
 
 
 def check_materialized(module: torch.nn.Module) -> None:
-    """Raise ``ValueError`` if a parameter of ``module`` is on the meta device (it has no
-    values to build a state from), saying why it is there and what to do."""
+    """Raise ``ValueError`` if ``module``'s parameters are on the meta device because an earlier
+    stage-3 :func:`fzero.init_train_state` took them (a model built on meta is
+    :mod:`fzero.materialize`'s to judge)."""
     meta = [n for n, p in module.named_parameters() if p.is_meta]
     if not meta:
         return
-    if getattr(module, _RELEASED, None) is not None:
-        raise ValueError(
-            f"init_train_state: {type(module).__name__}'s parameters ({meta[0]!r}, ...) were handed to a "
-            "stage-3 state by an earlier init_train_state and are on the meta device: build the model "
-            "again (or copy.deepcopy it before the first init_train_state), or fzero.write_back(state, "
-            "comm, model) first"
-        )
+    if getattr(module, _RELEASED, None) is None:
+        return  # built on the meta device: fzero.materialize says what to pass
     raise ValueError(
-        f"init_train_state: parameter {meta[0]!r} of {type(module).__name__} is on the meta device and "
-        "has no values; materialise the model first (e.g. model.to_empty(device='cpu') and its "
-        "reset_parameters)"
+        f"init_train_state: {type(module).__name__}'s parameters ({meta[0]!r}, ...) were handed to a "
+        "stage-3 state by an earlier init_train_state and are on the meta device: build the model "
+        "again (or copy.deepcopy it before the first init_train_state), or fzero.write_back(state, "
+        "comm, model) first"
     )

@@ -28,6 +28,7 @@ from .pytree import pytree_dataclass, replace, static_field
 __all__ = [
     "ShardState",
     "init_shard",
+    "shard_layout",
     "check_world",
     "reduce_scatter_grads",
     "gather_flat_params",
@@ -78,15 +79,8 @@ def init_shard(
     process group, one ``all_gather_object`` that makes every rank raise if
     the ranks built different layouts).
     """
-    layout = build_layout(
-        params,
-        comm.world_size,
-        trainable=trainable,
-        group_of=optimizer.group_of if optimizer is not None else None,
-        bucket_of=bucket_of,
-        alignment=alignment,
-    )
-    comm.check_layout(layout)
+    layout = shard_layout(params, comm, trainable=trainable, optimizer=optimizer, bucket_of=bucket_of,
+                          alignment=alignment)
     leaves = [x for _, x in named_leaves(params)[0]]
     master = tuple(
         torch.stack([flat_shard(layout, g, leaves, r) for r in comm.ranks]) for g in layout.groups
@@ -96,6 +90,29 @@ def init_shard(
     own = (lambda t: t.detach()) if isinstance(params, torch.nn.Module) else (lambda t: t.detach().clone())
     frozen = tuple(own(leaves[i]) for i, s in enumerate(layout.slots) if s.group < 0)
     return ShardState(master, frozen, layout)
+
+
+def shard_layout(
+    params: Any,
+    comm: Communicator,
+    *,
+    trainable: Optional[Any] = None,
+    optimizer: Optional[Optimizer] = None,
+    bucket_of: Optional[Any] = None,
+    alignment: int = 16,
+) -> Layout:
+    """The layout :func:`init_shard` builds for ``params`` and ``comm`` (shapes only: a meta
+    module is laid out as it is). Collective: ``comm.check_layout``."""
+    layout = build_layout(
+        params,
+        comm.world_size,
+        trainable=trainable,
+        group_of=optimizer.group_of if optimizer is not None else None,
+        bucket_of=bucket_of,
+        alignment=alignment,
+    )
+    comm.check_layout(layout)
+    return layout
 
 
 def check_world(shard: ShardState, comm: Communicator) -> None:

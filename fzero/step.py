@@ -19,7 +19,7 @@ A step, for every local rank ``r`` (one on a real rank, W in the simulated world
    ``update_scale``, and, for stages 1-2, ``all_gather`` of the new
    parameters in the compute dtype for the next step.
 
-Imports: comm, layout, module, optim, precision, pytree, rng, scaler, schedules, sharding, units.
+Imports: comm, layout, materialize, module, optim, precision, pytree, rng, scaler, schedules, sharding, units.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch.utils._pytree as tp
 from .comm import Communicator
 from .buckets import BucketReduction, BucketWatcher, BufferPool, buckets_of, size_buckets
 from .layout import FlatGroup, flatten_one, named_leaves
+from .materialize import Init, check_init, materialized_shard
 from .module import (
     ModuleLoss, ModuleSpec, adopt_parameters, broadcast_buffers as broadcast_module_buffers, check_loss,
     check_materialized, init_buffers, module_loss, module_spec, release_parameters, row_of,
@@ -107,7 +108,8 @@ class TrainState:
 
 def _device_of(params: Any) -> torch.device:
     leaves = [x for _, x in named_leaves(params)[0]]
-    return leaves[0].device if leaves else torch.device("cpu")
+    # a meta model is materialised on the CPU (fzero.materialize)
+    return leaves[0].device if leaves and not leaves[0].is_meta else torch.device("cpu")
 
 
 def init_train_state(
@@ -123,6 +125,7 @@ def init_train_state(
     trainable: Optional[Callable[[str], bool]] = None,
     alignment: int = 16,
     seed: Optional[int] = 0,
+    init: Optional[Init] = None,
 ) -> TrainState:
     """The initial state for ``params`` (an ``nn.Module`` or a pytree of tensors).
 
@@ -161,8 +164,8 @@ def init_train_state(
             "init_train_state: bucket_numel cuts stages 1-2 into gradient buckets by size; with "
             "units= (or at stage 3) the shard units are the buckets: give one or the other"
         )
-    if isinstance(params, torch.nn.Module):
-        check_materialized(params)
+    if isinstance(params, torch.nn.Module) and init is None:
+        check_materialized(params)  # a module an earlier stage-3 state took: say so
     unit_names: tuple[str, ...] = ()
     bucket_of = None
     if units is None and stage < 3:
@@ -176,9 +179,12 @@ def init_train_state(
         unit_names = select_units(params, units)
         buckets = unit_buckets(params, unit_names)
         bucket_of = buckets.__getitem__
-    shard = init_shard(
-        params, comm, trainable=trainable, optimizer=optimizer, alignment=alignment, bucket_of=bucket_of,
-    )
+    check_init(params, init)
+    layout_kw = dict(trainable=trainable, optimizer=optimizer, alignment=alignment, bucket_of=bucket_of)
+    if init is None:
+        shard, made_buffers = init_shard(params, comm, **layout_kw), None
+    else:
+        shard, made_buffers = materialized_shard(params, comm, init, unit_names, **layout_kw)
     opt = init_opt_state(optimizer, shard.master)
     if scaler is None:
         scaler = init_scaler() if precision.param_dtype == torch.float16 else static_scaler(1.0)
@@ -187,7 +193,7 @@ def init_train_state(
     rng = () if seed is None else (init_rng(seed, comm.ranks, _device_of(params)),)
     if isinstance(params, torch.nn.Module):
         spec = replace(module_spec(params), units=unit_names)
-        buffers = init_buffers(params, spec, comm.local_ranks)
+        buffers = init_buffers(params, spec, comm.local_ranks) if made_buffers is None else made_buffers
         hand_over_parameters(params, shard.layout, gathered, stage)
     return TrainState(shard, opt, scaler, gathered, buffers, rng, precision, spec)
 
@@ -208,7 +214,9 @@ def hand_over_parameters(module: torch.nn.Module, layout: Any, gathered: tuple[t
         release_parameters(module, [s.path for s in layout.trainable_slots])
         return set()
     views = trainable_views(layout, gathered, 0)
-    adopted = {s.path: views[s.path] for s in layout.trainable_slots if views[s.path].dtype == s.dtype}
+    metas = {n for n, p in module.named_parameters() if p.is_meta}  # built on meta: it stays there
+    adopted = {s.path: views[s.path] for s in layout.trainable_slots
+               if views[s.path].dtype == s.dtype and s.path not in metas}
     adopt_parameters(module, adopted)
     return set(adopted)
 

@@ -40,3 +40,19 @@ def test_stage3_snippet_runs():
     assert state.params == () and len(state.module.units) == 2
     assert torch.isfinite(scope["metrics"]["loss"])
     assert int(state.opt.step) == 1
+
+
+def test_models_larger_than_one_rank_snippet_runs():
+    """The meta-device snippet: a Llama built on meta, filled unit by unit, one stage-3 step."""
+    text = README.read_text()
+    section = text[text.index("## Models larger than one rank"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - our own documentation
+    state, model = scope["state"], scope["model"]
+    assert all(p.is_meta for p in model.parameters())
+    assert torch.isfinite(scope["metrics"]["loss"]) and int(state.opt.step) == 1
+    # inv_freq computed by the model's own init, not left as garbage
+    inv = dict(zip(state.module.buffers, state.buffers))["model.rotary_emb.inv_freq"]
+    dim = 64 // 4
+    assert torch.allclose(inv[0], 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim)))

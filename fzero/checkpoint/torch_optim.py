@@ -17,6 +17,7 @@ import torch
 
 from ..comm import Communicator
 from ..layout import Layout, flat_shard, group_views
+from ..materialize import has_meta, to_empty_tied
 from ..optim import Optimizer
 from ..pytree import replace
 from ..sharding import check_world, gather_flat_params
@@ -129,16 +130,22 @@ def write_back(state: TrainState, comm: Communicator, module: torch.nn.Module) -
     becomes a view of this state's gathered parameters (no copy; as after
     :func:`fzero.init_train_state`); stage 3 (and parameters of another dtype):
     the values are copied in, giving parameters left on the meta device by
-    ``init_train_state`` memory of their own. Then the buffers, the
-    non-persistent ones too. Collectives: those of :func:`export_model_state_dict`.
-    Returns ``module``.
+    ``init_train_state`` (a stage-3 state, or a model built on meta for
+    ``init_train_state(init=...)``) memory of their own first
+    (:func:`fzero.materialize.to_empty_tied`: tied names stay tied). Then the
+    buffers, the non-persistent ones too. Collectives: those of
+    :func:`export_model_state_dict`. Returns ``module``.
     """
     exported = export_model_state_dict(state, comm)
     viewed: set[str] = set()
     if state.params:
         viewed = hand_over_parameters(module, state.layout, state.params, stage=2)
     viewed |= {alias for alias, canonical in state.module.aliases if canonical in viewed}
+    # parameters on meta get memory in place (the same Parameter objects; ties kept), and the
+    # guard a stage-3 state installed goes; buffers of a model built on meta get it next
     restore_parameters(module, exported)
+    if has_meta(module):
+        to_empty_tied(module)
     _, unexpected = module.load_state_dict({k: v for k, v in exported.items() if k not in viewed}, strict=False)
     missing = set(module.state_dict(keep_vars=True)) - set(exported)
     if missing or unexpected:
