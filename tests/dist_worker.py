@@ -230,7 +230,7 @@ def case_cyclic_garbage(comm):
 
 def case_memory_growth(comm):
     return {f"s{stage}{'c' if compiled else ''}": cases.memory_growth(comm, stage, compiled)
-            for stage, compiled in ((2, False), (3, False), (3, True))}
+            for stage, compiled in ((3, False),)}
 
 
 def case_branchy(comm):

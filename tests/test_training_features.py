@@ -17,6 +17,7 @@ mse = torch.nn.functional.mse_loss
 
 
 def _state_and_step(model, comm, stage, **kw):
+    model = copy.deepcopy(model)  # a stage-3 state takes the module's parameters (to meta)
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=stage, units=children,
                                    scaler=kw.pop("scaler", None))
     return state, fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage, **kw)
