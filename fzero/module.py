@@ -364,7 +364,7 @@ def release_parameters(module: torch.nn.Module, names: Sequence[str]) -> None:
         probe = named[names[0]]
 
         def guard(mod: torch.nn.Module, args: Any) -> None:
-            if probe.is_meta and mod._parameters is not None and _bound_is_meta(mod, names[0]):
+            if probe.is_meta and _bound_is_meta(mod, names[0]):
                 raise RuntimeError(
                     f"{type(mod).__name__}: its parameters were handed to a fzero stage-3 state by "
                     "init_train_state and live there (this module holds none): call "

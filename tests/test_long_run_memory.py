@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 
 from dist_harness import run_torchrun
+from test_distributed import _case
 
 pytestmark = pytest.mark.distributed
 
@@ -29,14 +30,6 @@ def readings():
     # its own processes: dynamo's caches filled by other cases' compiled steps would recompile
     # this one inside the measured steps
     return run_torchrun(2, "dist_worker.py", ["cyclic_garbage", "memory_growth"], timeout=900)
-
-
-def _case(readings, name):
-    for r, res in enumerate(readings):
-        got = res[name]
-        if isinstance(got, dict) and "exception" in got:
-            pytest.fail(f"rank {r} raised in {name}:\n{got['exception']}")
-    return [res[name] for res in readings]
 
 
 @pytest.mark.parametrize("stage,compiled", [(1, False), (2, False), (3, False), (2, True), (3, True)])
