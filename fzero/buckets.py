@@ -66,8 +66,11 @@ def size_buckets(
 
     Parameters are taken in reverse registration order (backward's order for
     most models) and a bucket closes once it holds at least ``bucket_numel``
-    elements, so no bucket is much larger than that (one parameter larger
-    than the cap makes a bucket of its own). Buckets are numbered in
+    elements, so no bucket is much larger than that. A parameter of at least
+    ``bucket_numel`` elements makes a bucket of its own (an embedding, an output
+    layer): on a real rank its bucket is then the gradient autograd made
+    (:class:`BucketWatcher`), where sharing a bucket would copy it into a
+    buffer of the bucket's size. Buckets are numbered in
     registration order: bucket 0 holds the first parameters, the last bucket
     the last ones, which backward completes first.
     """
@@ -85,7 +88,7 @@ def size_buckets(
     from_end: dict[str, int] = {}
     b, filled = 0, 0
     for path, n in reversed(sizes):
-        if filled >= bucket_numel:
+        if filled >= bucket_numel or (filled and n >= bucket_numel):
             b, filled = b + 1, 0
         from_end[path] = b
         filled += n
@@ -284,17 +287,24 @@ class BucketWatcher:
     bucket has its gradient, the padding is zeroed and ``deliver(bucket)``
     is called. A parameter the loss does not reach has no gradient: its
     bucket is delivered by :meth:`finish`, after backward, with zeros for it.
+    A bucket of one parameter that fills its flat group exactly (an embedding,
+    an untied output layer: on a real rank, ``rows == 1``) takes the gradient
+    autograd made as it is: ``deliver(bucket, (grad,))``, no copy and no buffer.
     :meth:`close` removes the hooks (also after an error): a hook holds the
     watcher, the watcher the leaves, so hooks left in place would keep every
     leaf (and the parameters it views) in a reference cycle.
     """
 
     def __init__(self, layout: Layout, groups: Sequence[Sequence[FlatGroup]], row: int,
-                 buffers: Callable[[int], tuple[torch.Tensor, ...]], deliver: Callable[[int], None]):
-        """``groups``: :func:`buckets_of` ``layout``."""
+                 buffers: Callable[[int], tuple[torch.Tensor, ...]],
+                 deliver: Callable[[int, Optional[tuple[torch.Tensor, ...]]], None], rows: int = 1):
+        """``groups``: :func:`buckets_of` ``layout``; ``rows``: the local ranks sharing the buffers."""
         self.layout, self.groups, self.row = layout, groups, row
         self.buffers, self.deliver = buffers, deliver
         self.missing = [sum(len(g.slots) for g in gs) for gs in self.groups]
+        # One rank's row is the whole buffer: a lone parameter's gradient can be it.
+        self.whole = {b for b, gs in enumerate(groups)
+                      if rows == 1 and len(gs) == 1 and len(gs[0].slots) == 1 and not gs[0].padding}
         self.position = {g.index: pos for gs in groups for pos, g in enumerate(gs)}
         self.filled: set[int] = set()  # slot indices whose gradient is in the buffer
         self.handles: list[Any] = []
@@ -311,10 +321,16 @@ class BucketWatcher:
         return self.buffers(s.bucket)[self.position[g.index]][self.row, s.offset : s.offset + s.numel]
 
     def _got(self, slot: int, leaf: torch.Tensor) -> None:
-        self._view(slot).view(leaf.shape).copy_(leaf.grad)
-        leaf.grad = None
-        self.filled.add(slot)
         b = self.layout.slots[slot].bucket
+        grad, leaf.grad = leaf.grad, None
+        if b in self.whole and grad.is_contiguous():
+            # autograd's accumulated gradient is its own tensor (it copies one it cannot take)
+            self.missing[b] = -1
+            self.deliver(b, (grad.view(-1),))
+            return
+        self._view(slot).view(leaf.shape).copy_(grad)
+        del grad
+        self.filled.add(slot)
         self.missing[b] -= 1
         if self.missing[b] == 0:
             self._deliver(b)
@@ -327,7 +343,7 @@ class BucketWatcher:
             if g.padding:
                 self.buffers(bucket)[self.position[g.index]][self.row, g.numel:].zero_()
         self.missing[bucket] = -1  # delivered
-        self.deliver(bucket)
+        self.deliver(bucket, None)
 
     def finish(self) -> None:
         """Deliver the buckets backward left incomplete (parameters without a gradient: zeros)."""

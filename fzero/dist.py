@@ -52,6 +52,12 @@ def _average(total: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor
     return total / world_size if op == "avg" and world_size > 1 else total
 
 
+def _average_owned(total: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
+    """:func:`_average` in place, for a result buffer the collective allocated itself: the same
+    bits without a second buffer of its size (a stage-2 step's whole gradient shard)."""
+    return total.div_(world_size) if op == "avg" and world_size > 1 else total
+
+
 def _waiter(work: Any, result: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     """A function that waits for ``work`` and gives ``result()``.
 
@@ -221,7 +227,7 @@ class TorchCommunicator(Communicator):
         if _eager():
             out = x[0].clone()  # c10d reduces in place; the caller's tensor stays as it was
             work = dist.all_reduce(out, _C10D_OP[op], group=self._pg, async_op=True)
-            return _waiter(work, lambda: _average(out, op, self.world_size).unsqueeze(0))
+            return _waiter(work, lambda: _average_owned(out, op, self.world_size).unsqueeze(0))
         started = funcol.all_reduce(x[0], "max" if op == "max" else "sum", self._name)
         return lambda: self._finish(started, op).unsqueeze(0)
 
@@ -278,7 +284,7 @@ class TorchCommunicator(Communicator):
             out = x.new_empty(n)
             work = _c10d_reduce_scatter(out, x[0].contiguous(), dist.ReduceOp.SUM, group=self._pg,
                                         async_op=True)
-            return _waiter(work, lambda: _average(out, op, self.world_size).unsqueeze(0))
+            return _waiter(work, lambda: _average_owned(out, op, self.world_size).unsqueeze(0))
         started = funcol.reduce_scatter_tensor(x[0], "sum", 0, self._name)
         return lambda: self._finish(started, op).unsqueeze(0)
 
@@ -289,7 +295,8 @@ class TorchCommunicator(Communicator):
 
         def summed(received: torch.Tensor) -> torch.Tensor:  # [W, n] or [W * n]
             total = received.reshape(world, n).sum(0) if world > 1 else received.reshape(n)
-            return _average(total, op, world).unsqueeze(0)
+            # eagerly `total` is this call's own buffer: average it in place
+            return (_average_owned if _eager() else _average)(total, op, world).unsqueeze(0)
 
         if not _eager():
             started = funcol.all_to_all_single(x[0].contiguous(), None, None, self._name)

@@ -17,6 +17,7 @@ Imports: ``fzero.pytree``.
 from __future__ import annotations
 
 import dataclasses
+import mmap
 from typing import Callable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -301,6 +302,26 @@ class OptState:
     optimizer: Optimizer = static_field()
 
 
+# CPU moments of at least this size start as pages the OS has not committed (below it, a mapping
+# per tensor costs more than it saves).
+ON_DEMAND_BYTES = 1 << 20
+
+
+def zeros_on_demand(like: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped like ``like`` (contiguous); on the CPU, from ``ON_DEMAND_BYTES`` on, in a
+    fresh anonymous mapping, which the OS zero-fills page by page on first write.
+
+    So optimizer moments take no memory until the first step writes them, as
+    ``torch.optim`` and DeepSpeed create theirs at the first step: the initial state
+    of a model the size of one rank's memory fits beside the model being handed over
+    (measured at 162M parameters: the init peak drops by the moments, 620 MiB). The
+    mapping lives as long as the tensor's storage."""
+    nbytes = like.numel() * like.element_size()
+    if like.device.type != "cpu" or nbytes < ON_DEMAND_BYTES:
+        return torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=like.dtype).view(like.shape)
+
+
 def init_opt_state(optimizer: Optimizer, master: Sequence[torch.Tensor]) -> OptState:
     """Zero moments shaped like each master shard ``[R, shard_numel]``; hyperparameters as tensors.
 
@@ -312,7 +333,7 @@ def init_opt_state(optimizer: Optimizer, master: Sequence[torch.Tensor]) -> OptS
         {k: torch.tensor(v, dtype=torch.float64) for k, v in optimizer.hyperparams(i).items()}
         for i in range(optimizer.num_groups)
     )
-    moments = tuple(tuple(torch.zeros_like(m) for _ in optimizer.moment_names) for m in master)
+    moments = tuple(tuple(zeros_on_demand(m) for _ in optimizer.moment_names) for m in master)
     return OptState(torch.zeros((), dtype=torch.int64, device=master[0].device), hyper, moments, optimizer)
 
 

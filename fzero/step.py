@@ -33,7 +33,7 @@ import torch.utils._pytree as tp
 
 from .comm import Communicator
 from .buckets import BucketReduction, BucketWatcher, BufferPool, buckets_of, size_buckets
-from .layout import FlatGroup, flatten_one, named_leaves
+from .layout import FlatGroup, flatten_one, group_views, named_leaves
 from .materialize import Init, check_init, materialized_shard
 from .module import (
     ModuleLoss, ModuleSpec, adopt_parameters, broadcast_buffers as broadcast_module_buffers, check_loss,
@@ -188,18 +188,33 @@ def init_train_state(
     opt = init_opt_state(optimizer, shard.master)
     if scaler is None:
         scaler = init_scaler() if precision.param_dtype == torch.float16 else static_scaler(1.0)
-    gathered = gather_flat_params(shard, comm, precision.param_dtype) if stage < 3 else ()
-    spec, buffers = ModuleSpec(), ()
+    spec, buffers, gathered = ModuleSpec(), (), ()
     rng = () if seed is None else (init_rng(seed, comm.ranks, _device_of(params)),)
     if isinstance(params, torch.nn.Module):
         spec = replace(module_spec(params), units=unit_names)
         buffers = init_buffers(params, spec, comm.local_ranks) if made_buffers is None else made_buffers
-        hand_over_parameters(params, shard.layout, gathered, stage)
+        if stage == 3:
+            hand_over_parameters(params, shard.layout, (), stage)
+        else:
+            # group by group, so the module's own copy of a group is freed before the next group
+            # is gathered: the init peak holds one model and one group, not two models
+            check_world(shard, comm)
+            gathered = tuple(
+                _handed_over(params, shard.layout, g, comm.all_gather(m.to(precision.param_dtype or g.dtype)))
+                for g, m in zip(shard.layout.groups, shard.master)
+            )
+    elif stage < 3:
+        gathered = gather_flat_params(shard, comm, precision.param_dtype)
     return TrainState(shard, opt, scaler, gathered, buffers, rng, precision, spec)
 
 
+def _handed_over(module: torch.nn.Module, layout: Any, group: FlatGroup, flat: torch.Tensor) -> torch.Tensor:
+    hand_over_parameters(module, layout, (flat,), 2, groups=(group,))
+    return flat
+
+
 def hand_over_parameters(module: torch.nn.Module, layout: Any, gathered: tuple[torch.Tensor, ...],
-                         stage: int) -> set[str]:
+                         stage: int, groups: Optional[Sequence[FlatGroup]] = None) -> set[str]:
     """After :func:`init_train_state` the state owns the module's trainable parameters: one
     copy in memory, not the module's and the state's.
 
@@ -207,16 +222,20 @@ def hand_over_parameters(module: torch.nn.Module, layout: Any, gathered: tuple[t
     compute dtype is the parameter's; with a different compute dtype the module keeps its
     own copy). A donating step gathers into those buffers, so the module follows the
     training; a pure step returns new buffers and the module keeps the ones it views.
+    ``groups``: only these flat groups, ``gathered`` holding their buffers in that order.
     Stage 3: the parameters move to the meta device (as FSDP2 and DeepSpeed's ZeRO-3 leave a
     module): :func:`fzero.write_back` gives them values again. Returns the names of the
     parameters that now view the state. No collective."""
     if stage == 3:
         release_parameters(module, [s.path for s in layout.trainable_slots])
         return set()
-    views = trainable_views(layout, gathered, 0)
     metas = {n for n, p in module.named_parameters() if p.is_meta}  # built on meta: it stays there
-    adopted = {s.path: views[s.path] for s in layout.trainable_slots
-               if views[s.path].dtype == s.dtype and s.path not in metas}
+    adopted = {}
+    for g, flat in zip(layout.groups if groups is None else groups, gathered):
+        for i, v in zip(g.slots, group_views(layout, g, flat[0])):
+            s = layout.slots[i]
+            if v.dtype == s.dtype and s.path not in metas:
+                adopted[s.path] = v
     adopt_parameters(module, adopted)
     return set(adopted)
 
@@ -298,7 +317,7 @@ def local_flat_grads(
         watcher = None
         if reduction is not None:
             watcher = BucketWatcher(lay, reduction.groups, r, reduction.buffers,
-                                    lambda b, r=r: reduction.add(b, r))
+                                    lambda b, grads, r=r: reduction.add(b, r, grads), rows)
             watcher.watch(leaves)
         tensors = merge_params(lay, {s.path: v for s, v in zip(train_slots, leaves)}, shard.frozen, dtype)
         bufs = [b[r].clone() for b in state.buffers]

@@ -126,7 +126,7 @@ def fp16_40000(comm: fzero.Communicator) -> torch.Tensor:
 
 
 def overlap_order(comm: fzero.Communicator, stage: int) -> dict:
-    """Stages 1-2 with one bucket per Linear: how many gradient reductions were issued before
+    """Stages 1-2 with one bucket per weight and per bias: how many gradient reductions were issued before
     backward reached the first layer (in the last step), and the trained parameters."""
     counting = fzero.CountingCommunicator(comm)
     marks: list[int] = []

@@ -33,7 +33,8 @@ def test_reductions_issued_before_backward_reaches_the_first_layer(stage, world)
     model = deep_mlp(Mark(counting, marks))
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), counting, stage=stage, bucket_numel=100)
     buckets = [b for b in buckets_of(state.layout) if b]
-    assert len(buckets) == 5  # one per Linear
+    # each weight (at least 100 elements: a bucket of its own) and each bias
+    assert len(buckets) == 10
     step = fzero.make_train_step(fzero.module_loss(model, mse), counting, stage=stage)
     x, y = data(1, world)[0]
     counting.reset()
@@ -41,11 +42,11 @@ def test_reductions_issued_before_backward_reaches_the_first_layer(stage, world)
     ops = [r.op for r in counting.records]
     reductions = [i for i, r in enumerate(counting.records)
                   if r.op in ("all_reduce", "reduce_scatter") and r.elements > 2]
-    assert len(reductions) == 5, ops
+    assert len(reductions) == 10, ops
     # the last rank's backward launches the buckets (a simulated world waits for every rank's part)
     before = [i for i in reductions if i < marks[-1]]
-    # the four buckets after the first Linear are on their way before backward reaches it
-    assert len(before) == 4, (marks, reductions, ops)
+    # the eight buckets after the first Linear are on their way before backward reaches it
+    assert len(before) == 8, (marks, reductions, ops)
 
 
 def test_launch_order_is_fixed_whatever_order_backward_completes_buckets():
@@ -171,9 +172,16 @@ def test_size_buckets_cuts_in_reverse_registration_order():
     model = deep_mlp(width=8, depth=2)  # Linear(8,8), Linear(8,8), Linear(8,4)
     assert size_buckets(model, 10**6) == {n: 0 for n, _ in model.named_parameters()}
     # from the end: 4.bias 4, 4.weight 32, 2.bias 8 -> 44 >= 40 closes bucket; 2.weight 64 alone;
-    # then 0.bias and 0.weight; numbered from the front
+    # 0.bias 8; 0.weight 64 >= 40 does not join an open bucket: alone; numbered from the front
     assert size_buckets(model, 40) == {
-        "0.weight": 0, "0.bias": 0, "2.weight": 1, "2.bias": 2, "4.weight": 2, "4.bias": 2,
+        "0.weight": 0, "0.bias": 1, "2.weight": 2, "2.bias": 3, "4.weight": 3, "4.bias": 3,
+    }
+    assert size_buckets(model, 65) == {  # 4.*, 2.bias: 44; 2.weight joins (64 < 65): 108; 0.*
+        "0.weight": 0, "0.bias": 0, "2.weight": 1, "2.bias": 1, "4.weight": 1, "4.bias": 1,
+    }
+    # 4.bias 4, then 4.weight 32 >= 30 alone; 2.bias 8, then 2.weight 64 alone; 0.bias, 0.weight
+    assert size_buckets(model, 30) == {
+        "0.weight": 0, "0.bias": 1, "2.weight": 2, "2.bias": 3, "4.weight": 4, "4.bias": 5,
     }
     assert sorted(size_buckets(model, 1).values()) == list(range(6))
 
@@ -195,3 +203,46 @@ def test_default_bucket_cuts_large_models_only():
     # 8 parameters of a quarter bucket each: two buckets, in registration order
     params = {f"p{i}": torch.zeros(DEFAULT_BUCKET_NUMEL // 4) for i in range(8)}
     assert size_buckets(params) == {f"p{i}": i // 4 for i in range(8)}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_lone_parameter_bucket_reduces_autograds_gradient_itself(world, monkeypatch):
+    """On a real rank (one local rank) a bucket holding one parameter that fills its flat group
+    exactly reduces the gradient autograd made, with no bucket buffer (an embedding's or an
+    output layer's: the largest gradients of a language model); a padded bucket, or a
+    simulated world's rows, copy into a buffer. Same bits either way."""
+    from fzero.buckets import BufferPool
+
+    taken = []
+    take = BufferPool.take
+    monkeypatch.setattr(BufferPool, "take", lambda self, n, *a: taken.append(n) or take(self, n, *a))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.Tanh(), torch.nn.Linear(32, 7))
+    comm = fzero.SimulatedWorld(world)
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, bucket_numel=1)
+    padded = {g.padded_numel: bool(g.padding) for g in state.layout.groups}
+    assert len(state.layout.groups) == 3 and sum(padded.values()) == 1  # 2.bias (7 -> padded)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm)
+    batches = [(torch.randn(4 * world, 16), torch.randn(4 * world, 7)) for _ in range(2)]
+    for x, y in batches:
+        state, _ = step(state, comm.split_batch((x, y)))
+    if world == 1:
+        assert sorted(set(taken)) == [n for n, pad in padded.items() if pad]
+    else:
+        assert sorted(set(taken)) == sorted(world * n for n in padded)
+    ref = trained_in_one_bucket(world, batches)
+    got = fzero.all_gather_params(state.shard, comm)
+    for k in got:
+        assert torch.equal(got[k], ref[k]), k
+
+
+def trained_in_one_bucket(world: int, batches) -> dict:
+    """The same training as one bucket (a buffer for everything), from the same start."""
+    torch.manual_seed(0)
+    fresh = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.Tanh(), torch.nn.Linear(32, 7))
+    comm = fzero.SimulatedWorld(world)
+    state = fzero.init_train_state(fresh, fzero.adamw(lr=1e-2), comm, bucket_numel=10**9)
+    step = fzero.make_train_step(fzero.module_loss(fresh, mse), comm)
+    for x, y in batches:
+        state, _ = step(state, comm.split_batch((x, y)))
+    return fzero.all_gather_params(state.shard, comm)

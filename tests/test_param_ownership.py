@@ -83,3 +83,46 @@ def test_frozen_parameters_are_shared_not_copied():
     model[0].weight.requires_grad_(False)
     state = fzero.init_train_state(model, fzero.adamw(), fzero.SimulatedWorld(2))
     assert _storage(state.shard.frozen[0]) == _storage(model[0].weight)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_init_holds_one_model_and_one_group_of_gathered_parameters(stage):
+    """init_train_state gathers the parameters group by group and hands each group's module
+    parameters over at once, so the module's copy of a group is freed before the next group
+    is gathered; the moments are not written before the first step (:func:`zeros_on_demand`).
+    Tracked live bytes at init's peak: the module, the master and one group, where gathering
+    everything before handing over held two models and the moments."""
+    from fzero.testing.census import Census
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(4)])
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    with Census({"module": list(model.parameters())}) as census:
+        state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), fzero.SimulatedWorld(1), stage=stage,
+                                       bucket_numel=1 << 20)
+    group = max(g.padded_numel for g in state.layout.groups) * 4
+    assert len(state.layout.groups) == 4
+    # module + master + the group being gathered (and the master's stacking of one group)
+    assert census.total_at_peak <= 2 * model_bytes + 2 * group + (1 << 20), census.table()
+    # master and gathered buffers; the moments are not written (the module views the buffers)
+    assert census.end_by_category.get("other", 0) <= 2 * model_bytes + (1 << 20)
+    assert all(float(m.abs().sum()) == 0 for ms in state.opt.moments for m in ms)
+
+
+def test_zeros_on_demand_cost_no_memory_until_written():
+    from fzero.optim import zeros_on_demand
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    like = torch.empty(2, 16 << 20)  # 128 MiB of fp32, never written: no RSS
+    before = rss()
+    z = zeros_on_demand(like)
+    assert z.shape == like.shape and z.dtype == like.dtype and z.is_contiguous()
+    assert rss() - before < 16 << 20
+    z[1].fill_(3.0)
+    assert rss() - before > 48 << 20
+    assert float(z[0].abs().max()) == 0.0 and float(z[1].min()) == 3.0
+    small = zeros_on_demand(torch.empty(3, dtype=torch.float64))
+    assert small.dtype == torch.float64 and torch.equal(small, torch.zeros(3, dtype=torch.float64))
