@@ -102,14 +102,17 @@ def buckets_of(layout: Layout) -> tuple[tuple[FlatGroup, ...], ...]:
 
 
 class BufferPool:
-    """Gradient bucket buffers kept from one step to the next (eager stages 1-2).
+    """Gradient bucket buffers reused from one bucket to the next within a step (eager
+    stages 1-2).
 
-    A fresh buffer the size of a bucket costs its page faults on every step
+    A fresh buffer the size of a bucket costs its page faults each time
     (measured on this project's machine: filling fresh memory runs at about
     2 GB/s, memory already mapped at about 7 GB/s), and the allocator returns
     large blocks to the system as soon as they are freed. The pool keeps at
     most ``limit`` buffers; it is scratch memory of a step function, never
-    part of the state. Not thread-safe (one step at a time).
+    part of the state, and the step empties it when it ends (:meth:`clear`):
+    kept between steps, it measured 110-160 MiB of held memory per rank at 162M
+    parameters for about 0.05 s of a 7 s step. Not thread-safe (one step at a time).
     """
 
     def __init__(self, limit: int = MAX_IN_FLIGHT + 1):
@@ -124,6 +127,10 @@ class BufferPool:
         if fits:
             return self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
         return torch.empty(numel, dtype=dtype, device=device)
+
+    def clear(self) -> None:
+        """Drop every buffer (their memory goes back to the allocator)."""
+        self.free.clear()
 
     def give(self, t: torch.Tensor) -> None:
         """Return a buffer nothing else refers to any more; a full pool keeps the largest."""

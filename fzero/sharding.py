@@ -82,8 +82,8 @@ def init_shard(
     layout = shard_layout(params, comm, trainable=trainable, optimizer=optimizer, bucket_of=bucket_of,
                           alignment=alignment)
     leaves = [x for _, x in named_leaves(params)[0]]
-    master = tuple(
-        torch.stack([flat_shard(layout, g, leaves, r) for r in comm.ranks]) for g in layout.groups
+    master = tuple(  # one row: the shard itself, no second copy of it at init
+        stack_rows([flat_shard(layout, g, leaves, r) for r in comm.ranks]) for g in layout.groups
     )
     # A module's frozen parameters are shared with it, never written (one copy in memory); a
     # pytree's are copied, since its tensors stay the caller's to change.

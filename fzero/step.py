@@ -482,7 +482,7 @@ def make_train_step(
         )
     schedules = dict(schedules or {})
     defer = stage == 1 or defer_reduce
-    pool = BufferPool()  # eager stages 1-2: gradient bucket buffers reused from step to step
+    pool = BufferPool()  # eager stages 1-2: gradient bucket buffers reused within a step
 
     def micro_batch(batch: Any, k: int) -> Any:
         if accum_steps == 1:
@@ -576,6 +576,8 @@ def make_train_step(
             else:  # accumulate in the master dtype (fp32), whatever the gradients' dtype
                 acc = tuple(a.to(g.master_dtype) + p for a, p, g in zip(acc, m.grads, groups))
             loss_sum = m.losses if loss_sum is None else loss_sum + m.losses
+        if not torch.compiler.is_compiling():
+            pool.clear()  # between steps a rank holds its state, not scratch buffers
         if accum_steps > 1:
             loss_sum = loss_sum / accum_steps
             if not final:
