@@ -4,6 +4,7 @@ command line (info, verify, consolidate), load options (hyperparams, donate)."""
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from fzero.checkpoint import (
     save_checkpoint,
 )
 from fzero.checkpoint.__main__ import main as cli
+from fzero.checkpoint.metadata import read_metadata
 from ckpt_worker import fresh, train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,11 +49,20 @@ def saved(tmp_path) -> tuple[Path, fzero.Communicator, fzero.TrainState]:
 
 def record(path: Path, key: str) -> tuple[str, int, int]:
     """(data file, byte offset, length) of the first saved chunk of ``key``."""
-    md = dcp.FileSystemReader(path).read_metadata()
+    md, _ = read_metadata(path)
     for idx, info in sorted(md.storage_data.items(), key=lambda kv: tuple(kv[0].offset or ())):
         if idx.fqn == key:
             return info.relative_path, info.offset, info.length
     raise KeyError(key)
+
+
+def as_saved_without_checksums(path: Path) -> None:
+    """Make ``path`` a checkpoint as fzero wrote them before checksums existed: no checksum
+    file, and no mark in the metadata saying it was saved with one."""
+    md, _ = read_metadata(path)
+    md.planner_data = None
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    (path / ckpt.checksums.CHECKSUMS_FILE).unlink()
 
 
 def overwrite(path: Path, file: str, offset: int, data: bytes) -> None:
@@ -106,8 +117,15 @@ def test_flipped_byte_keeping_size_raises_corruption_error(saved):
     else:
         pytest.fail("a flipped byte loaded silently")
     assert cli(["verify", str(path)]) == 1
-    # Without the checksums the same damage loads silently as other values: why they exist.
+    # Deleting the checksum file does not turn the checks off: the checkpoint is corrupt.
+    sums = (path / ckpt.checksums.CHECKSUMS_FILE).read_bytes()
     (path / ckpt.checksums.CHECKSUMS_FILE).unlink()
+    with pytest.raises(CheckpointCorruptError, match="saved with checksums and file checksums.json is missing"):
+        load_checkpoint(path, fresh(comm, seed=7), comm)
+    assert cli(["verify", str(path)]) == 1
+    (path / ckpt.checksums.CHECKSUMS_FILE).write_bytes(sums)
+    # Saved before checksums existed, the same damage loads silently as other values: why they exist.
+    as_saved_without_checksums(path)
     damaged, _ = load_checkpoint(path, fresh(comm, seed=7), comm)
     assert not all(torch.equal(a, b) for a, b in zip(damaged.shard.master, state.shard.master))
 
@@ -115,7 +133,7 @@ def test_flipped_byte_keeping_size_raises_corruption_error(saved):
 def test_damage_without_checksums_is_still_an_exception_naming_the_file(saved):
     """A checkpoint saved before checksums existed: DCP's BaseException becomes a CheckpointError."""
     path, comm, _ = saved
-    (path / ckpt.checksums.CHECKSUMS_FILE).unlink()
+    as_saved_without_checksums(path)
     file, offset, length = record(path, KEY)
     overwrite(path, file, offset, bytes(length))
     with pytest.raises(CheckpointCorruptError, match=rf"entry '{KEY}' in data file {file} cannot be decoded"):
@@ -159,7 +177,10 @@ def test_every_read_failure_is_a_checkpoint_error(saved, tmp_path):
     assert issubclass(ckpt.CheckpointNotFoundError, FileNotFoundError)
     assert issubclass(ckpt.CheckpointNotFoundError, CheckpointError)
     (path / ".metadata").write_bytes(bytes((path / ".metadata").stat().st_size))  # zero-filled
-    with pytest.raises(CheckpointError, match=r"unreadable .metadata"):
+    with pytest.raises(CheckpointCorruptError, match=r"file .metadata is not the one checksums.json was written for"):
+        ckpt.read_manifest(path)
+    (path / ckpt.checksums.CHECKSUMS_FILE).unlink()
+    with pytest.raises(CheckpointCorruptError, match=r"file .metadata cannot be read as checkpoint metadata"):
         ckpt.read_manifest(path)
 
 

@@ -23,6 +23,7 @@ from ..comm import Communicator
 from ..pytree import replace
 from ..sharding import check_world, gather_flat_params, gather_step_params
 from ..step import TrainState, consume, ensure_live
+from .checksums import CheckedDir
 from .errors import CheckpointMismatchError
 from .manifest import (
     MANIFEST_KEY,
@@ -198,7 +199,7 @@ def save_checkpoint(
     tmp = root / f"{_TMP_PREFIX}{name}"
     state_dict = _save_state_dict(state, comm, extra)
     _on_coordinator(pg, "preparing the checkpoint directory", lambda: _prepare_tmp(root, tmp))
-    dcp_save(state_dict, tmp, pg)
+    dcp_save(state_dict, tmp, pg, bind={"step": int(state.opt.step), "name": name})
     if pg is not None:
         dist.barrier(group=pg)  # every rank's files are complete before the rename
     _on_coordinator(pg, "publishing the checkpoint", lambda: _publish(root, tmp, name))
@@ -251,7 +252,8 @@ def load_checkpoint(
     ensure_live(template)
     check_world(template.shard, comm)
     pg = _process_group(comm)
-    d, metadata = _validated(path, template, comm)
+    checked = _validated(path, template, comm)
+    d, metadata = checked.dir, checked.metadata
     replicated = {k: torch.empty_like(v) for k, v in _replicated(template).items()}
     if hyperparams == "template":
         replicated = {k: v for k, v in replicated.items() if not k.startswith(_HYPER_PREFIX)}
@@ -262,7 +264,7 @@ def load_checkpoint(
     sd: dict[str, Any] = {**_sharded(template, comm, masters, moments), **replicated}
     extra = _extra_destinations(metadata)
     sd.update(extra)
-    dcp_load(sd, d, pg)  # raises CheckpointError naming the entry and file
+    dcp_load(sd, checked, pg)  # raises CheckpointError naming the entry and file
     if hyperparams == "template":
         replicated.update({k: v.clone() for k, v in _replicated(template).items() if k.startswith(_HYPER_PREFIX)})
     # donating, the parameters are regathered into the template's own buffers (which a stage
@@ -273,15 +275,16 @@ def load_checkpoint(
     return state, _unflatten_extra({k: sd[k] for k in extra})
 
 
-def _validated(path: PathLike, template: TrainState, comm: Communicator) -> tuple[Path, Metadata]:
-    """The checkpoint directory and its DCP metadata, once complete and matching ``template``."""
-    d, metadata = checked_metadata(path)
-    diff = _manifest_difference(_read_manifest(d, metadata), _manifest(template, comm))
+def _validated(path: PathLike, template: TrainState, comm: Communicator) -> CheckedDir:
+    """The checked checkpoint directory (metadata read without running code, bound to its
+    checksums), once complete and matching ``template``."""
+    checked = checked_metadata(path)
+    diff = _manifest_difference(_read_manifest(checked), _manifest(template, comm))
     if diff is not None:
         raise CheckpointMismatchError(
-            f"checkpoint {d} does not match this training state: {diff} (checkpoint vs this state)"
+            f"checkpoint {checked.dir} does not match this training state: {diff} (checkpoint vs this state)"
         )
-    return d, metadata
+    return checked
 
 
 def _extra_destinations(metadata: Metadata) -> dict[str, Any]:
