@@ -454,10 +454,34 @@ def verify_checkpoint_dir(checked: CheckedDir) -> int:
                     data = stream.read(record.length)
                     check_record(d, record, data)
                     check_step(checked, record, data)
+                    check_decodes(checked, record, data)
                     total += record.length
         except OSError as e:
             raise CheckpointCorruptError(f"checkpoint {d}: data file {f} cannot be read ({e})") from e
     return total
+
+
+def check_decodes(checked: CheckedDir, record: Record, data: bytes) -> None:
+    """The record decodes as loading decodes it (``torch.load(weights_only=True)``), to a
+    tensor of its chunk's size and dtype for a tensor entry: what loading would refuse,
+    verifying refuses too, though its checksum matches (a checkpoint written to harm)."""
+    entry = checked.metadata.state_dict_metadata[record.key]
+    try:
+        value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - anything but the allowed types and a damaged record alike
+        raise CheckpointCorruptError(
+            f"corrupt checkpoint {checked.dir}: {record.describe()} in data file {record.file} cannot be "
+            f"decoded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from e
+    if isinstance(entry, TensorStorageMetadata):
+        chunk = next(c for c in entry.chunks if tuple(c.offsets) == record.chunk)
+        if not (isinstance(value, torch.Tensor) and value.size() == chunk.sizes
+                and value.dtype == entry.properties.dtype):
+            got = f"{value.dtype}{list(value.size())}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise CheckpointCorruptError(
+                f"corrupt checkpoint {checked.dir}: {record.describe()} in data file {record.file} holds {got}, "
+                f"its metadata says {entry.properties.dtype}{list(chunk.sizes)}"
+            )
 
 
 def _by_file(records: Iterable[Record]) -> list[tuple[str, list[Record]]]:

@@ -152,6 +152,15 @@ def _is_count(x: Any) -> bool:
 def check_metadata(d: Path, md: Metadata) -> None:
     """Everything fzero and DCP read from ``md`` has the type and the value it must have (see
     the module doc); :class:`CheckpointCorruptError` naming the entry otherwise."""
+    try:
+        _check_metadata(d, md)
+    except CheckpointCorruptError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a field unpickled under another name, of another type
+        raise _fail(d, f"a field is missing or malformed ({type(e).__name__}: {_first_line(e)})") from e
+
+
+def _check_metadata(d: Path, md: Metadata) -> None:
     entries = md.state_dict_metadata
     if not isinstance(entries, dict):
         raise _fail(d, "it has no entry table")

@@ -107,9 +107,15 @@ def _numel(shape: list[int]) -> int:
 
 
 def verify_checkpoint(path: PathLike) -> int:
-    """Check every record of the checkpoint at ``path`` against its checksum; returns the bytes
-    checked. Raises :class:`CheckpointCorruptError` naming the entry and data file."""
-    return verify_checkpoint_dir(checked_metadata(path))
+    """Check the checkpoint at ``path`` as loading it would, without a training state: its
+    metadata (read without running code) and its binding to the checksum file, every record
+    against its checksum, that every record decodes (``weights_only``) to what the metadata
+    says, the step, and the manifest. Returns the bytes checked. Raises
+    :class:`CheckpointError` (:class:`CheckpointCorruptError` naming the entry and data file)."""
+    checked = checked_metadata(path)
+    total = verify_checkpoint_dir(checked)
+    _read_manifest(checked)
+    return total
 
 
 def consolidate_model_state_dict(path: PathLike) -> dict[str, torch.Tensor]:
