@@ -4,7 +4,8 @@ Keys: ``fzero/master/{path}`` and ``fzero/{moment}/{path}`` (each trainable para
 master and moments as a logical 1-D tensor of its ``numel``; each rank writes the pieces
 inside the flat range it owns, never padding); the replicated tensors listed by
 :func:`_replicated` (step, hyperparameters, scaler leaves, frozen parameters), written
-once; ``extra/...`` (the caller's); ``fzero/manifest``.
+once; ``fzero/rng/{rank}`` (each rank's generator state, written by its process);
+``extra/...`` (the caller's); ``fzero/manifest``.
 
 Imports: :mod:`fzero.step` and below, the other modules of this package.
 """
@@ -12,6 +13,7 @@ Imports: :mod:`fzero.step` and below, the other modules of this package.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -118,12 +120,45 @@ def _save_state_dict(
     sd: dict[str, Any] = {MANIFEST_KEY: json.dumps(_manifest(state, comm), sort_keys=True)}
     sd.update(_sharded(state, comm, state.shard.master, state.opt.moments))
     sd.update(_replicated(state))
+    sd.update(_rng_entries(state, comm))
     if extra:
         sd.update(_flatten_extra(extra))
     return sd
 
 
 BUFFER_PREFIX = "fzero/buffer/"
+RNG_PREFIX = "fzero/rng/"
+
+
+def _rng_entries(state: TrainState, comm: Communicator) -> dict[str, torch.Tensor]:
+    """``fzero/rng/{rank}``: each rank's generator state (see :mod:`fzero.rng`), written by
+    the process that holds the rank (none when the state keeps no generators)."""
+    if not state.rng:
+        return {}
+    return {f"{RNG_PREFIX}{r}": state.rng[0][i] for i, r in enumerate(comm.ranks)}
+
+
+def _rng_destinations(template: TrainState, comm: Communicator, metadata: Metadata) -> dict[str, torch.Tensor]:
+    """Where the saved generators of this process's ranks are read to: rank ``r`` reads
+    ``fzero/rng/{r}`` when the checkpoint has it; the others keep the template's (the
+    resharding rule: see :func:`load_checkpoint`)."""
+    if not template.rng:
+        return {}
+    rows = {}
+    for i, r in enumerate(comm.ranks):
+        key, mine = f"{RNG_PREFIX}{r}", template.rng[0][i]
+        md = metadata.state_dict_metadata.get(key)
+        if md is None:
+            continue
+        if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(mine.shape) \
+                or md.properties.dtype != mine.dtype:
+            # another device type's generator (CPU vs CUDA states differ in size): not loadable here
+            warnings.warn(f"checkpoint entry {key!r} is not a generator state of this device; rank {r} "
+                          "keeps the template's generator (the run will not repeat the saved one exactly)",
+                          stacklevel=3)
+            continue
+        rows[key] = torch.empty_like(mine)
+    return rows
 
 
 def persistent_buffers(state: TrainState) -> list[tuple[str, torch.Tensor]]:
@@ -173,6 +208,8 @@ def save_checkpoint(
     keys without ``/``) of tensors, python scalars, strings, None and lists/tuples/
     dicts of them; it is taken as replicated: give per-rank values distinct keys.
 
+    Each rank's generator state (``state.rng``) is saved as ``fzero/rng/{rank}``, so that a
+    resumed run draws the same dropout masks as the uninterrupted one.
     Every record gets a CRC-32, checked when it is read (see :mod:`.checksums`).
     Atomic: the checkpoint is written to ``root/.tmp-{name}`` and renamed once every
     rank has finished, then ``LATEST`` is replaced atomically; until then the
@@ -240,6 +277,14 @@ def load_checkpoint(
     before regathering, so the peak is one state plus one saved chunk; the template is
     then consumed (fzero functions given it raise ``ValueError``), as a donated state is.
 
+    Generators (``state.rng``, :mod:`fzero.rng`): rank ``r`` continues from the generator
+    state rank ``r`` saved, so a resumed run draws what the uninterrupted run would have
+    drawn. Resharding, the rule is by rank number: a rank the saved run did not have (a
+    larger world) keeps the template's generator (``init_train_state``'s ``seed``), and
+    the generators of saved ranks beyond this world are not loaded. A checkpoint without
+    generators (saved with ``seed=None``, or before fzero saved them) leaves every rank the
+    template's; a template with ``seed=None`` keeps none.
+
     Checks first, on every rank alike: :class:`IncompleteCheckpointError` if
     ``.metadata`` or a data file is missing or truncated; :class:`CheckpointMismatchError`
     naming the first difference for another model/optimizer/scaler/precision. While
@@ -264,12 +309,16 @@ def load_checkpoint(
     sd: dict[str, Any] = {**_sharded(template, comm, masters, moments), **replicated}
     extra = _extra_destinations(metadata)
     sd.update(extra)
+    sd.update(_rng_destinations(template, comm, metadata))
     dcp_load(sd, checked, pg)  # raises CheckpointError naming the entry and file
     if hyperparams == "template":
         replicated.update({k: v.clone() for k, v in _replicated(template).items() if k.startswith(_HYPER_PREFIX)})
     # donating, the parameters are regathered into the template's own buffers (which a stage
     # 1-2 module views): nothing of their size is allocated
     state = _assemble(template, comm, masters, moments, replicated, into=template.params if donate else None)
+    if template.rng:
+        rows = [sd.get(f"{RNG_PREFIX}{r}", template.rng[0][i].clone()) for i, r in enumerate(comm.ranks)]
+        state = replace(state, rng=(torch.stack(rows),))
     if donate:
         state = consume(template, state)
     return state, _unflatten_extra({k: sd[k] for k in extra})
