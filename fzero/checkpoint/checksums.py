@@ -7,12 +7,20 @@ Saving: :class:`ChecksumWriter` passes every byte a rank writes through ``zlib.c
 on its way to the file (no second read; for large writes in a second thread, at the same
 time as the write itself), one CRC per record (DCP starts each record
 with ``tell()``, and ``torch.save`` writes sequentially). The CRCs travel with DCP's
-write results to the coordinator, which writes them to ``checksums.json`` before DCP
-writes ``.metadata``, last. Loading: :class:`VerifyingReader` reads each record whole,
-checks its CRC, then hands the bytes to DCP, so what is checked is what is decoded.
-A damaged record raises :class:`CheckpointCorruptError` naming the directory, the
-data file and the entry; :func:`verify_checkpoint` checks every record, in one
-process, without a process group.
+write results to the coordinator, which writes them to ``checksums.json`` and then
+``.metadata``, last (pickled here, not by DCP, so that its digest is known first).
+
+``checksums.json`` (version 2) binds everything a reader trusts: per record its file,
+byte offset, length, CRC, entry and chunk (offsets and sizes); the step and the name the
+checkpoint was saved under; the SHA-256 of ``.metadata``; and a CRC of all of it. The
+metadata carries a mark that it was saved with checksums, so a missing checksum file is
+damage. :func:`open_checked` checks the digest before ``.metadata`` is unpickled (with
+the allow-list of :mod:`.metadata`), then that every record is bound to its checksum.
+Loading: :class:`VerifyingReader` reads each record whole, checks its CRC (and the step
+against the checksum file's), then hands the bytes to DCP, so what is checked is what is
+decoded. A damaged record raises :class:`CheckpointCorruptError` naming the directory,
+the data file and the entry; :func:`verify_checkpoint_dir` checks every record, and that
+each decodes as loading would, in one process, without a process group.
 
 Algorithm, chosen by measurement (``benchmarks/bench_checkpoint.py``; this project's
 machine, 2 cores shared with other jobs, so every number varies by 1.5x): saving a 300 MB
@@ -26,7 +34,7 @@ to its full cost (10-27 %) when none is. CRC-32 detects every burst error up to 
 flipped byte, a torn sector) and any other damage with probability 1 - 2**-32. It guards
 against accidents, not against an adversary.
 
-Imports: :mod:`fzero.checkpoint.errors`.
+Imports: :mod:`fzero.checkpoint.errors`, :mod:`fzero.checkpoint.metadata`.
 """
 
 from __future__ import annotations
