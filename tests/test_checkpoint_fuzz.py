@@ -13,13 +13,12 @@ with valid checksums). A payload would create a marker file.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import pickle
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import pytest
 import torch

@@ -3,15 +3,16 @@ command line (info, verify, consolidate), load options (hyperparams, donate)."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 import fzero
 import fzero.checkpoint as ckpt
@@ -285,3 +286,42 @@ def test_donated_template_is_loaded_in_place(saved):
     assert all(torch.equal(a, b) for a, b in zip(leaves(state), leaves(pure)))
     with pytest.raises(ValueError, match="consumed"):
         load_checkpoint(path, template, comm)
+
+
+def test_checkpoint_with_first_version_checksums_still_loads_checked(saved):
+    """Saved before the checksum file bound the metadata (version 1: records only, no mark in
+    the metadata): it loads, and its records are still checked."""
+    path, comm, state = saved
+    md, _ = read_metadata(path)
+    md.planner_data = None
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    f = path / ckpt.checksums.CHECKSUMS_FILE
+    doc = json.loads(f.read_text())
+    records = [r[:6] for r in doc["records"]]
+    body = json.dumps(records, separators=(",", ":"))
+    f.write_text(json.dumps({"algorithm": "crc32", "records": records, "self": zlib.crc32(body.encode())}))
+    loaded, _ = load_checkpoint(path, fresh(comm, seed=7), comm)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.shard.master, state.shard.master))
+    assert ckpt.verify_checkpoint(path) > 0
+    file, offset, length = record(path, KEY)
+    overwrite(path, file, offset, bytes(length))
+    with pytest.raises(CheckpointCorruptError, match=rf"entry '{KEY}' in data file {file} .*crc32"):
+        load_checkpoint(path, fresh(comm, seed=7), comm)
+
+
+def test_latest_that_is_not_text_or_names_another_checkpoint(saved):
+    path, comm, _ = saved
+    root = path.parent
+    (root / "LATEST").write_bytes(b"\xff\xfe\x00c\n")
+    with pytest.raises(CheckpointCorruptError, match="LATEST is damaged: it is not text"):
+        load_checkpoint(root, fresh(comm, seed=7), comm)
+    assert cli(["info", str(root)]) == 1
+    (root / "LATEST").write_text("c\n")
+    other = save_checkpoint(fresh(comm), root, comm, name="d")  # LATEST now names "d"
+    for f in other.iterdir():  # "c"'s files in "d"'s place: a consistent checkpoint, of another name
+        f.unlink()
+    for f in path.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(CheckpointCorruptError, match="LATEST names it 'd', but it was saved as 'c'"):
+        load_checkpoint(root, fresh(comm, seed=7), comm)
+    load_checkpoint(other, fresh(comm, seed=7), comm)  # named directly, it is the checkpoint it holds

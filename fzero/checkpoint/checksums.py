@@ -60,13 +60,20 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .errors import CheckpointCorruptError
-from .metadata import FZERO_KEY, METADATA_FILE, check_metadata, fzero_marks, read_bytes, unpickle_metadata
+from .metadata import (
+    CHECKSUMS_FILE,
+    FZERO_KEY,
+    METADATA_FILE,
+    check_metadata,
+    fzero_marks,
+    read_bytes,
+    unpickle_metadata,
+)
 
 __all__ = ["ALGORITHM", "CHECKSUMS_FILE", "ChecksumWriter", "VerifyingReader", "verify_checkpoint_dir",
            "open_checked", "CheckedDir"]
 
 ALGORITHM = "crc32"
-CHECKSUMS_FILE = "checksums.json"
 VERSION = 2  # of the checksum file: 2 binds the metadata's digest, the step, the name, chunk sizes
 
 

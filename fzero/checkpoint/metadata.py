@@ -45,6 +45,7 @@ from .errors import CheckpointCorruptError
 __all__ = ["METADATA_FILE", "FZERO_KEY", "read_metadata", "unpickle_metadata", "check_metadata", "DTYPES"]
 
 METADATA_FILE = ".metadata"
+CHECKSUMS_FILE = "checksums.json"  # written by .checksums; named here, the one file a record may not be
 # Metadata.planner_data holds {FZERO_KEY: {...}} in checkpoints fzero writes (see .checksums):
 # what the checkpoint was saved with, so a missing checksum file is damage, not an old format.
 FZERO_KEY = "fzero"
@@ -212,8 +213,6 @@ def _at(index: MetadataIndex) -> str:
 
 def _is_plain_file(name: Any) -> bool:
     """A file of the checkpoint directory itself: no directory part, not hidden, not ours."""
-    from .checksums import CHECKSUMS_FILE
-
     return (isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name and "\0" not in name
             and not name.startswith(".") and name != CHECKSUMS_FILE)
 
