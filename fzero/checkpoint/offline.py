@@ -76,7 +76,7 @@ def checkpoint_info(path: PathLike) -> dict[str, Any]:
     by_kind: dict[str, int] = {}
     for idx, info in metadata.storage_data.items():
         parts = idx.fqn.split("/")
-        kind = parts[0] if parts[0] != "fzero" else parts[1]
+        kind = parts[1] if parts[0] == "fzero" and len(parts) > 1 else parts[0]
         by_kind[kind] = by_kind.get(kind, 0) + info.length
     files = {f.name: f.stat().st_size for f in sorted(d.iterdir()) if f.is_file()}
     params = man["params"]

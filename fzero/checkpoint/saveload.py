@@ -285,11 +285,16 @@ def load_checkpoint(
     generators (saved with ``seed=None``, or before fzero saved them) leaves every rank the
     template's; a template with ``seed=None`` keeps none.
 
-    Checks first, on every rank alike: :class:`IncompleteCheckpointError` if
-    ``.metadata`` or a data file is missing or truncated; :class:`CheckpointMismatchError`
+    Nothing in the checkpoint runs: ``.metadata`` is read with an allow-list of DCP's
+    metadata types, object entries with ``weights_only=True`` (see :mod:`.metadata`).
+    Checks first, on every rank alike: :class:`CheckpointCorruptError` if the metadata is
+    damaged, not the one the checksum file was written for, or lacks a checksum file it was
+    saved with, or if (through a root) ``LATEST`` names a checkpoint saved under another
+    name; :class:`IncompleteCheckpointError` if ``.metadata`` or a data file is missing or truncated; :class:`CheckpointMismatchError`
     naming the first difference for another model/optimizer/scaler/precision. While
-    reading, every record's checksum: :class:`CheckpointCorruptError` naming the entry
-    and the data file. Every failure is a :class:`CheckpointError` (an ``Exception``).
+    reading, every record's checksum (and the step against the checksum file's):
+    :class:`CheckpointCorruptError` naming the entry and the data file. Every failure is a
+    :class:`CheckpointError` (an ``Exception``).
     Collectives: DCP's load (plans scatter, a final gather), then the gathers.
     """
     if hyperparams not in HYPERPARAMS:
