@@ -290,8 +290,9 @@ def load_checkpoint(
     Checks first, on every rank alike: :class:`CheckpointCorruptError` if the metadata is
     damaged, not the one the checksum file was written for, or lacks a checksum file it was
     saved with, or if (through a root) ``LATEST`` names a checkpoint saved under another
-    name; :class:`IncompleteCheckpointError` if ``.metadata`` or a data file is missing or truncated; :class:`CheckpointMismatchError`
-    naming the first difference for another model/optimizer/scaler/precision. While
+    name; :class:`IncompleteCheckpointError` if ``.metadata`` or a data file is missing or
+    truncated; :class:`CheckpointMismatchError` naming the first difference for another
+    model/optimizer/scaler/precision. While
     reading, every record's checksum (and the step against the checksum file's):
     :class:`CheckpointCorruptError` naming the entry and the data file. Every failure is a
     :class:`CheckpointError` (an ``Exception``).
