@@ -269,7 +269,8 @@ def test_pickle_payloads_never_run(world, tmp_path, capsys):
         sums["self"] = _doc_crc(sums)
         (d / CHECKSUMS_FILE).write_text(json.dumps(sums))
         e = _no_code_runs(world, root, marker, f".metadata {label}, re-signed", capsys)
-        assert "file .metadata cannot be read as checkpoint metadata" in str(e) and "open, which is not part of checkpoint metadata" in str(e)
+        assert "file .metadata cannot be read as checkpoint metadata" in str(e)
+        assert "open, which is not part of checkpoint metadata" in str(e)
         (d / CHECKSUMS_FILE).unlink()
         _no_code_runs(world, root, marker, f".metadata {label}, no checksums", capsys)
 

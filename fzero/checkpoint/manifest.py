@@ -10,7 +10,8 @@ DCP writes ``.metadata`` last; :func:`checked_metadata` requires it, every data 
 names, each long enough, and fails with :class:`IncompleteCheckpointError` otherwise.
 
 Imports: :mod:`fzero.step` (the state), :mod:`fzero.checkpoint.planners`,
-:mod:`fzero.checkpoint.publish`, :mod:`fzero.checkpoint.errors`.
+:mod:`fzero.checkpoint.publish`, :mod:`fzero.checkpoint.checksums`, :mod:`fzero.checkpoint.metadata`,
+:mod:`fzero.checkpoint.errors`.
 """
 
 from __future__ import annotations
