@@ -35,6 +35,7 @@ class GPTConfig:
     n_layers: int = 4
     n_heads: int = 4
     context: int = 64
+    dropout: float = 0.0  # on each residual branch, while training (draws from each rank's generator)
 
 
 class Embed(nn.Module):
@@ -56,6 +57,7 @@ class Block(nn.Module):
             raise ValueError(f"d_model {cfg.d_model} is not divisible by n_heads {cfg.n_heads}")
         d = cfg.d_model
         self.n_heads = cfg.n_heads
+        self.dropout = cfg.dropout
         self.ln1 = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.attn_proj = nn.Linear(d, d)
@@ -69,8 +71,12 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
         q, k, v = (z.reshape(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.attn_proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp_proj(F.gelu(self.fc(self.ln2(x))))
+        x = x + self._drop(self.attn_proj(y.transpose(1, 2).reshape(b, t, d)))
+        return x + self._drop(self.mlp_proj(F.gelu(self.fc(self.ln2(x)))))
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        # no call at all without dropout: a run without it draws nothing from the generator
+        return F.dropout(x, self.dropout, self.training) if self.dropout else x
 
 
 class Head(nn.Module):

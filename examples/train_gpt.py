@@ -14,6 +14,14 @@ On real processes with torch.distributed (gloo on CPU, NCCL on GPU):
 
     torchrun --nproc-per-node 2 examples/train_gpt.py --comm torch
 
+Checkpoints: ``--ckpt DIR`` saves the run there when it ends (and every ``--save-every N``
+steps); ``--resume`` continues from the latest one with the same options, and gives the
+run the uninterrupted one would have given, bit for bit (the weights, the optimizer, each
+rank's dropout generator and the data order are all saved):
+
+    python examples/train_gpt.py --dropout 0.1 --ckpt runs/ckpt --save-every 100
+    python examples/train_gpt.py --dropout 0.1 --ckpt runs/ckpt --resume
+
 It prints a progress line (tokens/s, loss, learning rate, loss scale, skipped
 steps, gradient norm), then the loss over the run, the training-state memory
 per rank of ZeRO stages 1, 2 and 3 at this world size, the path of a plot
@@ -23,6 +31,7 @@ per rank of ZeRO stages 1, 2 and 3 at this world size, the path of a plot
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import sys
 import time
@@ -65,10 +74,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="torch intra-op threads per process (0: torch's default)")
     p.add_argument("--out", default="runs", help="directory for the plot")
     p.add_argument("--sample-chars", type=int, default=400, help="characters to sample at the end (0: none)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="model init, data order and each rank's dropout generator: one seed, one run")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout on the residual branches")
+    p.add_argument("--ckpt", metavar="DIR", help="checkpoint root: save there (every --save-every steps, "
+                   "and when the run ends or stops); --resume continues from its latest checkpoint")
+    p.add_argument("--save-every", type=int, default=0, metavar="N", help="save every N steps (0: only at the end)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run saved in --ckpt: the same steps, losses and weights as if uninterrupted")
+    p.add_argument("--stop-at", type=int, default=0, metavar="STEP",
+                   help="stop once STEP steps are done (saving a checkpoint), as a job with a time limit would")
+    p.add_argument("--timeout", type=float, default=0, metavar="SECONDS",
+                   help="--comm torch: a rank waits at most this long for a peer in a collective "
+                        "(0: torch's default, 30 minutes)")
     args = p.parse_args(argv)
     if args.accum < 1 or args.steps < 1 or args.clip < 0:
         p.error("--accum and --steps must be >= 1 and --clip >= 0")
+    if (args.resume or args.save_every) and not args.ckpt:
+        p.error("--resume and --save-every need --ckpt DIR")
+    if args.save_every < 0 or args.stop_at < 0 or args.timeout < 0 or not 0 <= args.dropout < 1:
+        p.error("--save-every, --stop-at and --timeout must be >= 0, --dropout in [0, 1)")
     return args
 
 
@@ -177,13 +202,58 @@ def choose_dtype(requested: str) -> tuple[str, str]:
     return ("bf16" if native else "fp32"), f"--dtype auto: {why}"
 
 
+def run_config(args: argparse.Namespace, global_batch: int) -> dict:
+    """What decides the run beyond the model and optimizer (which the checkpoint's manifest
+    checks): a resumed run must be given the same, or it would not be the same run."""
+    return {"steps": args.steps, "global_batch": global_batch, "lr": args.lr, "clip": args.clip,
+            "accum": args.accum, "seed": args.seed, "dropout": args.dropout}
+
+
+def resume(args: argparse.Namespace, state: fzero.TrainState, comm: fzero.Communicator, config: dict,
+           data: torch.Generator, hist: dict) -> tuple[fzero.TrainState, int, int]:
+    """The state, next step and skipped-step count of the run saved in ``args.ckpt``; the data
+    generator and the history continue where it stopped."""
+    state, extra = fzero.load_checkpoint(args.ckpt, state, comm, donate=True)
+    if extra.get("config") != config:
+        saved = extra.get("config", {})
+        diff = next((k for k in config if saved.get(k) != config[k]), "config")
+        raise SystemExit(f"--resume: the checkpoint in {args.ckpt} was saved by a run with {diff} = "
+                         f"{saved.get(diff)!r}, this one has {config.get(diff)!r}: give the same options")
+    data.set_state(extra["data_rng"])
+    for k, v in extra["history"].items():
+        hist[k] = list(v)
+    return state, int(extra["next_step"]), int(extra["skipped"])
+
+
+def save(args: argparse.Namespace, state: fzero.TrainState, comm: fzero.Communicator, config: dict,
+         data: torch.Generator, hist: dict, done: int, skipped: int) -> Path:
+    """A checkpoint of the run after ``done`` steps: the state (generators included) and what
+    the loop needs to continue exactly (data generator, next step, history)."""
+    history = {k: v for k, v in hist.items() if k != "vocab"}
+    extra = {"config": config, "data_rng": data.get_state(), "next_step": done, "skipped": skipped,
+             "history": history}
+    return fzero.save_checkpoint(state, args.ckpt, comm, name=f"step-{done:08d}", extra=extra)
+
+
+def params_digest(full: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of the trained fp32 parameters (names and bytes): equal digests, equal weights."""
+    h = hashlib.sha256()
+    for name in sorted(full):
+        h.update(name.encode())
+        h.update(full[name].detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 def run(args: argparse.Namespace) -> dict:
     if args.comm == "torch":
+        import datetime
+
         import torch.distributed as dist
         from fzero.dist import TorchCommunicator
 
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        comm: fzero.Communicator = TorchCommunicator()
+        bound = {"timeout": datetime.timedelta(seconds=args.timeout)} if args.timeout else {}
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **bound)
+        comm: fzero.Communicator = TorchCommunicator(timeout=args.timeout or None)
     else:
         comm = fzero.SimulatedWorld(args.world_size)
     world = comm.world_size
@@ -195,7 +265,7 @@ def run(args: argparse.Namespace) -> dict:
 
     text = CharText()
     cfg = GPTConfig(vocab=text.vocab, d_model=args.d_model, n_layers=args.layers,
-                    n_heads=args.heads, context=args.context)
+                    n_heads=args.heads, context=args.context, dropout=args.dropout)
     model = build_gpt(cfg, seed=args.seed)  # every rank builds the same initial model
     criterion = make_criterion(cfg.vocab)
     optimizer = fzero.adamw(
@@ -203,7 +273,7 @@ def run(args: argparse.Namespace) -> dict:
         groups=[(fzero.no_weight_decay_for(model), {"weight_decay": 0.0})],
     )
     precision = fzero.MixedPrecision(param_dtype=DTYPES[args.dtype])
-    state = fzero.init_train_state(model, optimizer, comm, stage=args.stage, precision=precision,
+    state = fzero.init_train_state(model, optimizer, comm, stage=args.stage, precision=precision, seed=args.seed,
                                    units=(Block,))  # one stage-3 unit per block, at every stage: one layout
     warmup = min(50, args.steps // 5)
     step = fzero.make_train_step(
@@ -232,12 +302,18 @@ def run(args: argparse.Namespace) -> dict:
     data = torch.Generator().manual_seed(1234 + args.seed)  # same global batches on every rank
     hist: dict[str, list] = {"loss": [], "scale": [], "grad_norm": [], "found_inf": [], "lr": [],
                              "vocab": text.vocab}
+    config = run_config(args, global_batch)
+    start, skipped = 0, 0
+    if args.resume:
+        state, start, skipped = resume(args, state, comm, config, data, hist)
+        say(f"resumed from {fzero.resolve_checkpoint(args.ckpt)} at step {start}")
+    end = min(args.steps, args.stop_at) if args.stop_at else args.steps
     bar = Progress(args.steps, lead)
     tokens_per_step = global_batch * cfg.context
     t0 = time.perf_counter()
-    window = [(0, t0)]
-    skipped = 0
-    for i in range(args.steps):
+    window = [(start, t0)]
+    saved_at = start
+    for i in range(start, end):
         batch = text.batch(global_batch, cfg.context, data)
         state, m = step(state, comm.split_batch(batch, micro_batches=args.accum))
         vals = {k: m[k].item() for k in ("loss", "scale", "grad_norm", "found_inf", "lr")}
@@ -249,15 +325,27 @@ def run(args: argparse.Namespace) -> dict:
         rate = (window[-1][0] - window[0][0]) * tokens_per_step / max(window[-1][1] - window[0][1], 1e-9)
         bar.update(i, f"{rate:7,.0f} tok/s  loss {vals['loss']:.3f}  lr {vals['lr']:.2e}  "
                       f"scale {vals['scale']:g}  skipped {skipped}  gnorm {vals['grad_norm']:.2f}")
+        if args.ckpt and args.save_every and (i + 1) % args.save_every == 0:
+            save(args, state, comm, config, data, hist, i + 1, skipped)
+            saved_at = i + 1
     bar.close()
     elapsed = time.perf_counter() - t0
+    if args.ckpt and saved_at != end:
+        path = save(args, state, comm, config, data, hist, end, skipped)
+        say(f"checkpoint: {path}")
+    if end < args.steps:
+        say(f"stopped at step {end} of {args.steps} (--stop-at); continue with --resume")
+        if args.comm == "torch":
+            torch.distributed.destroy_process_group()
+        return {"stopped_at": end, "losses": hist["loss"], "skipped": skipped}
+    done = args.steps - start
 
     k = max(1, min(10, args.steps // 3))
     first = sum(hist["loss"][:k]) / k
     last = sum(hist["loss"][-k:]) / k
     say(f"\nloss {first:.3f} -> {last:.3f} (mean of the first and last {k} steps; "
         f"uniform guess ln {text.vocab} = {math.log(text.vocab):.3f}), {skipped} skipped steps, "
-        f"{args.steps} steps in {elapsed:.1f} s ({args.steps * tokens_per_step / elapsed:,.0f} tok/s)")
+        f"{done} steps in {elapsed:.1f} s ({done * tokens_per_step / max(elapsed, 1e-9):,.0f} tok/s)")
 
     reports = [fzero.memory_report(lay, optimizer, stage=s, precision=precision, world_size=world)
                for s in (1, 2, 3)]
@@ -268,7 +356,9 @@ def run(args: argparse.Namespace) -> dict:
     # The full fp32 parameters, gathered from the shards (a collective: every rank joins).
     full = {name: p[0] for name, p in fzero.all_gather_params(state.shard, comm).items()}
     result = {"first_loss": first, "last_loss": last, "skipped": skipped, "seconds": elapsed,
-              "losses": hist["loss"], "plot": None, "sample": ""}
+              "losses": hist["loss"], "plot": None, "sample": "", "params_sha256": params_digest(full)}
+    say(f"trained parameters: sha256 {result['params_sha256']}")
+    model.eval()  # no dropout from here: evaluation and sampling
     if lead:
         init = {n: p.detach() for n, p in build_gpt(cfg, seed=args.seed).named_parameters()}
         result["val_loss_start"] = held_out_loss(model, init, text, criterion, cfg.context)

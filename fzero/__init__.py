@@ -10,6 +10,7 @@ explicitly: :class:`SimulatedWorld` (N ranks in one process) or
 """
 
 from .comm import (
+    CollectiveError,
     CollectiveRecord,
     Communicator,
     CountingCommunicator,
@@ -92,6 +93,7 @@ def __getattr__(name: str):  # noqa: ANN202 - PEP 562 lazy attributes
 __all__ = [
     *_CHECKPOINT_API,
     "NAMESPACE",
+    "CollectiveError",
     "CollectiveRecord",
     "Communicator",
     "CountingCommunicator",

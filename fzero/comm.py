@@ -38,6 +38,7 @@ import torch
 import torch.utils._pytree as tp
 
 __all__ = [
+    "CollectiveError",
     "Communicator",
     "SimulatedWorld",
     "CountingCommunicator",
@@ -46,6 +47,31 @@ __all__ = [
 ]
 
 ReduceOp = Literal["sum", "avg", "max"]
+
+
+class CollectiveError(RuntimeError):
+    """A collective did not complete on this rank: a peer stalled past the communicator's
+    timeout, or died. ``collective`` names it, ``step`` is the train step it belonged to
+    (``state.opt.step + 1``; None outside a step), ``timeout`` the bound in seconds.
+
+    The process group is unusable afterwards (peers may be inside the collective): end the
+    process with an error, and let the launcher (``torchrun``) stop or restart the job."""
+
+    def __init__(self, collective: str, rank: int, timeout: float | None, cause: str, step: int | None = None):
+        self.collective, self.rank, self.timeout, self.cause, self.step = collective, rank, timeout, cause, step
+        within = "" if timeout is None else f" within {timeout:g} s"
+        during = "" if step is None else f" during step {step}"
+        super().__init__(
+            f"rank {rank}: collective {collective}{during} did not complete{within} (a peer rank stalled "
+            f"or died): {cause}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.collective, self.rank, self.timeout, self.cause, self.step))
+
+    def at_step(self, step: int) -> "CollectiveError":
+        """The same error, naming the train step it happened in."""
+        return type(self)(self.collective, self.rank, self.timeout, self.cause, step)
 
 
 def gradient_divide_factors(world_size: int) -> tuple[float, float]:

@@ -14,15 +14,16 @@ Imports: ``fzero.comm``, ``fzero.layout``.
 from __future__ import annotations
 
 import contextlib
-import functools
 import dataclasses
-from typing import Any, Callable, Iterator, Optional
+import datetime
+import functools
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from .comm import Communicator, ReduceOp
+from .comm import CollectiveError, Communicator, ReduceOp
 from .layout import Layout, first_difference
 
 __all__ = ["TorchCommunicator", "LayoutMismatchError", "REDUCE_SCATTER_PATHS"]
@@ -58,8 +59,12 @@ def _average_owned(total: torch.Tensor, op: ReduceOp, world_size: int) -> torch.
     return total.div_(world_size) if op == "avg" and world_size > 1 else total
 
 
-def _waiter(work: Any, result: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """A function that waits for ``work`` and gives ``result()``.
+# (collective, rank, timeout in seconds): what a bounded wait names when it gives up
+_Bound = Optional[tuple[str, int, float]]
+
+
+def _waiter(work: Any, result: Callable[[], torch.Tensor], bound: _Bound = None) -> Callable[[], torch.Tensor]:
+    """A function that waits for ``work`` (at most ``bound``'s timeout) and gives ``result()``.
 
     The ``Work`` is dropped once waited for: it keeps the thread-local state of its launch,
     saved-tensor hooks included, so a ``Work`` held by an object those hooks reach would be a
@@ -69,10 +74,26 @@ def _waiter(work: Any, result: Callable[[], torch.Tensor]) -> Callable[[], torch
 
     def done() -> torch.Tensor:
         if pending:
-            pending.pop().wait()
+            _wait(pending.pop(), bound)
         return result()
 
     return done
+
+
+def _wait(work: Any, bound: _Bound) -> None:
+    """``work.wait()``; with a bound, c10d's ``wait(timeout)``, and a failure (the timeout, or
+    a peer that died) as :class:`~fzero.comm.CollectiveError` naming the collective."""
+    if bound is None:
+        work.wait()
+        return
+    what, rank, seconds = bound
+    try:
+        done = work.wait(timeout=datetime.timedelta(seconds=seconds))
+    except RuntimeError as e:  # c10d's DistBackendError and gloo's timeouts are RuntimeErrors
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CollectiveError(what, rank, seconds, text) from e
+    if done is False:  # backends that report a timeout instead of raising
+        raise CollectiveError(what, rank, seconds, "the wait timed out")
 
 
 @dataclasses.dataclass
@@ -97,8 +118,9 @@ class _Batch:
     ``all_to_all_single`` per dtype; a part alone in its dtype is started by itself, as
     outside a block."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup]):
+    def __init__(self, group: Optional[dist.ProcessGroup], bound: Callable[[str], _Bound]):
         self.group = group
+        self.bound = bound
         self.pending: list[_Part] = []
 
     def add(self, part: _Part) -> Callable[[], torch.Tensor]:
@@ -123,7 +145,8 @@ class _Batch:
             send = torch.cat([p.send for p in group], dim=1)
             received = torch.empty_like(send)
             work = dist.all_to_all_single(received, send, group=self.group, async_op=True)
-            arrived = _waiter(work, lambda received=received: received)
+            arrived = _waiter(work, lambda received=received: received,
+                              self.bound(f"all_to_all_single of {len(group)} batched reduce-scatters/all-gathers"))
             lo = 0
             for p in group:
                 hi = lo + p.send.shape[1]
@@ -152,6 +175,15 @@ class TorchCommunicator(Communicator):
     100k floats per rank 798 us native, 691 us all-reduce, 432 us all-to-all;
     1M floats 5.5, 4.7 and 2.6 ms; ``benchmarks/bench_collectives.py``), and
     the backend's own elsewhere (NCCL's reduce-scatter is the fastest there is).
+
+    ``timeout`` (seconds or a ``timedelta``; default None: the process group's own, 30
+    minutes unless ``init_process_group(timeout=...)`` said otherwise): the longest a rank
+    waits for one collective of a step, eagerly. A peer that stalls (stopped, swapped out,
+    deadlocked) or dies then fails this rank with :class:`~fzero.comm.CollectiveError`
+    naming the collective and the train step, instead of leaving it blocked. Pass the same
+    bound to ``init_process_group(timeout=...)``: it bounds what runs outside the step
+    (``check_layout`` at init, checkpoint saving and loading, barriers) and compiled steps,
+    whose functional collectives take no timeout of their own.
     """
 
     def __init__(
@@ -159,6 +191,7 @@ class TorchCommunicator(Communicator):
         group: Optional[dist.ProcessGroup] = None,
         *,
         reduce_scatter_via: Optional[str] = None,
+        timeout: Optional[Union[float, datetime.timedelta]] = None,
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -182,7 +215,16 @@ class TorchCommunicator(Communicator):
         if reduce_scatter_via not in REDUCE_SCATTER_PATHS:
             raise ValueError(f"reduce_scatter_via must be one of {REDUCE_SCATTER_PATHS}, got {reduce_scatter_via!r}")
         self.reduce_scatter_via = reduce_scatter_via
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds()
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+        self.timeout = None if timeout is None else float(timeout)
         self._batch: Optional[_Batch] = None
+
+    def _bound(self, collective: str) -> _Bound:
+        """What a wait for ``collective`` is bounded by: None without a timeout."""
+        return None if self.timeout is None else (collective, self.rank, self.timeout)
 
     @contextlib.contextmanager
     def batched(self) -> Iterator[None]:
@@ -195,7 +237,7 @@ class TorchCommunicator(Communicator):
                 or self.world_size == 1:
             yield
             return
-        self._batch = batch = _Batch(self._pg)
+        self._batch = batch = _Batch(self._pg, self._bound)
         try:
             yield
         finally:
@@ -208,7 +250,8 @@ class TorchCommunicator(Communicator):
         return self._pg if self._pg is not None else dist.group.WORLD
 
     def __repr__(self) -> str:
-        return f"TorchCommunicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend})"
+        bound = "" if self.timeout is None else f", timeout={self.timeout:g}s"
+        return f"TorchCommunicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend}{bound})"
 
     def _finish(self, total: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         # A functional collective's result is waited for here, so states hold plain tensors (an
@@ -227,7 +270,8 @@ class TorchCommunicator(Communicator):
         if _eager():
             out = x[0].clone()  # c10d reduces in place; the caller's tensor stays as it was
             work = dist.all_reduce(out, _C10D_OP[op], group=self._pg, async_op=True)
-            return _waiter(work, lambda: _average_owned(out, op, self.world_size).unsqueeze(0))
+            return _waiter(work, lambda: _average_owned(out, op, self.world_size).unsqueeze(0),
+                           self._bound(f"all_reduce ({op}) of {out.numel()} {out.dtype}"))
         started = funcol.all_reduce(x[0], "max" if op == "max" else "sum", self._name)
         return lambda: self._finish(started, op).unsqueeze(0)
 
@@ -249,7 +293,7 @@ class TorchCommunicator(Communicator):
         def alone() -> Callable[[], torch.Tensor]:
             out = x.new_empty(self.world_size * x.shape[1])
             work = _c10d_all_gather(out, x[0].contiguous(), group=self._pg, async_op=True)
-            return _waiter(work, lambda: out.unsqueeze(0))
+            return _waiter(work, lambda: out.unsqueeze(0), self._bound(f"all_gather of {out.numel()} {out.dtype}"))
 
         if self._batch is not None:  # every rank receives this rank's row
             return self._batch.add(_Part(x[0].expand(self.world_size, x.shape[1]), lambda got: got.reshape(1, -1), alone))
@@ -263,7 +307,7 @@ class TorchCommunicator(Communicator):
             started = self.all_gather_start(x)
             return lambda: out.copy_(started())
         work = _c10d_all_gather(out[0], x[0].contiguous(), group=self._pg, async_op=True)
-        return _waiter(work, lambda: out)
+        return _waiter(work, lambda: out, self._bound(f"all_gather of {out[0].numel()} {out.dtype}"))
 
     def reduce_scatter_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
         """Launch the collective; the returned function waits for it and takes this rank's
@@ -284,7 +328,8 @@ class TorchCommunicator(Communicator):
             out = x.new_empty(n)
             work = _c10d_reduce_scatter(out, x[0].contiguous(), dist.ReduceOp.SUM, group=self._pg,
                                         async_op=True)
-            return _waiter(work, lambda: _average_owned(out, op, self.world_size).unsqueeze(0))
+            return _waiter(work, lambda: _average_owned(out, op, self.world_size).unsqueeze(0),
+                           self._bound(f"reduce_scatter ({op}) of {x[0].numel()} {x.dtype}"))
         started = funcol.reduce_scatter_tensor(x[0], "sum", 0, self._name)
         return lambda: self._finish(started, op).unsqueeze(0)
 
@@ -305,7 +350,8 @@ class TorchCommunicator(Communicator):
         def alone() -> Callable[[], torch.Tensor]:
             out = x.new_empty(world * n)
             work = dist.all_to_all_single(out, x[0].contiguous(), group=self._pg, async_op=True)
-            return _waiter(work, lambda: summed(out))
+            return _waiter(work, lambda: summed(out),
+                           self._bound(f"reduce_scatter ({op}, as all_to_all_single) of {x[0].numel()} {x.dtype}"))
 
         if self._batch is not None:
             return self._batch.add(_Part(x[0].view(world, n), summed, alone))
@@ -315,6 +361,10 @@ class TorchCommunicator(Communicator):
         self._check_rows(x, "broadcast")
         if not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src must be a rank in [0, {self.world_size}), got {src}")
+        if self.timeout is not None and _eager():  # c10d's work, so that the wait is bounded
+            out = x[0].contiguous().clone()
+            work = dist.broadcast(out, group_src=src, group=self._pg, async_op=True)
+            return _waiter(work, lambda: out, self._bound(f"broadcast of {out.numel()} {out.dtype}"))().unsqueeze(0)
         # the functional op takes the rank within the group (the process group's root rank)
         out = funcol.broadcast(x[0].contiguous(), src, self._name)
         return funcol.wait_tensor(out).unsqueeze(0)

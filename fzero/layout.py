@@ -65,11 +65,28 @@ def named_leaves(tree: Any) -> tuple[list[tuple[str, Any]], tp.TreeSpec]:
     """``[(dotted path, leaf)]`` in tree order, and the tree's spec.
 
     An ``nn.Module`` is read as the ordered mapping of its named parameters.
+    Paths name parameters in checkpoints, layouts and state dicts, so two leaves with one
+    path (``{"a": {"b": t}, "a.b": t2}``, ``{0: t, "0": t2}``) would be saved under one key
+    and one of them lost: that is a ``ValueError`` naming both.
     """
     if isinstance(tree, torch.nn.Module):
         tree = dict(tree.named_parameters())
     leaves, spec = tp.tree_flatten_with_path(tree)
-    return [(path_str(p), x) for p, x in leaves], spec
+    named = [(path_str(p), x) for p, x in leaves]
+    _check_unique_paths([p for p, _ in leaves], [n for n, _ in named])
+    return named, spec
+
+
+def _check_unique_paths(keypaths: Sequence[Any], names: Sequence[str]) -> None:
+    first: dict[str, int] = {}
+    for i, name in enumerate(names):
+        j = first.setdefault(name, i)
+        if j != i:
+            raise ValueError(
+                f"parameters {tp.keystr(keypaths[j])} and {tp.keystr(keypaths[i])} both have the path "
+                f"{name!r}: paths name parameters in layouts and checkpoints, so each must be unique "
+                "(rename a key)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 import torch
 import torch.utils._pytree as tp
 
-from .comm import Communicator
+from .comm import CollectiveError, Communicator
 from .buckets import BucketReduction, BucketWatcher, BufferPool, buckets_of, size_buckets
 from .layout import FlatGroup, flatten_one, group_views, named_leaves
 from .materialize import Init, check_init, materialized_shard
@@ -465,6 +465,8 @@ def make_train_step(
 
     The batch is checked at trace time: every tensor leaf must be ``[R, ...]``
     (``[R, K, ...]`` with ``accum_steps=K``), else a ``ValueError`` names it.
+    A collective that fails (a ``TorchCommunicator(timeout=...)`` that a stalled peer
+    outlasted, or a dead peer) raises :class:`fzero.CollectiveError` naming it and the step.
     """
     if stage not in (1, 2, 3):
         raise ValueError(f"make_train_step: stage must be 1, 2 or 3, got {stage!r}")
@@ -600,6 +602,7 @@ def make_train_step(
             return compiled(state, batch)
     if check_replicas_every:
         core = _checking_replicas(core, comm, check_replicas_every, replica_check)
+    core = _naming_step(core)
     if not donate:
         return core
 
@@ -609,6 +612,21 @@ def make_train_step(
         return consume(state, new_state), metrics
 
     return donating_step
+
+
+def _naming_step(step: StepFn) -> StepFn:
+    """A :class:`~fzero.comm.CollectiveError` raised in the step (a peer stalled past the
+    communicator's timeout, or died) names the step it happened in, ``opt.step + 1``."""
+
+    def named(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        try:
+            return step(state, batch)
+        except CollectiveError as e:
+            if e.step is not None:
+                raise
+            raise e.at_step(int(state.opt.step) + 1) from e
+
+    return named
 
 
 def _checking_replicas(step: StepFn, comm: Communicator, every: int, mode: str) -> StepFn:

@@ -3,6 +3,7 @@
 As a torchrun worker: ``ckpt_worker.py OUT_DIR ROOT CASE [CASE ...]`` runs each case
 on gloo and saves every case's result (or the error text) to ``OUT_DIR/rank{r}.pt``.
 Cases: ``save`` trains 8 steps from the initial state and saves ``ROOT/gloo{W}``;
+``dropout`` compares a run with dropout resumed from an odd step with the uninterrupted run;
 ``resume:NAME`` loads ``ROOT/NAME`` (saved by any world, simulated or gloo) into a
 state built for this world and trains the remaining 8 steps; ``mismatch:NAME`` loads
 it into a state with another optimizer; ``torch_import`` imports a torch.optim run.
@@ -163,10 +164,46 @@ def case_mismatch(comm: fzero.Communicator, root: Path, name: str) -> str:
     return "no error"
 
 
+DROPOUT_STEPS, DROPOUT_STOP = 9, 5  # an odd stop step: the generators are mid-run
+
+
+def dropout_state(comm: fzero.Communicator, *, seed: int = 0, rng_seed: int = 0) -> fzero.TrainState:
+    """The MLP followed by dropout: every step draws masks from each rank's generator."""
+    model = torch.nn.Sequential(mlp(seed=seed), torch.nn.Dropout(0.3))
+    return fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, scaler=scaler(), seed=rng_seed)
+
+
+def train_dropout(state: fzero.TrainState, comm: fzero.Communicator, steps: range) -> fzero.TrainState:
+    model = torch.nn.Sequential(mlp(), torch.nn.Dropout(0.3))
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm)
+    for i in steps:
+        state, _ = step(state, comm.split_batch(DATA[i]))
+    return state
+
+
+def case_dropout(comm: fzero.Communicator, root: Path) -> dict[str, Any]:
+    """Uninterrupted, and stopped at an odd step, saved, loaded into a template with other
+    weights and other generators, resumed; and resumed with the template's generators (what
+    a checkpoint without them would give)."""
+    full = train_dropout(dropout_state(comm), comm, range(DROPOUT_STEPS))
+    part = train_dropout(dropout_state(comm), comm, range(DROPOUT_STOP))
+    path = save_checkpoint(part, root / f"dropout{comm.world_size}", comm)
+    template = dropout_state(comm, seed=7, rng_seed=99)
+    state, _ = load_checkpoint(path, template, comm)
+    loaded_rng = torch.equal(state.rng[0], part.rng[0])
+    resumed = train_dropout(state, comm, range(DROPOUT_STOP, DROPOUT_STEPS))
+    other_rng = fzero.pytree.replace(state, rng=template.rng)
+    diverged = train_dropout(other_rng, comm, range(DROPOUT_STOP, DROPOUT_STEPS))
+    return {"full": summary(full, comm), "resumed": summary(resumed, comm), "loaded_rng": loaded_rng,
+            "rng": (full.rng[0].clone(), resumed.rng[0].clone()), "without_rng": summary(diverged, comm)}
+
+
 def run_case(name: str, comm: Any, root: Path) -> Any:
     """Run one named case (the worker's dispatch)."""
     if name == "save":
         return case_save(comm, root)
+    elif name == "dropout":
+        return case_dropout(comm, root)
     elif name == "torch_import":
         return case_torch_import(comm)
     elif name.startswith("mismatch:"):

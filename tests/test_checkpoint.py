@@ -37,6 +37,8 @@ from ckpt_worker import (
     DATA,
     HALF,
     STEPS,
+    case_dropout,
+    dropout_state,
     extra_at,
     fresh,
     mlp,
@@ -47,6 +49,7 @@ from ckpt_worker import (
     torch_summary,
     torch_train,
     train,
+    train_dropout,
 )
 from dist_harness import run_torchrun
 from helpers import max_rel_err
@@ -167,7 +170,7 @@ def gloo(tmp_path_factory) -> dict[str, Any]:
     state = train(fresh(comm), comm, range(HALF))
     save_checkpoint(state, root / "sim", comm, name="step-8", extra=extra_at(HALF))
     w4 = run_torchrun(4, "ckpt_worker.py", [str(root), "save", "resume:sim"], timeout=120)
-    w2 = run_torchrun(2, "ckpt_worker.py", [str(root), "save", "resume:gloo4"], timeout=120)
+    w2 = run_torchrun(2, "ckpt_worker.py", [str(root), "save", "resume:gloo4", "dropout"], timeout=150)
     w4b = run_torchrun(4, "ckpt_worker.py", [str(root), "resume:gloo2", "torch_import", "mismatch:gloo2"], timeout=120)
     return {"root": root, "w4": w4, "w2": w2, "w4b": w4b}
 
@@ -519,3 +522,47 @@ def test_donated_state_cannot_be_saved(tmp_path):
     save_checkpoint(new, tmp_path, comm)
     loaded, _ = load_checkpoint(tmp_path, fresh(comm, seed=7), comm)
     assert states_equal(loaded, new)
+
+
+# -- generators: resumed exactly; the resharding rule ----------------------------------------------
+
+
+def _check_dropout_resume(out: dict[str, Any]) -> None:
+    """The resumed run equals the uninterrupted one bitwise; with the template's generators
+    it would not (the test sees dropout)."""
+    assert out["loaded_rng"]
+    assert torch.equal(*out["rng"])
+    assert_same_run(out["resumed"], out["full"], tol=0.0)
+    with pytest.raises(AssertionError):
+        assert_same_run(out["without_rng"], out["full"], tol=0.0)
+
+
+def test_resume_with_dropout_at_an_odd_step_is_exact(tmp_path):
+    _check_dropout_resume(case_dropout(fzero.SimulatedWorld(2), tmp_path))
+
+
+@pytest.mark.distributed
+def test_gloo_resume_with_dropout_at_an_odd_step_is_exact(gloo):
+    _case(gloo["w2"], "dropout")  # no rank raised
+    for res in gloo["w2"]:  # every rank: its own generator and shards
+        _check_dropout_resume(res["dropout"])
+
+
+def test_generators_reshard_by_rank_number(tmp_path):
+    """Rank r continues from rank r's saved generator; a rank the saved run did not have keeps
+    the template's; saved ranks beyond the new world are dropped; seed=None keeps none."""
+    comm = fzero.SimulatedWorld(2)
+    saved = train_dropout(dropout_state(comm), comm, range(3))
+    path = save_checkpoint(saved, tmp_path, comm)
+    rows = saved.rng[0]
+    assert not torch.equal(rows[0], rows[1])
+    w3 = fzero.SimulatedWorld(3)
+    template = dropout_state(w3, seed=7, rng_seed=99)
+    state, _ = load_checkpoint(path, template, w3)
+    assert torch.equal(state.rng[0][:2], rows) and torch.equal(state.rng[0][2], template.rng[0][2])
+    w1 = fzero.SimulatedWorld(1)
+    state, _ = load_checkpoint(path, dropout_state(w1, seed=7, rng_seed=99), w1)
+    assert torch.equal(state.rng[0], rows[:1])
+    none = fzero.init_train_state(torch.nn.Sequential(mlp(), torch.nn.Dropout(0.3)), fzero.adamw(lr=1e-2),
+                                  w1, scaler=scaler(), seed=None)
+    assert load_checkpoint(path, none, w1)[0].rng == ()

@@ -3,14 +3,16 @@ command line (info, verify, consolidate), load options (hyperparams, donate)."""
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 import fzero
 import fzero.checkpoint as ckpt
@@ -24,6 +26,7 @@ from fzero.checkpoint import (
     save_checkpoint,
 )
 from fzero.checkpoint.__main__ import main as cli
+from fzero.checkpoint.metadata import read_metadata
 from ckpt_worker import fresh, train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,11 +50,20 @@ def saved(tmp_path) -> tuple[Path, fzero.Communicator, fzero.TrainState]:
 
 def record(path: Path, key: str) -> tuple[str, int, int]:
     """(data file, byte offset, length) of the first saved chunk of ``key``."""
-    md = dcp.FileSystemReader(path).read_metadata()
+    md, _ = read_metadata(path)
     for idx, info in sorted(md.storage_data.items(), key=lambda kv: tuple(kv[0].offset or ())):
         if idx.fqn == key:
             return info.relative_path, info.offset, info.length
     raise KeyError(key)
+
+
+def as_saved_without_checksums(path: Path) -> None:
+    """Make ``path`` a checkpoint as fzero wrote them before checksums existed: no checksum
+    file, and no mark in the metadata saying it was saved with one."""
+    md, _ = read_metadata(path)
+    md.planner_data = None
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    (path / ckpt.checksums.CHECKSUMS_FILE).unlink()
 
 
 def overwrite(path: Path, file: str, offset: int, data: bytes) -> None:
@@ -106,8 +118,15 @@ def test_flipped_byte_keeping_size_raises_corruption_error(saved):
     else:
         pytest.fail("a flipped byte loaded silently")
     assert cli(["verify", str(path)]) == 1
-    # Without the checksums the same damage loads silently as other values: why they exist.
+    # Deleting the checksum file does not turn the checks off: the checkpoint is corrupt.
+    sums = (path / ckpt.checksums.CHECKSUMS_FILE).read_bytes()
     (path / ckpt.checksums.CHECKSUMS_FILE).unlink()
+    with pytest.raises(CheckpointCorruptError, match="saved with checksums and file checksums.json is missing"):
+        load_checkpoint(path, fresh(comm, seed=7), comm)
+    assert cli(["verify", str(path)]) == 1
+    (path / ckpt.checksums.CHECKSUMS_FILE).write_bytes(sums)
+    # Saved before checksums existed, the same damage loads silently as other values: why they exist.
+    as_saved_without_checksums(path)
     damaged, _ = load_checkpoint(path, fresh(comm, seed=7), comm)
     assert not all(torch.equal(a, b) for a, b in zip(damaged.shard.master, state.shard.master))
 
@@ -115,7 +134,7 @@ def test_flipped_byte_keeping_size_raises_corruption_error(saved):
 def test_damage_without_checksums_is_still_an_exception_naming_the_file(saved):
     """A checkpoint saved before checksums existed: DCP's BaseException becomes a CheckpointError."""
     path, comm, _ = saved
-    (path / ckpt.checksums.CHECKSUMS_FILE).unlink()
+    as_saved_without_checksums(path)
     file, offset, length = record(path, KEY)
     overwrite(path, file, offset, bytes(length))
     with pytest.raises(CheckpointCorruptError, match=rf"entry '{KEY}' in data file {file} cannot be decoded"):
@@ -159,7 +178,10 @@ def test_every_read_failure_is_a_checkpoint_error(saved, tmp_path):
     assert issubclass(ckpt.CheckpointNotFoundError, FileNotFoundError)
     assert issubclass(ckpt.CheckpointNotFoundError, CheckpointError)
     (path / ".metadata").write_bytes(bytes((path / ".metadata").stat().st_size))  # zero-filled
-    with pytest.raises(CheckpointError, match=r"unreadable .metadata"):
+    with pytest.raises(CheckpointCorruptError, match=r"file .metadata is not the one checksums.json was written for"):
+        ckpt.read_manifest(path)
+    (path / ckpt.checksums.CHECKSUMS_FILE).unlink()
+    with pytest.raises(CheckpointCorruptError, match=r"file .metadata cannot be read as checkpoint metadata"):
         ckpt.read_manifest(path)
 
 
@@ -264,3 +286,42 @@ def test_donated_template_is_loaded_in_place(saved):
     assert all(torch.equal(a, b) for a, b in zip(leaves(state), leaves(pure)))
     with pytest.raises(ValueError, match="consumed"):
         load_checkpoint(path, template, comm)
+
+
+def test_checkpoint_with_first_version_checksums_still_loads_checked(saved):
+    """Saved before the checksum file bound the metadata (version 1: records only, no mark in
+    the metadata): it loads, and its records are still checked."""
+    path, comm, state = saved
+    md, _ = read_metadata(path)
+    md.planner_data = None
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    f = path / ckpt.checksums.CHECKSUMS_FILE
+    doc = json.loads(f.read_text())
+    records = [r[:6] for r in doc["records"]]
+    body = json.dumps(records, separators=(",", ":"))
+    f.write_text(json.dumps({"algorithm": "crc32", "records": records, "self": zlib.crc32(body.encode())}))
+    loaded, _ = load_checkpoint(path, fresh(comm, seed=7), comm)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.shard.master, state.shard.master))
+    assert ckpt.verify_checkpoint(path) > 0
+    file, offset, length = record(path, KEY)
+    overwrite(path, file, offset, bytes(length))
+    with pytest.raises(CheckpointCorruptError, match=rf"entry '{KEY}' in data file {file} .*crc32"):
+        load_checkpoint(path, fresh(comm, seed=7), comm)
+
+
+def test_latest_that_is_not_text_or_names_another_checkpoint(saved):
+    path, comm, _ = saved
+    root = path.parent
+    (root / "LATEST").write_bytes(b"\xff\xfe\x00c\n")
+    with pytest.raises(CheckpointCorruptError, match="LATEST is damaged: it is not text"):
+        load_checkpoint(root, fresh(comm, seed=7), comm)
+    assert cli(["info", str(root)]) == 1
+    (root / "LATEST").write_text("c\n")
+    other = save_checkpoint(fresh(comm), root, comm, name="d")  # LATEST now names "d"
+    for f in other.iterdir():  # "c"'s files in "d"'s place: a consistent checkpoint, of another name
+        f.unlink()
+    for f in path.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(CheckpointCorruptError, match="LATEST names it 'd', but it was saved as 'c'"):
+        load_checkpoint(root, fresh(comm, seed=7), comm)
+    load_checkpoint(other, fresh(comm, seed=7), comm)  # named directly, it is the checkpoint it holds

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -687,3 +688,19 @@ def test_module_order_is_registration_order():
     assert [s.path for s in shard.layout.slots] == ["zeta", "alpha"]
     assert [s.offset for s in shard.layout.slots] == [0, 3]
     assert torch.equal(full_buffer(shard.master[0]), torch.tensor([0.0, 1.0, 2.0, 10.0, 11.0, 0.0]))
+
+
+@pytest.mark.parametrize(
+    "tree, first, second, path",
+    [
+        ({"a": {"b": torch.ones(2)}, "a.b": torch.ones(3)}, "['a']['b']", "['a.b']", "a.b"),
+        ({0: torch.ones(2), "0": torch.ones(2)}, "[0]", "['0']", "0"),
+    ],
+)
+def test_colliding_paths_are_refused_naming_both(tree, first, second, path):
+    """Two leaves with one dotted path would share a checkpoint key (one of them lost)."""
+    want = f"parameters {first} and {second} both have the path {path!r}"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        fzero.init_train_state(tree, fzero.adamw(lr=1e-3), fzero.SimulatedWorld(2))
+    with pytest.raises(ValueError, match="both have the path"):
+        fzero.layout.build_layout(tree, 2)

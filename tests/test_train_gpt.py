@@ -81,3 +81,40 @@ def test_dtype_auto_follows_the_hardware(monkeypatch):
     assert mod.choose_dtype("auto") == ("bf16", "--dtype auto: the CPU has AMX")
     assert mod.choose_dtype("fp16")[0] == "fp16"
     assert mod.parse_args([]).dtype == "auto"
+
+
+RESUME = ["--d-model", "32", "--layers", "1", "--heads", "2", "--context", "16", "--batch", "8",
+          "--sample-chars", "0", "--dropout", "0.2", "--steps", "9"]
+STOP = "5"  # an odd step: the warm-up and cosine schedule, the generators and the data are mid-run
+
+
+def test_main_job_resumes_exactly(tmp_path):
+    """Stopped at an odd step and resumed with --resume: the same losses and the same weights,
+    bit for bit, as the uninterrupted run (dropout on: each rank's generator is saved)."""
+    mod = _train_gpt()
+    out = ["--out", str(tmp_path)]
+    full = mod.main([*RESUME, *out])
+    ckpt = ["--ckpt", str(tmp_path / "ckpt")]
+    first = mod.main([*RESUME, *out, *ckpt, "--save-every", "2", "--stop-at", STOP])
+    assert first["stopped_at"] == 5 and first["losses"] == full["losses"][:5]
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == [
+        "step-00000002", "step-00000004", "step-00000005"]
+    resumed = mod.main([*RESUME, *out, *ckpt, "--resume"])
+    assert resumed["losses"] == full["losses"]
+    assert resumed["params_sha256"] == full["params_sha256"]
+    with pytest.raises(SystemExit, match="lr = 0.003, this one has 0.001"):
+        mod.main([*RESUME, *out, *ckpt, "--resume", "--lr", "1e-3"])
+
+
+@pytest.mark.distributed
+def test_main_job_resumes_exactly_under_torchrun_gloo(tmp_path):
+    """The same on 2 gloo ranks: stopped, resumed, and its weights are those of the
+    uninterrupted run (here the simulated world's, which real ranks reproduce bit for bit)."""
+    full = _train_gpt().main([*RESUME, "--out", str(tmp_path)])
+    args = ["--comm", "torch", *RESUME, "--out", str(tmp_path), "--ckpt", str(tmp_path / "ckpt")]
+    text = run_torchrun_script(2, str(EXAMPLES / "train_gpt.py"), [*args, "--stop-at", STOP], timeout=240)
+    assert "stopped at step 5 of 9" in text, text[-2000:]
+    text = run_torchrun_script(2, str(EXAMPLES / "train_gpt.py"), [*args, "--resume", "--timeout", "120"],
+                               timeout=240)
+    assert "at step 5" in text and "timeout=120s" in text, text[-2000:]
+    assert f"trained parameters: sha256 {full['params_sha256']}" in text, text[-2000:]

@@ -9,7 +9,10 @@ One module per concept:
   stages 1, 2 and 3; replicated entries; the caller's ``extra``).
 * :mod:`.planners`: DCP planners for uneven 1-D pieces, the calls into DCP, and the
   conversion of DCP's ``BaseException`` into :class:`CheckpointError`.
-* :mod:`.checksums`: a CRC-32 of every record, taken while writing, checked while reading.
+* :mod:`.metadata`: DCP's ``.metadata`` read without running code (an allow-list of its
+  types) and checked before anything trusts it.
+* :mod:`.checksums`: a CRC-32 of every record, taken while writing, checked while reading;
+  ``checksums.json`` binds the records, the step, the name and the metadata's digest.
 * :mod:`.manifest`: what must agree between a checkpoint and a state; the checks of a
   checkpoint directory; :func:`resolve_checkpoint`, :func:`read_manifest`.
 * :mod:`.publish`: atomic publication (``.tmp-{name}``, rename, ``LATEST``) and the
@@ -20,7 +23,8 @@ One module per concept:
   :func:`consolidate_checkpoint` and the state dicts it writes, in one process with no
   process group; the command line ``python -m fzero.checkpoint {info,verify,consolidate}``.
 
-Errors: every failure to read a checkpoint is a :class:`CheckpointError` (a ``ValueError``):
+Errors: every failure to read a checkpoint is a :class:`CheckpointError` (a ``ValueError``)
+naming the file and the entry:
 :class:`IncompleteCheckpointError` (and :class:`CheckpointNotFoundError`, also a
 ``FileNotFoundError``), :class:`CheckpointMismatchError`, :class:`CheckpointCorruptError`.
 """

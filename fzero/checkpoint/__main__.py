@@ -6,7 +6,8 @@
 
 PATH: a checkpoint root (its ``LATEST`` is used) or one checkpoint directory. Exit
 status 0 on success, 1 when the checkpoint is incomplete, corrupt or not fzero's
-(the message names the directory, the file and the entry), 2 on usage errors.
+(one line on stderr naming the directory, the file and the entry), 2 on usage errors.
+Nothing in the checkpoint is run: its metadata is read with an allow-list of types.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             out = consolidate_checkpoint(args.path, args.out, optim=args.optim)
             print(f"wrote {out}" + (f" and {args.optim}" if args.optim else ""))
-    except CheckpointError as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+    except (CheckpointError, OSError) as e:  # OSError: the output files cannot be written
+        print(f"error: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     return 0
 

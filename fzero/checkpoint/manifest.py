@@ -10,7 +10,8 @@ DCP writes ``.metadata`` last; :func:`checked_metadata` requires it, every data 
 names, each long enough, and fails with :class:`IncompleteCheckpointError` otherwise.
 
 Imports: :mod:`fzero.step` (the state), :mod:`fzero.checkpoint.planners`,
-:mod:`fzero.checkpoint.publish`, :mod:`fzero.checkpoint.errors`.
+:mod:`fzero.checkpoint.publish`, :mod:`fzero.checkpoint.checksums`, :mod:`fzero.checkpoint.metadata`,
+:mod:`fzero.checkpoint.errors`.
 """
 
 from __future__ import annotations
@@ -21,12 +22,18 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from ..comm import Communicator
 from ..step import TrainState
-from .errors import CheckpointMismatchError, CheckpointNotFoundError, IncompleteCheckpointError
+from .checksums import CheckedDir, open_checked
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+)
+from .metadata import DTYPES, METADATA_FILE
 from .planners import _Pieces, dcp_load
 from .publish import LATEST, _read_latest
 
@@ -144,6 +151,11 @@ def resolve_checkpoint(path: PathLike) -> Path:
     when it has no DCP ``.metadata`` (written last, so its absence means the save
     did not finish) and :class:`CheckpointNotFoundError` (a ``FileNotFoundError`` too)
     when ``path`` does not exist."""
+    return _resolve(path)[0]
+
+
+def _resolve(path: PathLike) -> tuple[Path, Optional[str]]:
+    """The checkpoint directory, and the name ``LATEST`` gave it (None: ``path`` is the directory)."""
     p = Path(path)
     if not p.exists():
         raise CheckpointNotFoundError(f"no checkpoint at {p}: the path does not exist")
@@ -151,7 +163,7 @@ def resolve_checkpoint(path: PathLike) -> Path:
     d = p / name if name is not None else p
     if name is not None and not d.is_dir():
         raise IncompleteCheckpointError(f"{p / LATEST} names {name!r}, but {d} does not exist")
-    if not (d / ".metadata").is_file():
+    if not (d / METADATA_FILE).is_file():
         if name is None and not any(d.glob("*.distcp")):
             raise IncompleteCheckpointError(
                 f"no checkpoint at {d}: neither a {LATEST} file nor a DCP .metadata file"
@@ -159,20 +171,13 @@ def resolve_checkpoint(path: PathLike) -> Path:
         raise IncompleteCheckpointError(
             f"incomplete checkpoint {d}: no .metadata file (DCP writes it last: the save did not finish)"
         )
-    return d
-
-
-def _read_metadata(d: Path) -> Metadata:
-    try:
-        return dcp.FileSystemReader(d).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing
-        raise IncompleteCheckpointError(f"incomplete checkpoint {d}: unreadable .metadata ({e})") from e
+    return d, name
 
 
 def _check_data_files(d: Path, metadata: Metadata) -> None:
     """Every data file the metadata names exists and holds every byte range it lists."""
     need: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
+    for info in metadata.storage_data.values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
     for rel, size in sorted(need.items()):
         f = d / rel
@@ -190,28 +195,103 @@ def read_manifest(path: PathLike) -> dict[str, Any]:
     """The manifest of the checkpoint at ``path`` (a root or a checkpoint directory).
 
     Reads only the metadata and the manifest entry, in this process (no collective).
-    Raises :class:`IncompleteCheckpointError` for an incomplete checkpoint and
-    :class:`CheckpointMismatchError` for a DCP checkpoint that fzero did not write.
+    Raises :class:`IncompleteCheckpointError` for an incomplete checkpoint,
+    :class:`CheckpointCorruptError` for a damaged one and :class:`CheckpointMismatchError`
+    for a DCP checkpoint that fzero did not write.
     """
-    d, metadata = checked_metadata(path)
-    return _read_manifest(d, metadata)
+    return _read_manifest(checked_metadata(path))
 
 
-def checked_metadata(path: PathLike) -> tuple[Path, Metadata]:
-    """The checkpoint directory ``path`` designates and its DCP metadata, once ``.metadata``
-    and every data file it names are there, each long enough."""
-    d = resolve_checkpoint(path)
-    metadata = _read_metadata(d)
-    _check_data_files(d, metadata)
-    return d, metadata
+def checked_metadata(path: PathLike) -> CheckedDir:
+    """The checkpoint directory ``path`` designates with its metadata, read without running
+    code, checked, and bound to its checksums (:func:`~.checksums.open_checked`); once every
+    data file it names is there, each long enough. Through a root, the checkpoint must be the
+    one saved under the name ``LATEST`` gives (not another checkpoint's files copied there)."""
+    d, latest = _resolve(path)
+    checked = open_checked(d)
+    sums = checked.checksums
+    if latest is not None and sums is not None and sums.name is not None and sums.name != latest:
+        raise CheckpointCorruptError(
+            f"corrupt checkpoint {d}: {LATEST} names it {latest!r}, but it was saved as {sums.name!r} "
+            f"(step {sums.step}): another checkpoint's files are in its place"
+        )
+    _check_data_files(d, checked.metadata)
+    return checked
 
 
-def _read_manifest(d: Path, metadata: Metadata) -> dict[str, Any]:
+def _read_manifest(checked: CheckedDir) -> dict[str, Any]:
+    d, metadata = checked.dir, checked.metadata
     if not isinstance(metadata.state_dict_metadata.get(MANIFEST_KEY), BytesStorageMetadata):
         raise CheckpointMismatchError(f"{d} is a DCP checkpoint without a manifest: not an fzero checkpoint")
     box: dict[str, Any] = {MANIFEST_KEY: None}
-    dcp_load(box, d, None)  # this process only: every rank validates on its own, no collective
-    return json.loads(box[MANIFEST_KEY])
+    dcp_load(box, checked, None)  # this process only: every rank validates on its own, no collective
+    file = metadata.storage_data[MetadataIndex(MANIFEST_KEY)].relative_path
+    try:
+        manifest = json.loads(box[MANIFEST_KEY])
+    except (TypeError, ValueError) as e:
+        raise CheckpointCorruptError(
+            f"corrupt checkpoint {d}: entry {MANIFEST_KEY!r} in data file {file} is not JSON ({e})"
+        ) from e
+    problem = _manifest_problem(manifest)
+    if problem is not None:
+        raise CheckpointCorruptError(f"corrupt checkpoint {d}: entry {MANIFEST_KEY!r} in data file {file}: {problem}")
+    return manifest
+
+
+def _is_int(x: Any, least: int = 0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= least
+
+
+def _is_strs(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(v, str) for v in x)
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, list) and all(_is_int(v) for v in x)
+
+
+def _manifest_problem(m: Any) -> Optional[str]:
+    """What is malformed in a manifest, or None: everything the checks and the offline tools
+    read from it has its type (a manifest of an old or foreign writer fails as corrupt, never
+    with a ``KeyError`` or ``TypeError`` deep in a tool)."""
+    if not isinstance(m, dict):
+        return "it is not a JSON object"
+    if m.get("format") != FORMAT:
+        return None  # not fzero's: _manifest_difference says so
+    if not _is_int(m.get("version", 1), 1):
+        return f"format version {m.get('version')!r} is not a version"
+    params = m.get("params")
+    if not isinstance(params, list):
+        return "it has no parameter list"
+    seen: set[str] = set()
+    for p in params:
+        if not (isinstance(p, list) and len(p) == 4 and isinstance(p[0], str) and _is_shape(p[1])
+                and p[2] in DTYPES and _is_int(p[3], -1)):
+            return f"parameter {p!r} is not [path, shape, dtype, group]"
+        if p[0] in seen:
+            return f"parameter {p[0]!r} is listed twice"
+        seen.add(p[0])
+    opt = m.get("optimizer")
+    if not (isinstance(opt, dict) and isinstance(opt.get("kind"), str) and _is_strs(opt.get("moment_names"))
+            and _is_int(opt.get("num_groups"), 1) and isinstance(opt.get("hyperparameters"), list)
+            and all(_is_strs(h) for h in opt["hyperparameters"])
+            and len(opt["hyperparameters"]) == opt["num_groups"]):
+        return "its optimizer section is malformed"
+    if any(not _is_int(p[3], -1) or p[3] >= opt["num_groups"] for p in params):
+        return "a parameter's optimizer group is not one of the optimizer's"
+    for section in ("scaler", "precision"):
+        if not isinstance(m.get(section), dict):
+            return f"its {section} section is malformed"
+    if any(v is not None and v not in DTYPES for v in m["precision"].values()):
+        return "its precision names an unknown dtype"
+    module = m.get("module", {})
+    if not (isinstance(module, dict)
+            and all(isinstance(b, list) and len(b) == 3 and isinstance(b[0], str) and _is_shape(b[1])
+                    and b[2] in DTYPES for b in module.get("buffers", []))
+            and all(_is_strs(a) for a in module.get("aliases", []))
+            and _is_strs(module.get("state_dict_keys", []))):
+        return "its module section is malformed"
+    return None
 
 
 def _check_entries(d: Path, metadata: Metadata, wanted: Mapping[str, Any]) -> None:

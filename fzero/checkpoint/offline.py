@@ -19,9 +19,10 @@ from typing import Any, Optional
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from .checksums import CHECKSUMS_FILE, verify_checkpoint_dir
-from .errors import IncompleteCheckpointError
+from .checksums import CHECKSUMS_FILE, CheckedDir, verify_checkpoint_dir
+from .errors import CheckpointCorruptError, IncompleteCheckpointError
 from .manifest import PathLike, _read_manifest, checked_metadata
+from .metadata import DTYPES
 from .planners import dcp_load
 from ..module import ModuleSpec
 from .saveload import BUFFER_PREFIX
@@ -30,11 +31,8 @@ from .torch_optim import module_state_dict, torch_optim_dict, torch_order
 __all__ = ["checkpoint_info", "consolidate_model_state_dict", "consolidate_torch_optim_state_dict",
            "consolidate_checkpoint", "verify_checkpoint"]
 
-_DTYPES = {str(t): t for t in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
-
-
 def _dtype(name: str) -> torch.dtype:
-    return _DTYPES.get(name) or getattr(torch, name.removeprefix("torch."))
+    return DTYPES[name]  # the manifest's dtypes were checked when it was read
 
 
 def _empty_like_saved(d: Path, metadata: Metadata, key: str) -> torch.Tensor:
@@ -44,16 +42,23 @@ def _empty_like_saved(d: Path, metadata: Metadata, key: str) -> torch.Tensor:
     return torch.empty(md.size, dtype=md.properties.dtype)
 
 
-def _read(d: Path, metadata: Metadata, keys: list[str]) -> dict[str, torch.Tensor]:
-    sd: dict[str, Any] = {k: _empty_like_saved(d, metadata, k) for k in keys}
+def _read(checked: CheckedDir, keys: list[str], numels: Optional[list[int]] = None) -> dict[str, torch.Tensor]:
+    """The saved tensors ``keys``; ``numels``: how many elements the manifest says each holds."""
+    sd: dict[str, Any] = {k: _empty_like_saved(checked.dir, checked.metadata, k) for k in keys}
+    for k, n in zip(keys, numels or []):
+        if sd[k].numel() != n:
+            raise CheckpointCorruptError(
+                f"corrupt checkpoint {checked.dir}: entry {k!r} holds {sd[k].numel()} elements, its manifest "
+                f"says {n}"
+            )
     if sd:
-        dcp_load(sd, d, None)
+        dcp_load(sd, checked, None)
     return sd
 
 
-def _open(path: PathLike) -> tuple[Path, Metadata, dict[str, Any]]:
-    d, metadata = checked_metadata(path)
-    return d, metadata, _read_manifest(d, metadata)
+def _open(path: PathLike) -> tuple[CheckedDir, dict[str, Any]]:
+    checked = checked_metadata(path)
+    return checked, _read_manifest(checked)
 
 
 def checkpoint_info(path: PathLike) -> dict[str, Any]:
@@ -61,16 +66,17 @@ def checkpoint_info(path: PathLike) -> dict[str, Any]:
     parameters (count, elements, per-parameter path/shape/dtype/group), optimizer and its
     hyperparameters, bytes per kind of entry and per file, whether it has checksums, and the
     caller's ``extra`` keys. Reads the metadata, the manifest and a few scalars."""
-    d, metadata, man = _open(path)
+    checked, man = _open(path)
+    d, metadata = checked.dir, checked.metadata
     opt = man["optimizer"]
     hyper_keys = [f"fzero/hyper/{k}/{n}" for k, names in enumerate(opt["hyperparameters"]) for n in names]
-    scalars = _read(d, metadata, ["fzero/step", *hyper_keys])
+    scalars = _read(checked, ["fzero/step", *hyper_keys], [1] * (1 + len(hyper_keys)))
     hyper = [{n: float(scalars[f"fzero/hyper/{k}/{n}"]) for n in names}
              for k, names in enumerate(opt["hyperparameters"])]
     by_kind: dict[str, int] = {}
     for idx, info in metadata.storage_data.items():
         parts = idx.fqn.split("/")
-        kind = parts[0] if parts[0] != "fzero" else parts[1]
+        kind = parts[1] if parts[0] == "fzero" and len(parts) > 1 else parts[0]
         by_kind[kind] = by_kind.get(kind, 0) + info.length
     files = {f.name: f.stat().st_size for f in sorted(d.iterdir()) if f.is_file()}
     params = man["params"]
@@ -101,27 +107,34 @@ def _numel(shape: list[int]) -> int:
 
 
 def verify_checkpoint(path: PathLike) -> int:
-    """Check every record of the checkpoint at ``path`` against its checksum; returns the bytes
-    checked. Raises :class:`CheckpointCorruptError` naming the entry and data file."""
-    d, metadata = checked_metadata(path)
-    return verify_checkpoint_dir(d, metadata)
+    """Check the checkpoint at ``path`` as loading it would, without a training state: its
+    metadata (read without running code) and its binding to the checksum file, every record
+    against its checksum, that every record decodes (``weights_only``) to what the metadata
+    says, the step, and the manifest. Returns the bytes checked. Raises
+    :class:`CheckpointError` (:class:`CheckpointCorruptError` naming the entry and data file)."""
+    checked = checked_metadata(path)
+    total = verify_checkpoint_dir(checked)
+    _read_manifest(checked)
+    return total
 
 
 def consolidate_model_state_dict(path: PathLike) -> dict[str, torch.Tensor]:
     """The full parameters ``{path: tensor}`` of the checkpoint at ``path``, in tree order, as
     :func:`~fzero.checkpoint.export_model_state_dict` gives them from the live state: the
     master cast to each parameter's dtype and shape; frozen parameters as saved."""
-    d, metadata, man = _open(path)
-    return _model(d, metadata, man)
+    checked, man = _open(path)
+    return _model(checked, man)
 
 
-def _model(d: Path, metadata: Metadata, man: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _model(checked: CheckedDir, man: dict[str, Any]) -> dict[str, torch.Tensor]:
     params = man["params"]
     module = man.get("module", {})
     buffers = module.get("buffers", [])
     keys = [f"fzero/master/{p}" if g >= 0 else f"fzero/frozen/{p}" for p, shape, _, g in params if _numel(shape)]
+    numels = [_numel(shape) for _, shape, _, _ in params if _numel(shape)]
     keys += [f"{BUFFER_PREFIX}{n}" for n, shape, _ in buffers if _numel(shape)]
-    flat = _read(d, metadata, keys)
+    numels += [_numel(shape) for _, shape, _ in buffers if _numel(shape)]
+    flat = _read(checked, keys, numels)
     out: dict[str, torch.Tensor] = {}
     for p, shape, dtype, g in params:
         key = f"fzero/master/{p}" if g >= 0 else f"fzero/frozen/{p}"
@@ -141,23 +154,24 @@ def _model(d: Path, metadata: Metadata, man: dict[str, Any]) -> dict[str, torch.
 def consolidate_torch_optim_state_dict(path: PathLike) -> dict[str, Any]:
     """The ``torch.optim`` state dict of the checkpoint at ``path``, as
     :func:`~fzero.checkpoint.export_torch_optim_state_dict` gives it from the live state."""
-    d, metadata, man = _open(path)
-    return _optim(d, metadata, man)
+    checked, man = _open(path)
+    return _optim(checked, man)
 
 
-def _optim(d: Path, metadata: Metadata, man: dict[str, Any]) -> dict[str, Any]:
+def _optim(checked: CheckedDir, man: dict[str, Any]) -> dict[str, Any]:
     opt = types.SimpleNamespace(**man["optimizer"])
     params = man["params"]
     order = torch_order([p[3] for p in params], opt.num_groups)
     hyper_keys = [f"fzero/hyper/{k}/{n}" for k, names in enumerate(opt.hyperparameters) for n in names]
-    scalars = _read(d, metadata, ["fzero/step", *hyper_keys])
+    scalars = _read(checked, ["fzero/step", *hyper_keys], [1] * (1 + len(hyper_keys)))
     step = int(scalars["fzero/step"])
     hyper = [{n: scalars[f"fzero/hyper/{k}/{n}"] for n in names} for k, names in enumerate(opt.hyperparameters)]
     moments: dict[int, dict[str, torch.Tensor]] = {}
     if step > 0:
         for name in opt.moment_names:
             keys = {i: f"fzero/{name}/{params[i][0]}" for group in order for i in group}
-            flat = _read(d, metadata, [k for i, k in keys.items() if _numel(params[i][1])])
+            wanted = [i for i in keys if _numel(params[i][1])]
+            flat = _read(checked, [keys[i] for i in wanted], [_numel(params[i][1]) for i in wanted])
             for i, key in keys.items():
                 _, shape, dtype, _ = params[i]
                 t = flat.pop(key) if _numel(shape) else torch.empty(0)
@@ -169,9 +183,9 @@ def consolidate_checkpoint(path: PathLike, out: PathLike, *, optim: Optional[Pat
     """Write the checkpoint at ``path`` as a plain model state dict to ``out`` (``torch.save``;
     ``model.load_state_dict(torch.load(out))`` takes it), and its ``torch.optim`` state dict to
     ``optim`` if given. Returns ``out``."""
-    d, metadata, man = _open(path)
+    checked, man = _open(path)
     out = Path(out)
-    torch.save(_model(d, metadata, man), out)
+    torch.save(_model(checked, man), out)
     if optim is not None:
-        torch.save(_optim(d, metadata, man), Path(optim))
+        torch.save(_optim(checked, man), Path(optim))
     return out

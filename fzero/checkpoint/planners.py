@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ..layout import Layout
-from .checksums import ChecksumWriter, VerifyingReader
+from .checksums import CheckedDir, ChecksumWriter, VerifyingReader
 from .errors import CheckpointCorruptError, CheckpointError
 
 # -- uneven 1-D shards for DCP ------------------------------------------------------------
@@ -190,15 +190,17 @@ def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> 
 _SINGLE_PROCESS_NOTICE = ".*assuming the intent is to (save|load) in a single process.*"
 
 
-def dcp_save(state_dict: dict[str, Any], path: Path, pg: Optional[dist.ProcessGroup]) -> None:
-    """DCP's save with checksums (:class:`ChecksumWriter`); failures as :class:`CheckpointError`."""
+def dcp_save(state_dict: dict[str, Any], path: Path, pg: Optional[dist.ProcessGroup],
+             bind: Optional[Mapping[str, Any]] = None) -> None:
+    """DCP's save with checksums (:class:`ChecksumWriter`; ``bind``: what the checksum file
+    also binds, the step and the name); failures as :class:`CheckpointError`."""
     try:
         with warnings.catch_warnings():
             # DCP warns when it runs in one process (no_dist): here that is intended.
             warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTICE)
             dcp.save(
                 state_dict,
-                storage_writer=ChecksumWriter(path, sync_files=True),
+                storage_writer=ChecksumWriter(path, sync_files=True, bind=bind),
                 planner=_SavePlanner(),
                 process_group=pg,
                 no_dist=pg is None,
@@ -209,12 +211,14 @@ def dcp_save(state_dict: dict[str, Any], path: Path, pg: Optional[dist.ProcessGr
         raise _converted(e, f"writing checkpoint {path} failed", None) from e
 
 
-def dcp_load(state_dict: dict[str, Any], path: Path, pg: Optional[dist.ProcessGroup]) -> None:
-    """DCP's load into ``state_dict`` in place, every record's checksum checked as it is read
+def dcp_load(state_dict: dict[str, Any], checked: CheckedDir, pg: Optional[dist.ProcessGroup]) -> None:
+    """DCP's load into ``state_dict`` in place from a checked directory (its metadata read
+    without running code), every record's checksum checked as it is read
     (:class:`VerifyingReader`); failures as :class:`CheckpointError` naming the entry and file."""
     reader: Optional[VerifyingReader] = None
+    path = checked.dir
     try:
-        reader = VerifyingReader(path)
+        reader = VerifyingReader(checked)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTICE)
             dcp.load(state_dict, storage_reader=reader, planner=_LoadPlanner(), process_group=pg, no_dist=pg is None)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..comm import Communicator, CountingCommunicator
 from ..dist import TorchCommunicator
-from .errors import IncompleteCheckpointError
+from .errors import CheckpointCorruptError
 
 LATEST = "LATEST"
 _TMP_PREFIX = ".tmp-"
@@ -76,14 +76,22 @@ def _check_name(name: str) -> None:
 
 
 def _read_latest(root: Path) -> Optional[str]:
+    """The name ``root/LATEST`` holds; None without one. A ``LATEST`` that cannot be read or
+    does not hold a checkpoint name is a :class:`CheckpointCorruptError` naming it."""
     try:
-        name = (root / LATEST).read_text().strip()
+        raw = (root / LATEST).read_bytes()
     except FileNotFoundError:
         return None
+    except OSError as e:
+        raise CheckpointCorruptError(f"{root / LATEST} cannot be read ({e})") from e
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointCorruptError(f"{root / LATEST} is damaged: it is not text ({raw[:40]!r})") from None
     try:
         _check_name(name)
     except ValueError:
-        raise IncompleteCheckpointError(f"{root / LATEST} holds {name!r}: not a checkpoint name") from None
+        raise CheckpointCorruptError(f"{root / LATEST} is damaged: {name!r} is not a checkpoint name") from None
     return name
 
 

@@ -4,7 +4,8 @@ Keys: ``fzero/master/{path}`` and ``fzero/{moment}/{path}`` (each trainable para
 master and moments as a logical 1-D tensor of its ``numel``; each rank writes the pieces
 inside the flat range it owns, never padding); the replicated tensors listed by
 :func:`_replicated` (step, hyperparameters, scaler leaves, frozen parameters), written
-once; ``extra/...`` (the caller's); ``fzero/manifest``.
+once; ``fzero/rng/{rank}`` (each rank's generator state, written by its process);
+``extra/...`` (the caller's); ``fzero/manifest``.
 
 Imports: :mod:`fzero.step` and below, the other modules of this package.
 """
@@ -12,6 +13,7 @@ Imports: :mod:`fzero.step` and below, the other modules of this package.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -23,6 +25,7 @@ from ..comm import Communicator
 from ..pytree import replace
 from ..sharding import check_world, gather_flat_params, gather_step_params
 from ..step import TrainState, consume, ensure_live
+from .checksums import CheckedDir
 from .errors import CheckpointMismatchError
 from .manifest import (
     MANIFEST_KEY,
@@ -117,12 +120,45 @@ def _save_state_dict(
     sd: dict[str, Any] = {MANIFEST_KEY: json.dumps(_manifest(state, comm), sort_keys=True)}
     sd.update(_sharded(state, comm, state.shard.master, state.opt.moments))
     sd.update(_replicated(state))
+    sd.update(_rng_entries(state, comm))
     if extra:
         sd.update(_flatten_extra(extra))
     return sd
 
 
 BUFFER_PREFIX = "fzero/buffer/"
+RNG_PREFIX = "fzero/rng/"
+
+
+def _rng_entries(state: TrainState, comm: Communicator) -> dict[str, torch.Tensor]:
+    """``fzero/rng/{rank}``: each rank's generator state (see :mod:`fzero.rng`), written by
+    the process that holds the rank (none when the state keeps no generators)."""
+    if not state.rng:
+        return {}
+    return {f"{RNG_PREFIX}{r}": state.rng[0][i] for i, r in enumerate(comm.ranks)}
+
+
+def _rng_destinations(template: TrainState, comm: Communicator, metadata: Metadata) -> dict[str, torch.Tensor]:
+    """Where the saved generators of this process's ranks are read to: rank ``r`` reads
+    ``fzero/rng/{r}`` when the checkpoint has it; the others keep the template's (the
+    resharding rule: see :func:`load_checkpoint`)."""
+    if not template.rng:
+        return {}
+    rows = {}
+    for i, r in enumerate(comm.ranks):
+        key, mine = f"{RNG_PREFIX}{r}", template.rng[0][i]
+        md = metadata.state_dict_metadata.get(key)
+        if md is None:
+            continue
+        if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(mine.shape) \
+                or md.properties.dtype != mine.dtype:
+            # another device type's generator (CPU vs CUDA states differ in size): not loadable here
+            warnings.warn(f"checkpoint entry {key!r} is not a generator state of this device; rank {r} "
+                          "keeps the template's generator (the run will not repeat the saved one exactly)",
+                          stacklevel=3)
+            continue
+        rows[key] = torch.empty_like(mine)
+    return rows
 
 
 def persistent_buffers(state: TrainState) -> list[tuple[str, torch.Tensor]]:
@@ -172,6 +208,8 @@ def save_checkpoint(
     keys without ``/``) of tensors, python scalars, strings, None and lists/tuples/
     dicts of them; it is taken as replicated: give per-rank values distinct keys.
 
+    Each rank's generator state (``state.rng``) is saved as ``fzero/rng/{rank}``, so that a
+    resumed run draws the same dropout masks as the uninterrupted one.
     Every record gets a CRC-32, checked when it is read (see :mod:`.checksums`).
     Atomic: the checkpoint is written to ``root/.tmp-{name}`` and renamed once every
     rank has finished, then ``LATEST`` is replaced atomically; until then the
@@ -198,7 +236,7 @@ def save_checkpoint(
     tmp = root / f"{_TMP_PREFIX}{name}"
     state_dict = _save_state_dict(state, comm, extra)
     _on_coordinator(pg, "preparing the checkpoint directory", lambda: _prepare_tmp(root, tmp))
-    dcp_save(state_dict, tmp, pg)
+    dcp_save(state_dict, tmp, pg, bind={"step": int(state.opt.step), "name": name})
     if pg is not None:
         dist.barrier(group=pg)  # every rank's files are complete before the rename
     _on_coordinator(pg, "publishing the checkpoint", lambda: _publish(root, tmp, name))
@@ -239,11 +277,25 @@ def load_checkpoint(
     before regathering, so the peak is one state plus one saved chunk; the template is
     then consumed (fzero functions given it raise ``ValueError``), as a donated state is.
 
-    Checks first, on every rank alike: :class:`IncompleteCheckpointError` if
-    ``.metadata`` or a data file is missing or truncated; :class:`CheckpointMismatchError`
-    naming the first difference for another model/optimizer/scaler/precision. While
-    reading, every record's checksum: :class:`CheckpointCorruptError` naming the entry
-    and the data file. Every failure is a :class:`CheckpointError` (an ``Exception``).
+    Generators (``state.rng``, :mod:`fzero.rng`): rank ``r`` continues from the generator
+    state rank ``r`` saved, so a resumed run draws what the uninterrupted run would have
+    drawn. Resharding, the rule is by rank number: a rank the saved run did not have (a
+    larger world) keeps the template's generator (``init_train_state``'s ``seed``), and
+    the generators of saved ranks beyond this world are not loaded. A checkpoint without
+    generators (saved with ``seed=None``, or before fzero saved them) leaves every rank the
+    template's; a template with ``seed=None`` keeps none.
+
+    Nothing in the checkpoint runs: ``.metadata`` is read with an allow-list of DCP's
+    metadata types, object entries with ``weights_only=True`` (see :mod:`.metadata`).
+    Checks first, on every rank alike: :class:`CheckpointCorruptError` if the metadata is
+    damaged, not the one the checksum file was written for, or lacks a checksum file it was
+    saved with, or if (through a root) ``LATEST`` names a checkpoint saved under another
+    name; :class:`IncompleteCheckpointError` if ``.metadata`` or a data file is missing or
+    truncated; :class:`CheckpointMismatchError` naming the first difference for another
+    model/optimizer/scaler/precision. While
+    reading, every record's checksum (and the step against the checksum file's):
+    :class:`CheckpointCorruptError` naming the entry and the data file. Every failure is a
+    :class:`CheckpointError` (an ``Exception``).
     Collectives: DCP's load (plans scatter, a final gather), then the gathers.
     """
     if hyperparams not in HYPERPARAMS:
@@ -251,7 +303,8 @@ def load_checkpoint(
     ensure_live(template)
     check_world(template.shard, comm)
     pg = _process_group(comm)
-    d, metadata = _validated(path, template, comm)
+    checked = _validated(path, template, comm)
+    d, metadata = checked.dir, checked.metadata
     replicated = {k: torch.empty_like(v) for k, v in _replicated(template).items()}
     if hyperparams == "template":
         replicated = {k: v for k, v in replicated.items() if not k.startswith(_HYPER_PREFIX)}
@@ -262,26 +315,31 @@ def load_checkpoint(
     sd: dict[str, Any] = {**_sharded(template, comm, masters, moments), **replicated}
     extra = _extra_destinations(metadata)
     sd.update(extra)
-    dcp_load(sd, d, pg)  # raises CheckpointError naming the entry and file
+    sd.update(_rng_destinations(template, comm, metadata))
+    dcp_load(sd, checked, pg)  # raises CheckpointError naming the entry and file
     if hyperparams == "template":
         replicated.update({k: v.clone() for k, v in _replicated(template).items() if k.startswith(_HYPER_PREFIX)})
     # donating, the parameters are regathered into the template's own buffers (which a stage
     # 1-2 module views): nothing of their size is allocated
     state = _assemble(template, comm, masters, moments, replicated, into=template.params if donate else None)
+    if template.rng:
+        rows = [sd.get(f"{RNG_PREFIX}{r}", template.rng[0][i].clone()) for i, r in enumerate(comm.ranks)]
+        state = replace(state, rng=(torch.stack(rows),))
     if donate:
         state = consume(template, state)
     return state, _unflatten_extra({k: sd[k] for k in extra})
 
 
-def _validated(path: PathLike, template: TrainState, comm: Communicator) -> tuple[Path, Metadata]:
-    """The checkpoint directory and its DCP metadata, once complete and matching ``template``."""
-    d, metadata = checked_metadata(path)
-    diff = _manifest_difference(_read_manifest(d, metadata), _manifest(template, comm))
+def _validated(path: PathLike, template: TrainState, comm: Communicator) -> CheckedDir:
+    """The checked checkpoint directory (metadata read without running code, bound to its
+    checksums), once complete and matching ``template``."""
+    checked = checked_metadata(path)
+    diff = _manifest_difference(_read_manifest(checked), _manifest(template, comm))
     if diff is not None:
         raise CheckpointMismatchError(
-            f"checkpoint {d} does not match this training state: {diff} (checkpoint vs this state)"
+            f"checkpoint {checked.dir} does not match this training state: {diff} (checkpoint vs this state)"
         )
-    return d, metadata
+    return checked
 
 
 def _extra_destinations(metadata: Metadata) -> dict[str, Any]:

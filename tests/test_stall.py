@@ -1,0 +1,84 @@
+"""A stalled peer under ``TorchCommunicator(timeout=...)``: the waiting rank fails with a
+:class:`fzero.CollectiveError` naming the collective and the step, within the timeout + 10 s.
+
+Two gloo processes on localhost, started here (not by torchrun) in their own sessions, so
+that the test owns them: both are killed whatever happens (a stopped rank never exits).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fzero
+from stall_worker import STALL_AT
+
+HERE = Path(__file__).resolve().parent
+TIMEOUT = 4.0
+STARTUP = 90.0  # importing torch and joining the group, on a shared 2-core machine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # SIGKILL ends a stopped process too
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["sigstop", "sleep"])
+def test_stalled_peer_fails_with_a_named_error_within_the_timeout(mode, tmp_path):
+    out = tmp_path / "error.json"
+    port = _free_port()
+    procs = []
+    try:
+        for rank in (0, 1):
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+                   "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1",
+                   "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+            procs.append(subprocess.Popen(
+                [sys.executable, str(HERE / "stall_worker.py"), mode, str(TIMEOUT), str(out)],
+                env=env, stdout=open(tmp_path / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT,
+                start_new_session=True,
+            ))
+        try:
+            code = procs[0].wait(timeout=STARTUP + TIMEOUT + 10)
+        except subprocess.TimeoutExpired:
+            pytest.fail("rank 0 was still blocked: " + (tmp_path / "rank0.log").read_text()[-2000:])
+        logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in (0, 1))
+        assert code == 3 and out.exists(), logs
+        assert procs[1].poll() is None  # the stalled rank is still there: rank 0 did not wait for it
+    finally:
+        for p in procs:
+            _kill(p)
+    got = json.loads(out.read_text())
+    assert got["waited"] < TIMEOUT + 10, got
+    assert got["step"] == STALL_AT, got
+    assert got["collective"] and got["collective"] in got["error"], got
+    assert f"during step {STALL_AT}" in got["error"] and f"within {TIMEOUT:g} s" in got["error"], got
+    assert got["error"].startswith("rank 0: collective "), got
+
+
+def test_collective_error_names_collective_and_step():
+    e = fzero.CollectiveError("all_gather of 64 torch.float32", 1, 5.0, "Operation timed out!")
+    assert "step" not in str(e) and "within 5 s" in str(e)
+    at = e.at_step(7)
+    assert at.step == 7 and "collective all_gather of 64 torch.float32 during step 7" in str(at)
+    import pickle
+
+    assert str(pickle.loads(pickle.dumps(at))) == str(at)
