@@ -314,16 +314,19 @@ def build_layout(
     return _pack(slots, spec, world_size, alignment)
 
 
-def flat_shard(layout: Layout, group: FlatGroup, leaves: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+def flat_shard(layout: Layout, group: FlatGroup, leaves: Sequence[torch.Tensor], rank: int,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rank ``rank``'s shard of ``group``'s flat buffer built from full parameter ``leaves``.
 
     ``leaves``: every leaf in layout order (no local-rank axis). Returns
-    ``[shard_numel]`` in the group's master dtype; only the owned slice is
-    ever materialised (no full flat copy). Padding is zero.
+    ``[shard_numel]`` in the group's master dtype (written into ``out``, zeros of
+    that shape, when given); only the owned slice is ever materialised (no full
+    flat copy). Padding is zero.
     """
     n = group.shard_numel
     lo, hi = rank * n, (rank + 1) * n
-    out = torch.zeros(n, dtype=group.master_dtype, device=leaves[group.slots[0]].device)
+    if out is None:
+        out = torch.zeros(n, dtype=group.master_dtype, device=leaves[group.slots[0]].device)
     for i in group.slots:
         s = layout.slots[i]
         a, b = max(lo, s.offset), min(hi, s.offset + s.numel)

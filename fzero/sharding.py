@@ -82,14 +82,23 @@ def init_shard(
     layout = shard_layout(params, comm, trainable=trainable, optimizer=optimizer, bucket_of=bucket_of,
                           alignment=alignment)
     leaves = [x for _, x in named_leaves(params)[0]]
-    master = tuple(  # one row: the shard itself, no second copy of it at init
-        stack_rows([flat_shard(layout, g, leaves, r) for r in comm.ranks]) for g in layout.groups
-    )
+    master = tuple(_master_rows(layout, g, leaves, comm.ranks) for g in layout.groups)
     # A module's frozen parameters are shared with it, never written (one copy in memory); a
     # pytree's are copied, since its tensors stay the caller's to change.
     own = (lambda t: t.detach()) if isinstance(params, torch.nn.Module) else (lambda t: t.detach().clone())
     frozen = tuple(own(leaves[i]) for i, s in enumerate(layout.slots) if s.group < 0)
     return ShardState(master, frozen, layout)
+
+
+def _master_rows(layout: Layout, group: FlatGroup, leaves: Sequence[torch.Tensor],
+                 ranks: Sequence[int]) -> torch.Tensor:
+    """``[R, shard_numel]``: each local rank's shard written in place (no stacked second copy;
+    a contiguous tensor of its own, not a view, as a compiled step wants its inputs)."""
+    out = torch.zeros(len(ranks), group.shard_numel, dtype=group.master_dtype,
+                      device=leaves[group.slots[0]].device)
+    for row, r in enumerate(ranks):
+        flat_shard(layout, group, leaves, r, out=out[row])
+    return out
 
 
 def shard_layout(

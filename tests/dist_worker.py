@@ -230,7 +230,7 @@ def case_cyclic_garbage(comm):
 
 def case_memory_growth(comm):
     return {f"s{stage}{'c' if compiled else ''}": cases.memory_growth(comm, stage, compiled)
-            for stage, compiled in ((3, False),)}
+            for stage, compiled in ((1, False), (2, False), (3, False), (1, True), (2, True), (3, True))}
 
 
 def case_branchy(comm):
