@@ -7,6 +7,7 @@ bounded) and ``long`` (many more examples, for local runs:
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -29,3 +30,13 @@ settings.load_profile(os.environ.get("FZERO_HYPOTHESIS_PROFILE", "ci"))
 
 # Keep CPU tests reproducible and light on a 2-core machine.
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests (``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    the gloo workers run with one, and so must everything whose bits are compared with them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

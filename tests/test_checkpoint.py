@@ -59,13 +59,7 @@ mse = torch.nn.functional.mse_loss
 TOL = 1e-6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The gloo workers run with one intra-op thread; so does everything compared with them.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def assert_same_run(got: dict[str, Any], ref: dict[str, Any], tol: float = TOL) -> None:
