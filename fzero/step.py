@@ -46,7 +46,7 @@ from .scaler import ScalerState, init_scaler, scale, static_scaler, update_scale
 from .replicas import ReplicaDivergenceError, check_replicas, digest_parts, parts_differ
 from .rng import init_rng, rank_rng
 from .schedules import Schedule
-from .units import UnitPolicy, select_units, unit_buckets, unit_grads
+from .units import CompiledUnits, UnitPolicy, compiled_unit_grads, select_units, unit_buckets, unit_grads
 from .sharding import (
     ShardState,
     average_flat_grads,
@@ -464,6 +464,10 @@ def make_train_step(
     schedules = dict(schedules or {})
     defer = stage == 1 or defer_reduce
     pool = BufferPool()  # eager stages 1-2: gradient bucket buffers reused from step to step
+    # compiled stage 3 with one backward per graph (one local rank, one micro-batch): the units
+    # regather in backward (fzero.units.CompiledUnits); otherwise every bucket is gathered at once
+    regather = CompiledUnits(loss_fn.module) if (
+        compile and stage == 3 and comm.local_ranks * accum_steps == 1) else None
 
     def micro_batch(batch: Any, k: int) -> Any:
         if accum_steps == 1:
@@ -480,6 +484,16 @@ def make_train_step(
         if broadcast_buffers and state.buffers:
             state = replace(state, buffers=broadcast_module_buffers(state.buffers, comm))
         reduce_dtype = state.precision.reduce_dtype
+        if torch.compiler.is_compiling() and regather is not None:
+            # One rank, one micro-batch: each unit gathered in its forward and again in backward,
+            # reduced in backward (fzero.units.compiled_unit_grads)
+            out = compiled_unit_grads(
+                regather, loss_fn, state.shard, comm, batch, units=state.module.units,
+                buffers=state.buffers, buffer_names=state.module.buffers,
+                scale_loss=lambda loss: scale(state.scaler, loss),
+                param_dtype=state.precision.param_dtype, reduce_dtype=reduce_dtype,
+            )
+            return Micro(replace(state, buffers=out.buffers), out.shards, out.losses)
         if torch.compiler.is_compiling():
             # Module hooks and saved-tensor hooks do not trace: in a graph, every bucket is
             # gathered inside the step and inductor keeps it to its last use in backward
@@ -571,12 +585,15 @@ def make_train_step(
 
     core: StepFn = step
     if compile:
-        compiled = compiled_step(step, comm.local_ranks * accum_steps)
+        compiled = compiled_step(step, comm.local_ranks * accum_steps, regather=regather is not None)
 
         def core(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
             # before the graph: a bad shape raises our error, not a recompile that fails inside
             check_batch(batch, comm.local_ranks, accum_steps)
-            return compiled(state, batch)
+            if regather is None or stage != 3:
+                return compiled(state, batch)
+            with regather.installed(state.module.units):
+                return compiled(state, batch)
     if check_replicas_every:
         core = _checking_replicas(core, comm, check_replicas_every, replica_check)
     if not donate:
@@ -618,7 +635,7 @@ def _checking_replicas(step: StepFn, comm: Communicator, every: int, mode: str) 
     return run
 
 
-def compiled_step(step: StepFn, backward_regions: int = 1) -> StepFn:
+def compiled_step(step: StepFn, backward_regions: int = 1, regather: bool = False) -> StepFn:
     """``torch.compile(step, fullgraph=True)`` with what fzero's step needs around it.
 
     * ``torch._dynamo.config.trace_autograd_ops=True`` while tracing: torch
@@ -639,6 +656,11 @@ def compiled_step(step: StepFn, backward_regions: int = 1) -> StepFn:
       warning says so the first time the step consumed randomness.
     """
     dynamo_flags = {"trace_autograd_ops": True}
+    if regather:
+        # compiled stage 3's units bind their gathered parameters inside a checkpointed region
+        # (fzero.units.CompiledUnits): a side effect that must not replay in backward, where the
+        # remat pass recomputes only the gather
+        dynamo_flags["skip_fwd_side_effects_in_bwd_under_checkpoint"] = True
     functorch_flags = {"remat_using_tags_for_fwd_loss_bwd_graph": backward_regions == 1}
     compiled = torch.compile(step, fullgraph=True)
     warned = []
