@@ -662,7 +662,7 @@ def compiled_step(step: StepFn, backward_regions: int = 1, regather: bool = Fals
         # remat pass recomputes only the gather
         dynamo_flags["skip_fwd_side_effects_in_bwd_under_checkpoint"] = True
     functorch_flags = {"remat_using_tags_for_fwd_loss_bwd_graph": backward_regions == 1}
-    compiled = torch.compile(step, fullgraph=True)
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
     warned = []
 
     def run(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
