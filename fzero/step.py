@@ -25,6 +25,7 @@ Imports: comm, layout, materialize, module, optim, precision, pytree, rng, scale
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
@@ -654,6 +655,15 @@ def compiled_step(step: StepFn, backward_regions: int = 1, regather: bool = Fals
       row (a real rank) the stream is carried exactly; with several rows
       (a compiled simulated world) every row draws from row 0's stream, and a
       warning says so the first time the step consumed randomness.
+    * ``dynamic=False``: the graph specialises on shapes. Otherwise a step compiled after
+      another step function of the same code in the process (another state, another stage)
+      would be compiled with dynamic shapes, and round differently from the same step
+      compiled first: the simulated world and gloo would no longer agree bitwise.
+    * ``regather`` (stage 3, one local rank, one micro-batch; :class:`fzero.units.CompiledUnits`):
+      dynamo applies the side effects of a checkpointed region once
+      (``skip_fwd_side_effects_in_bwd_under_checkpoint``; the units bind their gathered
+      parameters inside one), and torch's warning about in-place ops in checkpointed regions
+      with a ``context_fn`` is dropped (those regions recompute only the gather and views).
     """
     dynamo_flags = {"trace_autograd_ops": True}
     if regather:
@@ -667,7 +677,8 @@ def compiled_step(step: StepFn, backward_regions: int = 1, regather: bool = Fals
 
     def run(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         device = state.params[0].device if state.params else state.shard.master[0].device
-        with torch._dynamo.config.patch(**dynamo_flags), torch._functorch.config.patch(**functorch_flags):
+        with torch._dynamo.config.patch(**dynamo_flags), torch._functorch.config.patch(**functorch_flags), \
+                _quiet_regather_warning(regather):
             if not state.rng:
                 return compiled(state, batch)
             left: list[torch.Tensor] = []
@@ -685,6 +696,28 @@ def compiled_step(step: StepFn, backward_regions: int = 1, regather: bool = Fals
         return replace(new_state, rng=(rng,)), metrics
 
     return run
+
+
+class _RegatherWarningFilter(logging.Filter):
+    """Drops torch's warning that a checkpoint under compile with a ``context_fn`` must not
+    contain in-place ops: stage 3's regions (fzero.units.CompiledUnits) recompute only the
+    gather and views, never an in-place op of the unit's own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_regather_warning(on: bool) -> Any:
+    if not on:
+        yield
+        return
+    log, quiet = logging.getLogger("torch._higher_order_ops.wrap"), _RegatherWarningFilter()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
 
 
 _CONSUMED = "_fzero_consumed"
