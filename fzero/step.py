@@ -25,6 +25,7 @@ Imports: comm, layout, materialize, module, optim, precision, pytree, rng, scale
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
@@ -46,7 +47,7 @@ from .scaler import ScalerState, init_scaler, scale, static_scaler, update_scale
 from .replicas import ReplicaDivergenceError, check_replicas, digest_parts, parts_differ
 from .rng import init_rng, rank_rng
 from .schedules import Schedule
-from .units import UnitPolicy, select_units, unit_buckets, unit_grads
+from .units import CompiledUnits, UnitPolicy, compiled_unit_grads, select_units, unit_buckets, unit_grads
 from .sharding import (
     ShardState,
     average_flat_grads,
@@ -485,6 +486,10 @@ def make_train_step(
     schedules = dict(schedules or {})
     defer = stage == 1 or defer_reduce
     pool = BufferPool()  # eager stages 1-2: gradient bucket buffers reused within a step
+    # compiled stage 3 with one backward per graph (one local rank, one micro-batch): the units
+    # regather in backward (fzero.units.CompiledUnits); otherwise every bucket is gathered at once
+    regather = CompiledUnits(loss_fn.module) if (
+        compile and stage == 3 and comm.local_ranks * accum_steps == 1) else None
 
     def micro_batch(batch: Any, k: int) -> Any:
         if accum_steps == 1:
@@ -501,6 +506,16 @@ def make_train_step(
         if broadcast_buffers and state.buffers:
             state = replace(state, buffers=broadcast_module_buffers(state.buffers, comm))
         reduce_dtype = state.precision.reduce_dtype
+        if torch.compiler.is_compiling() and regather is not None:
+            # One rank, one micro-batch: each unit gathered in its forward and again in backward,
+            # reduced in backward (fzero.units.compiled_unit_grads)
+            out = compiled_unit_grads(
+                regather, loss_fn, state.shard, comm, batch, units=state.module.units,
+                buffers=state.buffers, buffer_names=state.module.buffers,
+                scale_loss=lambda loss: scale(state.scaler, loss),
+                param_dtype=state.precision.param_dtype, reduce_dtype=reduce_dtype,
+            )
+            return Micro(replace(state, buffers=out.buffers), out.shards, out.losses)
         if torch.compiler.is_compiling():
             # Module hooks and saved-tensor hooks do not trace: in a graph, every bucket is
             # gathered inside the step and inductor keeps it to its last use in backward
@@ -594,12 +609,15 @@ def make_train_step(
 
     core: StepFn = step
     if compile:
-        compiled = compiled_step(step, comm.local_ranks * accum_steps)
+        compiled = compiled_step(step, comm.local_ranks * accum_steps, regather=regather is not None)
 
         def core(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
             # before the graph: a bad shape raises our error, not a recompile that fails inside
             check_batch(batch, comm.local_ranks, accum_steps)
-            return compiled(state, batch)
+            if regather is None or stage != 3:
+                return compiled(state, batch)
+            with regather.installed(state.module.units):
+                return compiled(state, batch)
     if check_replicas_every:
         core = _checking_replicas(core, comm, check_replicas_every, replica_check)
     core = _naming_step(core)
@@ -657,7 +675,7 @@ def _checking_replicas(step: StepFn, comm: Communicator, every: int, mode: str) 
     return run
 
 
-def compiled_step(step: StepFn, backward_regions: int = 1) -> StepFn:
+def compiled_step(step: StepFn, backward_regions: int = 1, regather: bool = False) -> StepFn:
     """``torch.compile(step, fullgraph=True)`` with what fzero's step needs around it.
 
     * ``torch._dynamo.config.trace_autograd_ops=True`` while tracing: torch
@@ -676,15 +694,30 @@ def compiled_step(step: StepFn, backward_regions: int = 1) -> StepFn:
       row (a real rank) the stream is carried exactly; with several rows
       (a compiled simulated world) every row draws from row 0's stream, and a
       warning says so the first time the step consumed randomness.
+    * ``dynamic=False``: the graph specialises on shapes. Otherwise a step compiled after
+      another step function of the same code in the process (another state, another stage)
+      would be compiled with dynamic shapes, and round differently from the same step
+      compiled first: the simulated world and gloo would no longer agree bitwise.
+    * ``regather`` (stage 3, one local rank, one micro-batch; :class:`fzero.units.CompiledUnits`):
+      dynamo applies the side effects of a checkpointed region once
+      (``skip_fwd_side_effects_in_bwd_under_checkpoint``; the units bind their gathered
+      parameters inside one), and torch's warning about in-place ops in checkpointed regions
+      with a ``context_fn`` is dropped (those regions recompute only the gather and views).
     """
     dynamo_flags = {"trace_autograd_ops": True}
+    if regather:
+        # compiled stage 3's units bind their gathered parameters inside a checkpointed region
+        # (fzero.units.CompiledUnits): a side effect that must not replay in backward, where the
+        # remat pass recomputes only the gather
+        dynamo_flags["skip_fwd_side_effects_in_bwd_under_checkpoint"] = True
     functorch_flags = {"remat_using_tags_for_fwd_loss_bwd_graph": backward_regions == 1}
-    compiled = torch.compile(step, fullgraph=True)
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
     warned = []
 
     def run(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         device = state.params[0].device if state.params else state.shard.master[0].device
-        with torch._dynamo.config.patch(**dynamo_flags), torch._functorch.config.patch(**functorch_flags):
+        with torch._dynamo.config.patch(**dynamo_flags), torch._functorch.config.patch(**functorch_flags), \
+                _quiet_regather_warning(regather):
             if not state.rng:
                 return compiled(state, batch)
             left: list[torch.Tensor] = []
@@ -702,6 +735,28 @@ def compiled_step(step: StepFn, backward_regions: int = 1) -> StepFn:
         return replace(new_state, rng=(rng,)), metrics
 
     return run
+
+
+class _RegatherWarningFilter(logging.Filter):
+    """Drops torch's warning that a checkpoint under compile with a ``context_fn`` must not
+    contain in-place ops: stage 3's regions (fzero.units.CompiledUnits) recompute only the
+    gather and views, never an in-place op of the unit's own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_regather_warning(on: bool) -> Any:
+    if not on:
+        yield
+        return
+    log, quiet = logging.getLogger("torch._higher_order_ops.wrap"), _RegatherWarningFilter()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
 
 
 _CONSUMED = "_fzero_consumed"

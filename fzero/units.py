@@ -65,7 +65,8 @@ from .rng import rank_rng
 from .buckets import BucketReduction
 from .sharding import ShardState, gather_flat_groups_start, stack_rows
 
-__all__ = ["UnitPolicy", "select_units", "unit_buckets", "unit_grads", "UnitGrads"]
+__all__ = ["UnitPolicy", "select_units", "unit_buckets", "unit_grads", "UnitGrads", "CompiledUnits",
+           "compiled_unit_grads"]
 
 UnitPolicy = Union[type, tuple, Callable[[str, torch.nn.Module], bool]]
 
@@ -574,3 +575,232 @@ def _released(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: tor
     out = torch.Tensor._make_subclass(_Released, data, False)
     out._fzero_name = repr(name)
     return out
+
+
+# -- compiled stage 3: each unit gathered in its forward, regathered in backward ------------------
+#
+# Under torch.compile the hooks above do not trace. Instead, while a compiled step runs, each
+# unit's ``forward`` is replaced (:meth:`CompiledUnits.installed`) by one that runs the unit inside
+# ``torch.utils.checkpoint.checkpoint`` with a selective policy: the region gathers the unit's
+# bucket (:class:`_GatherShard`), binds views of it as the unit's parameters and runs the unit's
+# own forward. The policy marks the gather (collectives, the cast, the simulated world's
+# ``repeat``) and every view MUST_RECOMPUTE and the unit's computation MUST_SAVE: the step's graph
+# differentiates its loss inside itself (a forward-loss-backward graph), and AOT autograd's remat
+# pass for such graphs (``remat_using_tags_for_fwd_loss_bwd_graph``) then drops the gathered
+# buffer after the unit's forward and gathers it again just before the backward that reads it.
+# The gather's backward averages the bucket's gradient over ranks (the reduce-scatter) as soon
+# as autograd has it whole, inside backward. The views must be in the region too: the unit's
+# own ``t()`` of a weight is what its backward reads, and a view outside the region would be
+# saved, and with it the whole gathered buffer.
+
+
+def _regather_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if getattr(op, "namespace", None) == "_c10d_functional" or getattr(op, "is_view", False) \
+            or op in _REGATHER_OPS:
+        return CheckpointPolicy.MUST_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE
+
+
+_REGATHER_OPS = frozenset({torch.ops.aten.repeat.default, torch.ops.aten._to_copy.default})
+
+
+def _regather_context() -> Any:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_regather_policy)
+
+
+def _backward_phase() -> Any:
+    """Marks the graph nodes traced inside it as the step's backward (the remat pass's region)."""
+    return torch.fx.traceback.annotate({"phase": "backward"})
+
+
+@torch.library.custom_op("fzero::materialized", mutates_args=())
+def _materialized(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x``, opaque to inductor: the reduced gradient shard is computed where backward
+    produces it. (Inductor would otherwise fold the end of the reduction, the sum over ranks of
+    the ``[W, n]`` an all-to-all received, into the optimizer's kernel, and keep every unit's
+    received buffer, a whole unit each, until the optimizer runs.)"""
+    return x.clone()
+
+
+@_materialized.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class _GatherShard(torch.autograd.Function):
+    """``master shard [shard_numel] -> the rank's full flat buffer [padded]`` (compute dtype);
+    backward: the gradient averaged over ranks, this rank's shard in the master dtype (one
+    reduce-scatter, or what the communicator makes of it). Pure: it traces."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, comm: Communicator, dtype: torch.dtype,  # type: ignore[override]
+                reduce_dtype: torch.dtype) -> torch.Tensor:
+        ctx.comm, ctx.reduce_dtype, ctx.master_dtype = comm, reduce_dtype, shard.dtype
+        return comm.all_gather(shard.to(dtype).unsqueeze(0))[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        from .sharding import average_flat_grads
+
+        with _backward_phase():
+            shard = average_flat_grads(grad.unsqueeze(0), ctx.comm, ctx.reduce_dtype, ctx.master_dtype)[0]
+            if ctx.comm.world_size > 1:
+                shard = _materialized(shard)
+        return shard, None, None, None
+
+
+class _CompiledRun:
+    """What the unit forwards of one traced step need: the master leaves, the plan, the comm."""
+
+    def __init__(self, plan: "_Plan", leaves: Sequence[torch.Tensor], comm: Communicator,
+                 dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
+                 unit_slots: Sequence[Sequence[tuple[dict, str, str]]]):
+        self.plan, self.leaves, self.comm = plan, leaves, comm
+        self.dtype, self.reduce_dtype, self.unit_slots = dtype, reduce_dtype, unit_slots
+
+    def gathered(self, bucket: int) -> dict[str, torch.Tensor]:
+        """``{path: view}`` of the bucket's trainable parameters, gathered through autograd (one
+        collective per flat group: a joined gather would cut its groups out by copies)."""
+        lay, tensors = self.plan.layout, {}
+        for g in self.plan.groups[bucket]:
+            flat = _GatherShard.apply(self.leaves[g.index], self.comm, self.dtype or g.dtype,
+                                      self.reduce_dtype or g.master_dtype)
+            for i, view in zip(g.slots, split_views(lay, g, flat)):
+                tensors[lay.slots[i].path] = view
+        return tensors
+
+    def unit(self, bucket: int, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The unit's forward with its parameters gathered and bound (the checkpointed region)."""
+        tensors = self.gathered(bucket)
+        saved = []
+        for table, attr, name in self.unit_slots[bucket]:
+            saved.append((table, attr, table[attr]))
+            table[attr] = tensors[name]
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            for table, attr, old in reversed(saved):
+                table[attr] = old
+
+
+_NO_FORWARD = object()
+
+
+class CompiledUnits:
+    """Compiled stage 3 on one rank (one local rank, one micro-batch): the unit forwards that
+    gather and regather (see the comment above); :func:`compiled_unit_grads` runs the step's
+    forward and backward with them.
+
+    ``installed(units)`` puts the gathering forwards on the unit modules around a compiled call
+    (the same function objects every call, so dynamo's guards hold) and restores the modules'
+    own afterwards; outside a compiled step the module is untouched."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.run: Optional[_CompiledRun] = None  # set inside the traced step only
+        self._forwards: dict[str, Callable[..., Any]] = {}
+
+    def _forward_of(self, bucket: int, unit: torch.nn.Module, own: Callable[..., Any]) -> Callable[..., Any]:
+        from torch.utils.checkpoint import checkpoint
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            run = self.run
+            if run is None:  # not inside the step (e.g. a forward of the module by the user)
+                return own(*args, **kwargs)
+            return checkpoint(run.unit, bucket, own, *args, use_reentrant=False,
+                              context_fn=_regather_context, **kwargs)
+
+        return forward
+
+    def installed(self, units: Sequence[str]) -> Any:
+        import contextlib
+
+        @contextlib.contextmanager
+        def install():  # noqa: ANN202
+            put = []
+            try:
+                for b, name in enumerate(units, start=1):
+                    unit = self.module.get_submodule(name)
+                    prior = unit.__dict__.get("forward", _NO_FORWARD)
+                    if name not in self._forwards:
+                        own = prior if prior is not _NO_FORWARD else type(unit).forward.__get__(unit)
+                        self._forwards[name] = self._forward_of(b, unit, own)
+                    unit.__dict__["forward"] = self._forwards[name]
+                    put.append((unit, prior))
+                yield
+            finally:
+                for unit, prior in put:
+                    if prior is _NO_FORWARD:
+                        unit.__dict__.pop("forward", None)
+                    else:
+                        unit.__dict__["forward"] = prior
+
+        return install()
+
+
+def compiled_unit_grads(
+    units_run: CompiledUnits,
+    loss_fn: ModuleLoss,
+    shard: ShardState,
+    comm: Communicator,
+    batch: Any,
+    *,
+    units: Sequence[str],
+    buffers: Sequence[torch.Tensor],
+    buffer_names: Sequence[str],
+    scale_loss: Callable[[torch.Tensor], torch.Tensor],
+    param_dtype: Optional[torch.dtype],
+    reduce_dtype: Optional[torch.dtype],
+) -> UnitGrads:
+    """Stage 3's forward and backward of one micro-batch inside a compiled step on one local
+    rank (``comm.local_ranks == 1``), with ``units_run``'s forwards installed.
+
+    Every flat group's master shard is a leaf; the root's groups are gathered first and held
+    (as in eager), each unit's in its forward and again in backward, each averaged over ranks
+    in backward as soon as its gradient is complete: ``torch.autograd.grad`` of the scaled loss
+    with respect to the leaves gives the averaged gradient shards. Collectives: one
+    ``all_gather`` per flat group in forward and again in backward for the units whose
+    backward reads their parameters, one ``reduce_scatter`` per flat group."""
+    lay = shard.layout
+    plan = _Plan.of(lay, units)
+    bucket_of = {s.path: s.bucket for s in lay.slots if s.group >= 0}
+    unit_slots: list[list[tuple[dict, str, str]]] = [[] for _ in plan.groups]
+    for table, attr, name in loss_fn._slots:
+        b = bucket_of.get(name)
+        if b:
+            unit_slots[b].append((table, attr, name))
+    leaves = [m[0].detach().requires_grad_(True) for m in shard.master]
+    run = _CompiledRun(plan, leaves, comm, param_dtype, reduce_dtype, unit_slots)
+    frozen = {s.path: (f.to(param_dtype) if param_dtype is not None else f)
+              for s, f in zip(lay.frozen_slots, shard.frozen)}
+    bufs = [b[0].clone() for b in buffers]
+    with torch.enable_grad():
+        # Outside its unit's forward a unit's parameter is a stand-in of its shape and compute
+        # dtype holding NaN (no memory): the module is not on meta while the step runs, and a
+        # use outside the unit (not allowed, see the module doc) turns the loss into NaN
+        nan = {}
+        for s in lay.slots:
+            if s.group >= 0 and s.bucket > 0:
+                dt = param_dtype or s.dtype
+                if dt not in nan:
+                    nan[dt] = torch.full((), float("nan"), dtype=dt, device=leaves[0].device)
+        stand_ins = {s.path: nan[param_dtype or s.dtype].expand(s.shape) for s in lay.slots
+                     if s.group >= 0 and s.bucket > 0}
+        tensors = {**stand_ins, **run.gathered(0), **frozen, **dict(zip(buffer_names, bufs))}
+        units_run.run = run
+        try:
+            with loss_fn.bound(tensors):
+                loss = loss_fn.forward_loss(tensors, row_of(batch, 0))
+                check_loss(loss)
+                loss = loss.float()
+                with _backward_phase():
+                    grads = torch.autograd.grad(scale_loss(loss), leaves, allow_unused=True)
+        finally:
+            units_run.run = None
+    shards = tuple((g if g is not None else torch.zeros_like(m[0])).unsqueeze(0)
+                   for g, m in zip(grads, shard.master))
+    return UnitGrads(shards, loss.detach().unsqueeze(0), tuple(b.unsqueeze(0) for b in bufs), ())

@@ -317,3 +317,72 @@ def branchy(comm: fzero.Communicator, stage: int) -> dict[str, torch.Tensor]:
     for x, y in branchy_batches(comm.world_size):
         state, _ = step(state, comm.split_batch((x, y)))
     return {k: v[-1].clone() for k, v in fzero.all_gather_params(state.shard, comm).items()}
+
+
+class WideBlock(torch.nn.Module):
+    """One shard unit of :func:`stage3_step_memory`'s model: a square Linear and a tanh."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5": reset VmHWM to the current RSS
+        f.write("5")
+
+
+def stage3_step_memory(comm: fzero.Communicator, compiled: bool, units: int = 12, d: int = 1024,
+                       steps: int = 2) -> dict:
+    """Peak RSS of one donating stage-3 step above the RSS just before it, on a model whose
+    units dominate (``units`` blocks of ``d x d``, 4 MiB each in fp32 at d = 1024; a root of a
+    few kB) and whose activations are small (4 rows per rank), after ``steps`` steps (compiled:
+    the graph is built in the first).
+
+    glibc is told to map every buffer above 64 kB on its own (``mallopt(M_MMAP_THRESHOLD)``,
+    which also stops it raising that threshold as buffers are freed), so a freed buffer leaves
+    the RSS at once: the RSS follows the live buffers, collectives' and compiled graphs' alike,
+    whichever thread frees them (the census misses frees on gloo's threads). Call it in a
+    process of its own (the setting stays). Returns the peak, the unit, root and gradient
+    shard sizes in bytes, and the model's."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    if libc.mallopt(-3, 1 << 16) != 1:  # M_MMAP_THRESHOLD
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, d), *[WideBlock(d) for _ in range(units)],
+                                torch.nn.Linear(d, 4))
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-3), comm, stage=3, units=(WideBlock,))
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3, compile=compiled, donate=True)
+    g = torch.Generator().manual_seed(1)
+    data = [comm.split_batch((torch.randn(4 * comm.world_size, 16, generator=g),
+                              torch.randn(4 * comm.world_size, 4, generator=g))) for _ in range(steps + 1)]
+    for batch in data[:steps]:
+        state, _ = step(state, batch)
+    gc.collect()
+    before = _rss_bytes()
+    _reset_peak_rss()
+    state, metrics = step(state, data[steps])
+    peak = _peak_rss_bytes() - before
+    lay = state.layout
+    unit_bytes = [4 * g.padded_numel for g in lay.groups if g.bucket > 0]
+    return {
+        "peak": peak,
+        "unit": max(unit_bytes),
+        "units": sum(unit_bytes),
+        "root": sum(4 * g.padded_numel for g in lay.groups if g.bucket == 0),
+        "grad_shards": sum(4 * g.shard_numel for g in lay.groups),
+        "loss": float(metrics["loss"]),
+    }

@@ -237,6 +237,14 @@ def case_branchy(comm):
     return {"s1": cases.branchy(comm, 1), "s2": cases.branchy(comm, 2)}
 
 
+def case_stage3_memory_compiled(comm):
+    return cases.stage3_step_memory(comm, compiled=True)
+
+
+def case_stage3_memory_eager(comm):
+    return cases.stage3_step_memory(comm, compiled=False)
+
+
 if __name__ == "__main__":
     from dist_harness import worker_main
 
