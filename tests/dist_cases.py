@@ -179,13 +179,19 @@ def cyclic_garbage(comm: fzero.Communicator, stage: int, compiled: bool, steps: 
     data = [comm.split_batch(b) for b in batches(steps + 1, comm.world_size, 2, torch.float32, d_in=sizes[0],
                                                   d_out=sizes[-1])]
     state, _ = step(state, data[0])  # compiles, and creates what lives for the whole run
+    return {**unreachable_after(step, state, data[1:]), "model_bytes": 4 * state.layout.num_params}
+
+
+def unreachable_after(step: Any, state: Any, data: list) -> dict:
+    """Run ``step`` over ``data`` with Python's cyclic collector off, then collect: the number of
+    unreachable tensors and their bytes (storages counted once)."""
     gc.collect()
     was_enabled, flags = gc.isenabled(), gc.get_debug()
     gc.disable()
     try:
-        for batch in data[1:]:
+        for batch in data:
             state, metrics = step(state, batch)
-        del metrics
+        del metrics, state
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
         found = [o for o in gc.garbage if issubclass(type(o), torch.Tensor)]  # (weak proxies too)
@@ -195,7 +201,7 @@ def cyclic_garbage(comm: fzero.Communicator, stage: int, compiled: bool, steps: 
         gc.set_debug(flags)
         if was_enabled:
             gc.enable()
-    return {"tensors": len(found), "bytes": sum(storages.values()), "model_bytes": 4 * state.layout.num_params}
+    return {"tensors": len(found), "bytes": sum(storages.values())}
 
 
 def _rss_bytes() -> int:
@@ -207,13 +213,16 @@ def memory_growth(comm: fzero.Communicator, stage: int, compiled: bool, steps: i
                   sizes: tuple[int, ...] = (64, 1024, 1024, 8)) -> dict:
     """Train an MLP (about 1.1M parameters) for ``steps`` steps as a training loop would (no
     ``gc.collect()``), reading malloc's live bytes (``mallinfo2``) and the RSS after step
-    ``steps // 4`` and after the last one. Returns both pairs of readings and the model's
-    fp32 size in bytes."""
+    ``steps // 4`` and after the last one; then 3 steps more with the cyclic collector off
+    (:func:`unreachable_after`). Returns both pairs of readings, what the collector found
+    (``cyclic``) and the model's fp32 size in bytes. Stages 1-2 in buckets of 200000
+    elements (the gradient hooks of several buckets)."""
     from fzero.testing.census import malloc_in_use
 
     model = mlp(torch.float32, sizes=sizes)
     units = children if stage == 3 else None
-    state = fzero.init_train_state(model, fzero.adamw(lr=1e-4), comm, stage=stage, units=units)
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-4), comm, stage=stage, units=units,
+                                   bucket_numel=None if units else 200_000)
     step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage, compile=compiled)
     data = [comm.split_batch(b) for b in batches(8, comm.world_size, 2, torch.float32, d_in=sizes[0],
                                                   d_out=sizes[-1])]
@@ -224,8 +233,11 @@ def memory_growth(comm: fzero.Communicator, stage: int, compiled: bool, steps: i
             metrics["loss"].item()  # the step has finished
             heap[i], rss[i] = malloc_in_use(), _rss_bytes()
     first, last = steps // 4, steps
-    return {"heap": (heap[first], heap[last]), "rss": (rss[first], rss[last]),
-            "model_bytes": 4 * state.layout.num_params}
+    del metrics
+    model_bytes = 4 * state.layout.num_params
+    cyclic = unreachable_after(step, state, data[:3])
+    return {"heap": (heap[first], heap[last]), "rss": (rss[first], rss[last]), "cyclic": cyclic,
+            "model_bytes": model_bytes}
 
 
 class C10dCalls:

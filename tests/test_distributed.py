@@ -272,10 +272,12 @@ def test_gloo_rank_dependent_branch_reduces_in_one_order(w2, stage):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_gloo_eager_steps_leave_no_tensors_behind(w2, stage):
-    """As many tensors are alive after 8 eager steps as after 3 on a real rank. (A started
+    """No more tensors are alive after 8 eager steps than after 3 on a real rank. (A started
     collective's ``Work`` keeps the launching thread's saved-tensor hooks; held past its wait
-    it tied each stage-3 step's gradients into a cycle the collector could not free.)"""
+    it tied each stage-3 step's gradients into a cycle the collector could not free.) Fewer is
+    possible: the count is the whole process's, and what earlier cases (compiled ones) left
+    to torch's C++ side may be released meanwhile."""
     for r, res in enumerate(_case(w2, "live_tensors")):
         after3, after8 = res[f"s{stage}"]
-        assert after8 == after3, (r, after3, after8)
+        assert after8 <= after3, (r, after3, after8)
 
