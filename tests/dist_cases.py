@@ -213,10 +213,9 @@ def memory_growth(comm: fzero.Communicator, stage: int, compiled: bool, steps: i
                   sizes: tuple[int, ...] = (64, 1024, 1024, 8)) -> dict:
     """Train an MLP (about 1.1M parameters) for ``steps`` steps as a training loop would (no
     ``gc.collect()``), reading malloc's live bytes (``mallinfo2``) and the RSS after step
-    ``steps // 4`` and after the last one; then 3 steps more with the cyclic collector off
-    (:func:`unreachable_after`). Returns both pairs of readings, what the collector found
-    (``cyclic``) and the model's fp32 size in bytes. Stages 1-2 in buckets of 200000
-    elements (the gradient hooks of several buckets)."""
+    ``steps // 4`` and after the last one. Returns both pairs of readings and the model's
+    fp32 size in bytes. Stages 1-2 in buckets of 200000 elements (the gradient hooks of
+    several buckets)."""
     from fzero.testing.census import malloc_in_use
 
     model = mlp(torch.float32, sizes=sizes)
@@ -233,11 +232,8 @@ def memory_growth(comm: fzero.Communicator, stage: int, compiled: bool, steps: i
             metrics["loss"].item()  # the step has finished
             heap[i], rss[i] = malloc_in_use(), _rss_bytes()
     first, last = steps // 4, steps
-    del metrics
-    model_bytes = 4 * state.layout.num_params
-    cyclic = unreachable_after(step, state, data[:3])
-    return {"heap": (heap[first], heap[last]), "rss": (rss[first], rss[last]), "cyclic": cyclic,
-            "model_bytes": model_bytes}
+    return {"heap": (heap[first], heap[last]), "rss": (rss[first], rss[last]),
+            "model_bytes": 4 * state.layout.num_params}
 
 
 class C10dCalls:

@@ -223,6 +223,11 @@ def case_live_tensors(comm):
     return {f"s{stage}": cases.live_tensors(comm, stage) for stage in (1, 2, 3)}
 
 
+def case_cyclic_garbage(comm):
+    return {f"s{stage}{'c' if compiled else ''}": cases.cyclic_garbage(comm, stage, compiled)
+            for stage, compiled in ((1, False), (2, False), (3, False), (1, True), (2, True), (3, True))}
+
+
 def case_memory_growth(comm):
     return {f"s{stage}{'c' if compiled else ''}": cases.memory_growth(comm, stage, compiled)
             for stage, compiled in ((1, False), (2, False), (3, False), (1, True), (2, True), (3, True))}

@@ -46,7 +46,8 @@ def test_compiled_step_counts_backward_regions(monkeypatch, world, accum, region
 
     seen = []
     real = step_module.compiled_step
-    monkeypatch.setattr(step_module, "compiled_step", lambda fn, n=1: seen.append(n) or real(fn, n))
+    monkeypatch.setattr(step_module, "compiled_step",
+                        lambda fn, n=1, **kw: seen.append(n) or real(fn, n, **kw))
     model = mlp()
     comm = fzero.SimulatedWorld(world)
     fzero.make_train_step(fzero.module_loss(model, mse), comm, compile=True, accum_steps=accum)
