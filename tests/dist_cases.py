@@ -182,6 +182,14 @@ def cyclic_garbage(comm: fzero.Communicator, stage: int, compiled: bool, steps: 
     return {**unreachable_after(step, state, data[1:]), "model_bytes": 4 * state.layout.num_params}
 
 
+def _has_memory(t: torch.Tensor) -> bool:
+    try:
+        t.untyped_storage().data_ptr()
+    except RuntimeError:  # FakeTensor, FunctionalTensor
+        return False
+    return True
+
+
 def unreachable_after(step: Any, state: Any, data: list) -> dict:
     """Run ``step`` over ``data`` with Python's cyclic collector off, then collect: the number of
     unreachable tensors and their bytes (storages counted once)."""
@@ -194,7 +202,9 @@ def unreachable_after(step: Any, state: Any, data: list) -> dict:
         del metrics, state
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
-        found = [o for o in gc.garbage if issubclass(type(o), torch.Tensor)]  # (weak proxies too)
+        # (weak proxies too); not the compiler's fake tensors, which own no memory (a compiled
+        # step's tracing leaves some in cycles of its own)
+        found = [o for o in gc.garbage if issubclass(type(o), torch.Tensor) and _has_memory(o)]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found}
         gc.garbage.clear()
     finally:
