@@ -247,18 +247,24 @@ def average_flat_grads_start(
 
 
 def gather_flat_params(
-    shard: ShardState, comm: Communicator, dtype: Optional[torch.dtype] = None
+    shard: ShardState, comm: Communicator, dtype: Optional[torch.dtype] = None,
+    then: Optional[Callable[[FlatGroup, torch.Tensor], None]] = None,
 ) -> tuple[torch.Tensor, ...]:
     """Full flat parameter buffers ``[R, padded_numel]`` per flat group, in ``dtype``.
 
     ``dtype``: the compute dtype (default: each group's parameter dtype). The
     master shard is cast *before* the ``all_gather`` (one per flat group), so
-    16-bit compute moves 16-bit data.
+    16-bit compute moves 16-bit data. ``then(group, flat)`` runs as each group
+    arrives, before the next is gathered (init hands a module's parameters over
+    group by group with it).
     """
     check_world(shard, comm)
-    return tuple(
-        comm.all_gather(m.to(dtype or g.dtype)) for g, m in zip(shard.layout.groups, shard.master)
-    )
+    out = []
+    for g, m in zip(shard.layout.groups, shard.master):
+        out.append(comm.all_gather(m.to(dtype or g.dtype)))
+        if then is not None:
+            then(g, out[-1])
+    return tuple(out)
 
 
 def gather_flat_params_at_once(

@@ -199,19 +199,11 @@ def init_train_state(
         else:
             # group by group, so the module's own copy of a group is freed before the next group
             # is gathered: the init peak holds one model and one group, not two models
-            check_world(shard, comm)
-            gathered = tuple(
-                _handed_over(params, shard.layout, g, comm.all_gather(m.to(precision.param_dtype or g.dtype)))
-                for g, m in zip(shard.layout.groups, shard.master)
-            )
+            gathered = gather_flat_params(shard, comm, precision.param_dtype, then=lambda g, flat: (
+                hand_over_parameters(params, shard.layout, (flat,), stage, groups=(g,))))
     elif stage < 3:
         gathered = gather_flat_params(shard, comm, precision.param_dtype)
     return TrainState(shard, opt, scaler, gathered, buffers, rng, precision, spec)
-
-
-def _handed_over(module: torch.nn.Module, layout: Any, group: FlatGroup, flat: torch.Tensor) -> torch.Tensor:
-    hand_over_parameters(module, layout, (flat,), 2, groups=(group,))
-    return flat
 
 
 def hand_over_parameters(module: torch.nn.Module, layout: Any, gathered: tuple[torch.Tensor, ...],

@@ -18,7 +18,7 @@ import pickle
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -87,41 +87,36 @@ class Outcomes:
         self.refused = 0
         self.loaded_intact = 0
 
+    def attempt(self, case: str, name: str, call: Callable[[], Any]) -> Optional[tuple[bool, Any]]:
+        """``(refused, result)`` of ``call()``: refused is a ``CheckpointError``. Anything else
+        that escapes is recorded as foreign and gives ``None``."""
+        try:
+            return False, call()
+        except CheckpointError:
+            return True, None
+        except Exception as e:  # noqa: BLE001 - the point: none may escape as another type
+            self.foreign.append(f"{case}: {name} raised {type(e).__name__}: {e}")
+            return None
+
     def run_offline(self, root: Path, case: str) -> None:
         """The tools without a training state: a CheckpointError or a result, nothing else."""
         for name, call in [("read_manifest", ckpt.read_manifest), ("checkpoint_info", ckpt.checkpoint_info),
                            ("consolidate_model_state_dict", ckpt.consolidate_model_state_dict)]:
-            try:
-                call(root)
-            except CheckpointError:
-                pass
-            except Exception as e:  # noqa: BLE001
-                self.foreign.append(f"{case}: {name} raised {type(e).__name__}: {e}")
+            self.attempt(case, name, lambda: call(root))
 
     def run(self, world: dict[str, Any], root: Path, case: str) -> None:
-        comm = world["comm"]
-        try:
-            state, extra = load_checkpoint(root, world["template"], comm)
-        except CheckpointError:
-            self.refused += 1
-            refused = True
-        except Exception as e:  # noqa: BLE001 - the point: none may escape as another type
-            self.foreign.append(f"{case}: load raised {type(e).__name__}: {e}")
+        loaded = self.attempt(case, "load", lambda: load_checkpoint(root, world["template"], world["comm"]))
+        if loaded is None:
             return
-        else:
-            refused = False
-            if _same_state(state, world["state"]) and _equal(extra, EXTRA):
-                self.loaded_intact += 1
-            else:
-                self.silent_wrong.append(case)
-        try:
-            verify_checkpoint(root)
-        except CheckpointError:
-            return
-        except Exception as e:  # noqa: BLE001
-            self.foreign.append(f"{case}: verify raised {type(e).__name__}: {e}")
-            return
+        refused, result = loaded
         if refused:
+            self.refused += 1
+        elif _same_state(result[0], world["state"]) and _equal(result[1], EXTRA):
+            self.loaded_intact += 1
+        else:
+            self.silent_wrong.append(case)
+        verified = self.attempt(case, "verify", lambda: verify_checkpoint(root))
+        if refused and verified is not None and not verified[0]:
             self.verify_passed.append(case)
 
 

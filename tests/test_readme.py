@@ -13,12 +13,18 @@ pytest.importorskip("transformers")
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def test_api_screen_runs():
+def _run_snippets(heading: str, count: int = 1) -> dict:
+    """Run the first ``count`` python blocks after ``heading`` in one scope; return the scope."""
     text = README.read_text()
-    section = text[text.index("## The API in one screen"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    section = text[text.index(heading):]
     scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - our own documentation
+    for code in re.findall(r"```python\n(.*?)```", section, re.S)[:count]:
+        exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - our own documentation
+    return scope
+
+
+def test_api_screen_runs():
+    scope = _run_snippets("## The API in one screen")
     model, state, comm = scope["model"], scope["state"], scope["comm"]
     import fzero
 
@@ -30,12 +36,7 @@ def test_api_screen_runs():
 
 def test_stage3_snippet_runs():
     """The API section's second block (stage 3 with GPT-2 blocks as units), after the first."""
-    text = README.read_text()
-    section = text[text.index("## The API in one screen"):]
-    first, second = re.findall(r"```python\n(.*?)```", section, re.S)[:2]
-    scope: dict = {}
-    exec(compile(first, "README.md", "exec"), scope)  # noqa: S102 - our own documentation
-    exec(compile(second, "README.md", "exec"), scope)  # noqa: S102
+    scope = _run_snippets("## The API in one screen", count=2)
     state = scope["state"]
     assert state.params == () and len(state.module.units) == 2
     assert torch.isfinite(scope["metrics"]["loss"])
@@ -44,11 +45,7 @@ def test_stage3_snippet_runs():
 
 def test_models_larger_than_one_rank_snippet_runs():
     """The meta-device snippet: a Llama built on meta, filled unit by unit, one stage-3 step."""
-    text = README.read_text()
-    section = text[text.index("## Models larger than one rank"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - our own documentation
+    scope = _run_snippets("## Models larger than one rank")
     state, model = scope["state"], scope["model"]
     assert all(p.is_meta for p in model.parameters())
     assert torch.isfinite(scope["metrics"]["loss"]) and int(state.opt.step) == 1
