@@ -222,10 +222,10 @@ def _rss_bytes() -> int:
 def memory_growth(comm: fzero.Communicator, stage: int, compiled: bool, steps: int = 1000,
                   sizes: tuple[int, ...] = (64, 1024, 1024, 8)) -> dict:
     """Train an MLP (about 1.1M parameters) for ``steps`` steps as a training loop would (no
-    ``gc.collect()``), reading malloc's live bytes (``mallinfo2``) and the RSS after step
-    ``steps // 4`` and after the last one. Returns both pairs of readings and the model's
-    fp32 size in bytes. Stages 1-2 in buckets of 200000 elements (the gradient hooks of
-    several buckets)."""
+    ``gc.collect()``), reading malloc's live bytes (``mallinfo2``) and the RSS after steps
+    ``steps // 4``, ``steps // 2``, ``3 * steps // 4`` and the last one. Returns both lists of
+    readings and the model's fp32 size in bytes. Stages 1-2 in buckets of 200000 elements
+    (the gradient hooks of several buckets)."""
     from fzero.testing.census import malloc_in_use
 
     model = mlp(torch.float32, sizes=sizes)
@@ -235,15 +235,15 @@ def memory_growth(comm: fzero.Communicator, stage: int, compiled: bool, steps: i
     step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage, compile=compiled)
     data = [comm.split_batch(b) for b in batches(8, comm.world_size, 2, torch.float32, d_in=sizes[0],
                                                   d_out=sizes[-1])]
-    heap, rss = {}, {}
+    marks = [steps * k // 4 for k in (1, 2, 3, 4)]
+    heap, rss = [], []
     for i in range(1, steps + 1):
         state, metrics = step(state, data[i % len(data)])
-        if i in (steps // 4, steps):
+        if i in marks:
             metrics["loss"].item()  # the step has finished
-            heap[i], rss[i] = malloc_in_use(), _rss_bytes()
-    first, last = steps // 4, steps
-    return {"heap": (heap[first], heap[last]), "rss": (rss[first], rss[last]),
-            "model_bytes": 4 * state.layout.num_params}
+            heap.append(malloc_in_use())
+            rss.append(_rss_bytes())
+    return {"heap": heap, "rss": rss, "model_bytes": 4 * state.layout.num_params}
 
 
 class C10dCalls:

@@ -2,7 +2,7 @@
 
 One torchrun of 2 gloo ranks trains an MLP (about 1.1M parameters) for 1000
 steps at stages 1-3, eager and compiled, and reads each rank's live malloc
-bytes (``mallinfo2``) and RSS after step 250 and step 1000. A step whose
+bytes (``mallinfo2``) and RSS after steps 250, 500, 750 and 1000. A step whose
 buffers stay in a reference cycle until Python's cyclic collector runs makes
 the live heap grow step after step (it did: the gradient hooks at stages 1-2,
 about 2 MB a step on a 7M-parameter model, and gloo's batched collectives at
@@ -57,7 +57,12 @@ def test_gloo_steps_leave_no_cyclic_garbage(readings, key):
 
 @pytest.mark.parametrize("key", KEYS)
 def test_live_heap_from_step_250_to_1000_grows_less_than_1_percent_of_the_model(readings, key):
+    """A leak grows the heap in every quarter of the run; a one-time allocation (a library's
+    lazily built table, an arena the allocator opens once: 6.7 MB once on one rank in a CI
+    run, the readings before and after it flat) lands in one quarter only. So the median of
+    the three quarters' growth is held to 1/3 % of the model (1 % over the 750 steps)."""
     for r, got in enumerate(_case(readings, "memory_growth")):
         one = got[key]
-        growth = one["heap"][1] - one["heap"][0]
-        assert growth < 0.01 * one["model_bytes"], (r, key, growth, one)
+        heap = one["heap"]
+        quarters = sorted(b - a for a, b in zip(heap, heap[1:]))
+        assert quarters[1] < 0.01 / 3 * one["model_bytes"], (r, key, quarters, one)
