@@ -311,10 +311,9 @@ def gather_step_params(
 ) -> tuple[torch.Tensor, ...]:
     """The gathered parameters the next step reads, ``[R, padded_numel]`` per flat group.
 
-    ``into``: buffers to overwrite (a donated state's), used eagerly
-    (:func:`gather_flat_params_into`); otherwise new buffers
-    (:func:`gather_flat_params_at_once`). Same values either way."""
-    if into is not None and not torch.compiler.is_compiling():
+    ``into``: buffers to overwrite (a donated state's; :func:`gather_flat_params_into`),
+    otherwise new buffers (:func:`gather_flat_params_at_once`). Same values either way."""
+    if into is not None:
         return gather_flat_params_into(shard, comm, into, dtype)
     return gather_flat_params_at_once(shard, comm, dtype)
 

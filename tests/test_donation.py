@@ -120,3 +120,22 @@ def test_compiled_donating_step_on_one_rank_never_aliases_params_and_master():
         losses.append(m["loss"].item())
         assert all(p.data_ptr() != q.data_ptr() for p, q in zip(state.params, state.shard.master))
     assert all(math.isfinite(v) for v in losses)
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_donating_steps_gather_into_the_buffers_the_module_views(compile):
+    """A donating step, eager or compiled, writes the new parameters into the gathered buffers it
+    was given: the same storage after every step, so the module's parameters (views of them)
+    follow the training and no second parameter-sized buffer outlives a step (a compiled step
+    returned new buffers, and the module kept the first ones alive beside them)."""
+    comm = fzero.SimulatedWorld(1)
+    model = mlp()
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, donate=True, compile=compile)
+    ptrs = [p.data_ptr() for p in state.params]
+    for batch in batches(3, 1, 4, torch.float32):
+        state, _ = step(state, comm.split_batch(batch))
+        assert [p.data_ptr() for p in state.params] == ptrs
+    gathered = fzero.all_gather_params(state.shard, comm)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), gathered[name][0]), name
