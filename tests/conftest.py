@@ -28,8 +28,10 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("FZERO_HYPOTHESIS_PROFILE", "ci"))
 
-# Keep CPU tests reproducible and light on a 2-core machine.
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Keep CPU tests reproducible and light on a 2-core machine: under pytest-xdist (the README's
+# `-n 2`) the workers already fill both cores, and a second intra-op thread each would only
+# contend for them.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 
 @pytest.fixture(scope="module")
