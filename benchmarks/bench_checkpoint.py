@@ -114,7 +114,7 @@ def load_peak(mb: int) -> None:
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as root:
         fzero.save_checkpoint(_state(mb, comm), root, comm, name="s")
         here = str(Path(__file__).resolve().parent)
-        print(f"load_checkpoint peak memory (fresh process; state = template's tensors):")
+        print("load_checkpoint peak memory (fresh process; state = template's tensors):")
         for mode in ("pure", "donate"):
             out = subprocess.run([sys.executable, "-c", _CHILD, root, str(mb), here, mode],
                                  capture_output=True, text=True, check=True, timeout=600)

@@ -119,7 +119,7 @@ def bench(name: str, model: torch.nn.Module, vocab: int, seq: int, batch: int, r
     print(f"\n{name}: {params / 1e6:.2f} M parameters, batch {batch} x {seq} tokens, W=1, fp32, AdamW, "
           f"{torch.get_num_threads()} thread(s), {rounds} rounds x {steps} steps")
     ref = statistics.median(times["torch loop (fused AdamW)"])
-    print(f"| system | ms/step (median) | x torch loop | last loss |\n|---|---|---|---|")
+    print("| system | ms/step (median) | x torch loop | last loss |\n|---|---|---|---|")
     for sname, ts in times.items():
         med = statistics.median(ts)
         print(f"| {sname} | {med * 1e3:.1f} | {med / ref:.2f} | {last[sname]:.4f} |")

@@ -38,7 +38,7 @@ import functools
 import torch
 
 from .comm import Communicator
-from .layout import FlatGroup, Layout, flatten_one, named_leaves
+from .layout import FlatGroup, Layout, named_leaves
 from .sharding import average_flat_groups_start, stack_rows
 
 __all__ = [

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from typing import Any, Callable, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 import torch.utils._pytree as tp
