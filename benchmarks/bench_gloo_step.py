@@ -216,6 +216,7 @@ class Runner:
     finish: Callable[[], tuple[float, float, dict[str, torch.Tensor]]]
     tensors: Callable[[], dict[str, list[torch.Tensor]]] = staticmethod(lambda: {})
     note: str = ""
+    step_buffers: dict = {}  # fzero eager: memory_report's prediction of the step's own buffers
 
 
 def _optimizer_tensors(opt) -> list[torch.Tensor]:
@@ -417,6 +418,8 @@ def make_fzero_runner(stage: int, compiled: bool, donate: bool, ctx: dict, bucke
     r.note = f"stage {stage}" + (", units: blocks" if units else "") + (", fullgraph" if compiled else "") \
         + (", donating" if donate else "") \
         + (f", {len(holder['state'].layout.groups)} buckets" if stage < 3 else "")
+    if not compiled:
+        r.step_buffers = fzero.memory_report(holder["state"].layout, opt, stage=stage).step_buffers
 
     def step(i: int) -> None:
         holder["state"], holder["metrics"] = step_fn(holder["state"], batches[i])

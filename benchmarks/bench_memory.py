@@ -235,7 +235,8 @@ def census_step(runner, i: int) -> dict:
     cats = c.by_category
     return {"state": cats.get("state", 0), "new st.": cats.get("new st.", 0), "module": cats.get("module", 0),
             "other": cats.get("other", 0), "total": c.total_at_peak, "end": c.end_bytes,
-            "missed": c.missed_frees, "table": c.table()}
+            "missed": c.missed_frees, "scope_peaks": c.scope_peaks, "predicted": dict(runner.step_buffers),
+            "table": c.table()}
 
 
 def measure(key: str, ctx: dict, args: argparse.Namespace) -> dict:
@@ -366,7 +367,12 @@ def format_details(results: dict[str, dict]) -> str:
     out = []
     for key, res in results.items():
         if not _failure(res):
-            out += [f"census of {key} (rank 0, one step):", res["ranks"][0]["census"]["table"], ""]
+            census = res["ranks"][0]["census"]
+            out += [f"census of {key} (rank 0, one step):", census["table"]]
+            for scope, want in census.get("predicted", {}).items():
+                got = census["scope_peaks"].get(scope, 0)
+                out.append(f"memory_report predicts {scope} {want / MIB:.2f} MiB; census: {got / MIB:.2f} MiB")
+            out.append("")
     return "\n".join(out)
 
 

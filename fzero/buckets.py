@@ -39,6 +39,7 @@ import torch
 
 from .comm import Communicator
 from .layout import FlatGroup, Layout, named_leaves
+from .scopes import GRAD_BUCKETS, GRAD_REDUCTION, step_scope
 from .sharding import average_flat_groups_start, stack_rows
 
 __all__ = [
@@ -126,7 +127,8 @@ class BufferPool:
                 if t.numel() >= numel and t.dtype == dtype and (device is None or t.device == device)]
         if fits:
             return self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
-        return torch.empty(numel, dtype=dtype, device=device)
+        with step_scope(GRAD_BUCKETS):
+            return torch.empty(numel, dtype=dtype, device=device)
 
     def clear(self) -> None:
         """Drop every buffer (their memory goes back to the allocator)."""
@@ -227,24 +229,26 @@ class BucketReduction:
     def _launch(self, i: int) -> None:
         while len(self.started) >= MAX_IN_FLIGHT:
             self._wait_oldest()
-        groups, flats, owned = [], [], []
-        for b in self.launches[i]:
-            got = self.parts.pop(b)
-            self.ready.discard(b)
-            bufs = self.buffers(b) if b in self.own else None
-            owned.extend(self.own.pop(b, ()))
-            for pos, g in enumerate(self.groups[b]):
-                flat = bufs[pos] if bufs is not None else stack_rows([got[r][pos] for r in range(self.rows)])
-                groups.append(g)
-                flats.append(flat if self.prepare is None else self.prepare(g, flat))
-        self.launched[i] = True
-        # started now, waited for later: the collective overlaps the rest of backward
-        self.started.append((tuple(groups), tuple(owned), average_flat_groups_start(
-            flats, groups, self.comm, self.reduce_dtype, self.via_all_reduce)))
+        with step_scope(GRAD_REDUCTION):
+            groups, flats, owned = [], [], []
+            for b in self.launches[i]:
+                got = self.parts.pop(b)
+                self.ready.discard(b)
+                bufs = self.buffers(b) if b in self.own else None
+                owned.extend(self.own.pop(b, ()))
+                for pos, g in enumerate(self.groups[b]):
+                    flat = bufs[pos] if bufs is not None else stack_rows([got[r][pos] for r in range(self.rows)])
+                    groups.append(g)
+                    flats.append(flat if self.prepare is None else self.prepare(g, flat))
+            self.launched[i] = True
+            # started now, waited for later: the collective overlaps the rest of backward
+            started = average_flat_groups_start(flats, groups, self.comm, self.reduce_dtype, self.via_all_reduce)
+        self.started.append((tuple(groups), tuple(owned), started))
 
     def _wait_oldest(self) -> None:
         groups, owned, done = self.started.pop(0)
-        shards = done()
+        with step_scope(GRAD_REDUCTION):
+            shards = done()
         for g, shard in zip(groups, shards):
             self.shards[g.index] = shard
         kept = {s.untyped_storage().data_ptr() for s in shards}

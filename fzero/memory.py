@@ -24,15 +24,23 @@ stage  held between steps                           transient (inside a step onl
                                                     master on the fly and reduces per unit
 =====  ===========================================  ===========================================
 
-Not counted at all (they depend on the model and the batch, not on Ψ alone):
-activations; in stages 1-2 eagerly the gradient buckets being reduced (at most
-``MAX_IN_FLIGHT + 1`` buckets of the compute dtype; compiled, or deferring
-accumulation, the full local gradients); in stage 3 eagerly the root and at most two
+Beside the paper's model, ``step_buffers`` predicts the step's own scratch memory by
+the profiler scope it is allocated in (:mod:`fzero.scopes`), so a census can check
+it: in stages 1-2 eagerly, ``fzero::grad_buckets``, the bucket buffers each rank's
+gradients are copied into during backward: the :data:`~fzero.buckets.MAX_IN_FLIGHT`
+``+ 1`` largest buckets of the compute dtype (two reductions under way and one
+bucket filling; a bucket of one parameter that fills its flat group exactly takes
+autograd's gradient on a real rank and needs no buffer).
+
+Not counted at all (they depend on the model, the batch and the backend, not on Ψ
+alone): activations; what the collectives allocate (``fzero::grad_reduction``: gloo,
+for one, copies a reduce-scatter's whole input and gathers through a buffer of its
+own); compiled, or deferring accumulation, the full local gradients; in stage 3 eagerly the root and at most two
 units of gathered parameters (``GatherTracker`` measures them,
 ``benchmarks/bench_zero3_memory.py``), compiled every unit from its forward to
 its backward.
 
-Imports: ``fzero.layout``, ``fzero.optim``, ``fzero.precision``.
+Imports: ``fzero.buckets``, ``fzero.layout``, ``fzero.optim``, ``fzero.precision``, ``fzero.scopes``.
 """
 
 from __future__ import annotations
@@ -42,9 +50,11 @@ from typing import Optional
 
 import torch
 
+from .buckets import MAX_IN_FLIGHT, buckets_of
 from .layout import Layout
 from .optim import Optimizer
 from .precision import MixedPrecision
+from .scopes import GRAD_BUCKETS
 
 __all__ = ["MemoryReport", "memory_report", "zero_paper_bytes", "format_memory_table"]
 
@@ -57,7 +67,8 @@ class MemoryReport:
     paper's model; ``held``: the part of each kind the state keeps between steps;
     ``transient``: the part that exists only inside a step (``held + transient ==
     by_kind`` for every kind); ``padding``: the part of the total that is padding,
-    averaged over ranks."""
+    averaged over ranks; ``step_buffers``: the eager step's own scratch memory at its
+    peak, by profiler scope (module doc), outside the paper's model."""
 
     stage: int
     world_size: int
@@ -66,6 +77,7 @@ class MemoryReport:
     padding: float
     held: dict[str, float] = dataclasses.field(default_factory=dict)
     transient: dict[str, float] = dataclasses.field(default_factory=dict)
+    step_buffers: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -93,6 +105,7 @@ def memory_report(
     stage: int,
     precision: MixedPrecision = MixedPrecision(),
     world_size: Optional[int] = None,
+    local_ranks: int = 1,
 ) -> MemoryReport:
     """Training-state bytes per rank for ``layout``'s parameters.
 
@@ -102,7 +115,8 @@ def memory_report(
     buffer (in ``precision.reduce_dtype``, default the master dtype) is full in
     stage 1 and sharded in stages 2-3; master and moments are always sharded.
     Held between steps: master and moments, and the parameters in stages 1-2;
-    the rest is transient (see the module doc).
+    the rest is transient (see the module doc). ``local_ranks``: ranks this process
+    simulates (:class:`~fzero.comm.SimulatedWorld`), which share their bucket buffers.
     """
     if stage not in (1, 2, 3):
         raise ValueError(f"memory_report: stage must be 1, 2 or 3, got {stage!r}")
@@ -126,7 +140,21 @@ def memory_report(
             padding += itemsize * (pad / n if sharded else pad)
     held = {kind: by_kind[kind] if _held(kind, stage) else 0.0 for kind in KINDS}
     transient = {kind: by_kind[kind] - held[kind] for kind in KINDS}
-    return MemoryReport(stage, n, layout.num_params, by_kind, padding, held, transient)
+    buffers = {GRAD_BUCKETS: bucket_buffer_bytes(layout, precision, local_ranks)} if stage < 3 else {}
+    return MemoryReport(stage, n, layout.num_params, by_kind, padding, held, transient, buffers)
+
+
+def bucket_buffer_bytes(layout: Layout, precision: MixedPrecision = MixedPrecision(), local_ranks: int = 1) -> float:
+    """Per rank, the most bytes of gradient bucket buffers an eager stage 1-2 step holds at
+    once: the ``MAX_IN_FLIGHT + 1`` largest buckets (``[local_ranks, padded]`` per flat group,
+    in the compute dtype), without the buckets of one parameter that fills its flat group
+    exactly on a real rank (autograd's gradient is reduced as it is)."""
+    sizes = []
+    for groups in buckets_of(layout):
+        lone = local_ranks == 1 and len(groups) == 1 and len(groups[0].slots) == 1 and not groups[0].padding
+        if groups and not lone:
+            sizes.append(sum(_size(precision.compute_dtype(g.dtype)) * local_ranks * g.padded_numel for g in groups))
+    return float(sum(sorted(sizes, reverse=True)[: MAX_IN_FLIGHT + 1])) / local_ranks
 
 
 def _held(kind: str, stage: int) -> bool:

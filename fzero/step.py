@@ -45,6 +45,7 @@ from .precision import MixedPrecision
 from .pytree import pytree_dataclass, replace, static_field
 from .scaler import ScalerState, init_scaler, scale, static_scaler, update_scale
 from .replicas import ReplicaDivergenceError, check_replicas, digest_parts, parts_differ
+from .scopes import UPDATE, scoped
 from .rng import init_rng, rank_rng
 from .schedules import Schedule
 from .units import CompiledUnits, UnitPolicy, compiled_unit_grads, select_units, unit_buckets, unit_grads
@@ -792,6 +793,7 @@ def consume(old: TrainState, new: TrainState) -> TrainState:
     return new
 
 
+@scoped(UPDATE)
 def finish_step(
     state: TrainState,
     shards: tuple[torch.Tensor, ...],

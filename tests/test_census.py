@@ -8,6 +8,7 @@ import torch
 import torch.utils._pytree as tp
 
 import fzero
+from fzero.scopes import GRAD_BUCKETS
 from fzero.testing import Census
 from fzero.testing.census import _replay, storages_of
 from helpers import mlp
@@ -103,15 +104,35 @@ def test_allocations_inside_autograd_backward_are_seen():
 
 def test_replay_pairs_by_address_and_counts_missed_frees():
     events = [
-        (1, 0x100, 64, "op"), (2, 0x200, 32, "op"),
-        (3, 0x900, -128, ""),                 # a free of an older buffer: ignored
-        (4, 0x100, 16, "op"),                 # reuse without a seen free: the 64 ends here
-        (5, 0x200, -32, ""),
+        (1, 0x100, 64, "op", ""), (2, 0x200, 32, "op", ""),
+        (3, 0x900, -128, "", ""),             # a free of an older buffer: ignored
+        (4, 0x100, 16, "op", ""),             # reuse without a seen free: the 64 ends here
+        (5, 0x200, -32, "", ""),
     ]
     allocs, missed = _replay(events, {})
     assert missed == 1
     assert sorted((a.ptr, a.nbytes, a.start_ns, a.end_ns) for a in allocs) == [
         (0x100, 16, 4, None), (0x100, 64, 1, 4), (0x200, 32, 2, 5)]
+
+
+def test_allocations_are_named_by_their_innermost_census_scope():
+    """Bytes allocated inside ``record_function("fzero::...")`` carry that scope (the innermost
+    one, through nested operators); other scopes do not count; each scope's own peak is the
+    most its allocations held at once, wherever the block's peak was."""
+    from torch.profiler import record_function
+
+    with Census() as c:
+        with record_function("fzero::outer"):
+            a = torch.empty(256)                            # 1024 outer
+            with record_function("fzero::inner"):
+                b = torch.empty(128)                        # 512 inner
+            with record_function("not ours"):
+                d = torch.empty(64)                         # 256 outer: "not ours" is no census scope
+        del a
+        e = torch.empty(1024)                               # 4096 unscoped: the block's peak
+    assert c.scope_peaks == {"fzero::outer": 1024 + 256, "fzero::inner": 512}
+    assert c.by_scope == {"fzero::inner": 512, "fzero::outer": 256, "": 4096}
+    assert b.numel() + d.numel() + e.numel() == 1216
 
 
 def test_storages_of_deduplicates_and_skips_empty():
@@ -136,9 +157,12 @@ def test_fzero_step_against_memory_report(stage, donate):
     model = mlp(sizes=(64, 256, 256, 16))
     comm = fzero.SimulatedWorld(2)
     units = (lambda name, m: name in ("0", "3", "5")) if stage == 3 else None
-    state = fzero.init_train_state(model, fzero.adamw(), comm, stage=stage, units=units)
+    # stages 1-2 in buckets of unequal sizes (one parameter alone, two together, ...)
+    state = fzero.init_train_state(model, fzero.adamw(), comm, stage=stage, units=units,
+                                   bucket_numel=None if units else 20_000)
     step = fzero.make_train_step(fzero.module_loss(model, torch.nn.functional.mse_loss), comm,
                                  stage=stage, donate=donate)
+    assert stage == 3 or len({g.bucket for g in state.layout.groups}) >= 3
     batch = comm.split_batch((torch.randn(8, 64), torch.randn(8, 16)))
     state, _ = step(state, batch)                          # warm-up: lazily built pieces
     rep = fzero.memory_report(state.layout, state.opt.optimizer, stage=stage)
@@ -164,6 +188,10 @@ def test_fzero_step_against_memory_report(stage, donate):
     else:
         assert census.baseline["module"] == R * rep.held["params"]
     assert census.peak_bytes >= R * rep.transient_total
+    # the step's own bucket buffers, by their profiler scope: as predicted, to the byte
+    buffers = fzero.memory_report(held["s"].layout, held["s"].opt.optimizer, stage=stage, local_ranks=R).step_buffers
+    assert {k: v * R for k, v in buffers.items()} == {k: census.scope_peaks.get(k, 0) for k in buffers}
+    assert (GRAD_BUCKETS in buffers) == (stage < 3)
     new = census.in_block_by_category.get("new state", 0)
     made = census.end_by_category.get("new state", 0)
     if donate:

@@ -57,6 +57,8 @@ __all__ = ["Allocation", "Census", "malloc_in_use", "storages_of"]
 
 KnownTensors = Union[Iterable[torch.Tensor], Callable[[], Iterable[torch.Tensor]]]
 OTHER = "other"
+# record_function scopes the census names allocations by (fzero's step buffers: fzero.memory.SCOPES)
+SCOPE_PREFIXES = ("fzero::",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Allocation:
     end_ns: Optional[int]
     kind: str = OTHER
     op: str = ""  # the innermost operator (or record_function scope) that allocated it
+    scope: str = ""  # the innermost enclosing ``record_function`` named with a census prefix
 
     def live_at(self, t_ns: int) -> bool:
         return self.start_ns <= t_ns and (self.end_ns is None or t_ns < self.end_ns)
@@ -138,8 +141,10 @@ class Census:
       whose free the profiler did not see (their address was handed out again).
     """
 
-    def __init__(self, known: Mapping[str, KnownTensors] = {}, *, categories: bool = False):
+    def __init__(self, known: Mapping[str, KnownTensors] = {}, *, categories: bool = False,
+                 scopes: tuple[str, ...] = SCOPE_PREFIXES):
         self.categories = categories
+        self.scopes = scopes
         self._at_entry: dict[str, list[torch.UntypedStorage]] = {}
         self._at_exit: dict[str, Callable[[], Iterable[torch.Tensor]]] = {}
         for name, tensors in known.items():
@@ -175,7 +180,7 @@ class Census:
         self._prof.__exit__(*exc)
         if exc[0] is not None:
             return
-        events = _allocation_events(self._prof.profiler.kineto_results)
+        events = _allocation_events(self._prof.profiler.kineto_results, self.scopes)
         kinds = _profiler_kinds(self._prof.profiler.kineto_results) if self.categories else {}
         if self.categories and not kinds:
             self.category_note = "torch's memory profiler gave no categories"
@@ -284,6 +289,25 @@ class Census:
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     @property
+    def by_scope(self) -> dict[str, int]:
+        """In-block bytes live at the peak by scope (``""``: allocated outside every scope)."""
+        out: dict[str, int] = {}
+        for a in self.allocations:
+            if a.live_at(self.peak_ns):
+                out[a.scope] = out.get(a.scope, 0) + a.nbytes
+        return out
+
+    @property
+    def scope_peaks(self) -> dict[str, int]:
+        """Each scope's own peak: the most bytes its allocations held at once during the
+        block (at whatever time; not necessarily the block's peak)."""
+        by: dict[str, list[Allocation]] = {}
+        for a in self.allocations:
+            if a.scope:
+                by.setdefault(a.scope, []).append(a)
+        return {name: _peak(allocs, self.start_ns)[0] for name, allocs in by.items()}
+
+    @property
     def total_at_peak(self) -> int:
         return self.peak_bytes + self.baseline_at_peak
 
@@ -305,6 +329,11 @@ class Census:
             b, i = before.get(n, 0), inside.get(n, 0)
             lines.append(f"{n:<{w}} {b / unit:10.2f} {i / unit:10.2f} {(b + i) / unit:10.2f}")
         lines += [f"{'  ' + op:<{w}} {'':>10} {n / unit:10.2f}" for op, n in top]
+        scoped = {k: v for k, v in self.by_scope.items() if k}
+        peaks = self.scope_peaks
+        if peaks:
+            lines.append(f"{'in block by scope':<{w}} {'own peak':>10} {'at peak':>10}")
+            lines += [f"{'  ' + k:<{w}} {peaks[k] / unit:10.2f} {scoped.get(k, 0) / unit:10.2f}" for k in sorted(peaks)]
         lines.append(f"{'live at the peak':<{w}} {self.baseline_at_peak / unit:10.2f} "
                      f"{self.peak_bytes / unit:10.2f} {self.total_at_peak / unit:10.2f}")
         lines.append(f"{'allocated in block, live at exit':<{w}} {'':>10} {self.end_bytes / unit:10.2f}")
@@ -329,20 +358,23 @@ def _mark_freed(b: _Baseline) -> None:
     b.freed_ns = time.time_ns()
 
 
-def _allocation_events(results) -> list[tuple[int, int, int, str]]:
-    """``(time ns, ptr, signed bytes, enclosing operator)`` of every CPU allocator event, in
-    time order (ties in the order the profiler recorded them)."""
+def _allocation_events(results, scopes: tuple[str, ...] = ()) -> list[tuple[int, int, int, str, str]]:
+    """``(time ns, ptr, signed bytes, enclosing operator, enclosing scope)`` of every CPU
+    allocator event, in time order (ties in the order the profiler recorded them). The scope
+    is the innermost enclosing ``record_function`` whose name starts with one of ``scopes``."""
     from torch._C._profiler import _EventType
 
-    out: list[tuple[int, int, int, str]] = []
-    stack = [(node, "") for node in reversed(results.experimental_event_tree())]
+    out: list[tuple[int, int, int, str, str]] = []
+    stack = [(node, "", "") for node in reversed(results.experimental_event_tree())]
     while stack:  # depth first, in recorded order
-        node, op = stack.pop()
+        node, op, scope = stack.pop()
         if node.tag == _EventType.Allocation:
             f = node.extra_fields
             if f.device.type == "cpu" and f.alloc_size != 0:
-                out.append((node.start_time_ns, f.ptr, f.alloc_size, op))
-        stack.extend((child, node.name) for child in reversed(node.children))
+                out.append((node.start_time_ns, f.ptr, f.alloc_size, op, scope))
+        if node.name.startswith(scopes):
+            scope = node.name
+        stack.extend((child, node.name, scope) for child in reversed(node.children))
     # stable: events with one time stamp keep the order they were recorded in
     out.sort(key=lambda e: e[0])
     return out
@@ -369,25 +401,25 @@ def _profiler_kinds(results) -> dict[tuple[int, int], str]:
         return {}
 
 
-def _replay(events: list[tuple[int, int, int, str]],
+def _replay(events: list[tuple[int, int, int, str, str]],
             kinds: Mapping[tuple[int, int], str]) -> tuple[list[Allocation], int]:
     """Pair allocations with frees by address. A free of an address the block did not
     allocate belongs to an older buffer and is ignored; an allocation at an address still
     live means its free was not seen: the old one ends there (counted)."""
-    open_: dict[int, tuple[int, int, str]] = {}  # ptr -> (start, nbytes, op)
+    open_: dict[int, tuple[int, int, str, str]] = {}  # ptr -> (start, nbytes, op, scope)
     out: list[Allocation] = []
     missed = 0
 
     def close(ptr: int, t: Optional[int]) -> None:
-        start, n, op = open_.pop(ptr)
-        out.append(Allocation(ptr, n, start, t, kinds.get((ptr, start), OTHER), op))
+        start, n, op, scope = open_.pop(ptr)
+        out.append(Allocation(ptr, n, start, t, kinds.get((ptr, start), OTHER), op, scope))
 
-    for t, ptr, size, op in events:
+    for t, ptr, size, op, scope in events:
         if size > 0:
             if ptr in open_:
                 missed += 1
                 close(ptr, t)
-            open_[ptr] = (t, size, op)
+            open_[ptr] = (t, size, op, scope)
         elif ptr in open_:
             close(ptr, t)
     for ptr in list(open_):

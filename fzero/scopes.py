@@ -1,0 +1,62 @@
+"""Profiler scopes that name the buffers a step allocates for itself.
+
+An eager step allocates its own transient buffers inside
+``torch.profiler.record_function`` scopes named here, so a memory census
+(:class:`fzero.testing.census.Census`, or any ``torch.profiler`` trace with
+``profile_memory=True``) can tell them from the model's activations and
+autograd's gradients, and :func:`fzero.memory.memory_report`'s prediction of
+them can be checked against what was allocated:
+
+``fzero::grad_buckets``
+    stages 1-2: the bucket buffers each rank's gradients are copied into
+    during backward (:class:`fzero.buckets.BufferPool`).
+``fzero::grad_reduction``
+    every stage: what the gradient collectives allocate: averaged shards,
+    receive buffers, stacked rows.
+``fzero::update``
+    after backward: the norm, unscale and clip, the optimizer step and the
+    parameter all-gather of stages 1-2 (a pure step's new state is made here).
+
+Under ``torch.compile`` no scope is entered (a compiled graph's allocations
+are its own). Outside a profiler a scope costs one small dispatcher call.
+
+Imports: torch only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, ContextManager, TypeVar
+
+import torch
+
+__all__ = ["GRAD_BUCKETS", "GRAD_REDUCTION", "UPDATE", "SCOPES", "step_scope", "scoped"]
+
+F = TypeVar("F", bound=Callable)
+
+GRAD_BUCKETS = "fzero::grad_buckets"
+GRAD_REDUCTION = "fzero::grad_reduction"
+UPDATE = "fzero::update"
+SCOPES = (GRAD_BUCKETS, GRAD_REDUCTION, UPDATE)
+
+
+def step_scope(name: str) -> ContextManager[None]:
+    """``record_function(name)`` eagerly; nothing while dynamo traces."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(name)
+
+
+def scoped(name: str) -> Callable[[F], F]:
+    """Decorator: the function runs inside :func:`step_scope` ``(name)``."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with step_scope(name):
+                return fn(*args, **kwargs)
+
+        return run  # type: ignore[return-value]
+
+    return wrap
