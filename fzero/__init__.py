@@ -48,6 +48,7 @@ from .module import ModuleSpec, model_output
 from .replicas import ReplicaDivergenceError, check_replicas, replicas_differ
 from .rng import rank_seed
 from .weights import Pretrained, WeightsFileError, pretrained
+from .units import UnitCallError
 from .step import (
     TrainState,
     check_batch,
@@ -104,6 +105,7 @@ __all__ = [
     "ModuleSpec",
     "OptState",
     "ReplicaDivergenceError",
+    "UnitCallError",
     "Optimizer",
     "ParamGroup",
     "ParamSlot",

@@ -48,7 +48,7 @@ from .replicas import ReplicaDivergenceError, check_replicas, digest_parts, part
 from .scopes import UPDATE, scoped
 from .rng import init_rng, rank_rng
 from .schedules import Schedule
-from .units import CompiledUnits, UnitPolicy, compiled_unit_grads, select_units, unit_buckets, unit_grads
+from .units import CompiledUnits, UnitPolicy, compiled_unit_grads, default_units, select_units, unit_buckets, unit_grads
 from .sharding import (
     ShardState,
     average_flat_grads,
@@ -137,7 +137,10 @@ def init_train_state(
     layout): the wrap policy choosing the shard units of an ``nn.Module``,
     module classes or a predicate ``(name, module) -> bool`` (see
     :mod:`fzero.units`); its parameters go one bucket per unit, the rest (and
-    tied parameters) to the root. Checkpoints move between stages either way.
+    tied parameters) to the root. At stage 3 without ``units``: the submodules
+    whose class a ``transformers`` model names in ``_no_split_modules``
+    (:func:`fzero.units.default_units`; a ``ValueError`` says to pass ``units=``
+    for a model that names none). Checkpoints move between stages either way.
     ``bucket_numel`` (stages 1-2 without ``units``; default
     :data:`fzero.buckets.DEFAULT_BUCKET_NUMEL`, 2^23): gradients are reduced in buckets
     of about this many elements, in reverse registration order, each started as
@@ -156,10 +159,10 @@ def init_train_state(
     """
     if stage not in (1, 2, 3):
         raise ValueError(f"init_train_state: stage must be 1, 2 or 3, got {stage!r}")
-    if stage == 3 and units is None:
-        raise ValueError(
-            "init_train_state: stage 3 needs the model's shard units: units=(BlockClass,) or a "
-            "predicate (name, module) -> bool, as FSDP2's fully_shard per block"
+    if stage == 3 and units is None and not isinstance(params, torch.nn.Module):
+        raise TypeError(
+            f"init_train_state: stage 3 shards an nn.Module unit by unit, got {type(params).__name__}; "
+            "pytrees of tensors train at stages 1-2"
         )
     if bucket_numel is not None and (stage == 3 or units is not None):
         raise ValueError(
@@ -179,6 +182,9 @@ def init_train_state(
                 "stage 3 shards an nn.Module (pytrees of tensors train at stages 1-2)"
             )
         unit_names = select_units(params, units)
+    elif stage == 3:  # the default wrap policy: the blocks a transformers model names
+        unit_names = default_units(params)
+    if unit_names:
         buckets = unit_buckets(params, unit_names)
         bucket_of = buckets.__getitem__
     check_init(params, init)

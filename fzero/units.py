@@ -6,7 +6,14 @@ A *wrap policy* picks submodules as shard units, as FSDP2 applies
 (bucket ``i + 1`` for unit ``i``); the *root* (bucket 0) holds every
 parameter no unit claims, and every parameter registered under several units
 or under a unit and outside it (tied weights: GPT-2's ``wte``/``lm_head``),
-FSDP2's rule of the common ancestor. Units may not nest.
+FSDP2's rule of the common ancestor. Units may not nest. Without a policy,
+:func:`default_units` takes the blocks a ``transformers`` model names in
+``_no_split_modules``.
+
+Every rank must call the same units in the same order (each unit's gather is a
+collective all ranks join): each call, and the end of the forward, is checked
+against the other ranks by a tag riding on a gather the call starts anyway
+(:class:`_CallCheck`), and a difference raises :class:`UnitCallError` on every rank.
 
 One local rank's forward and backward (:func:`unit_grads`):
 
@@ -65,8 +72,8 @@ from .rng import rank_rng
 from .buckets import BucketReduction
 from .sharding import ShardState, gather_flat_groups_start, stack_rows
 
-__all__ = ["UnitPolicy", "select_units", "unit_buckets", "unit_grads", "UnitGrads", "CompiledUnits",
-           "compiled_unit_grads"]
+__all__ = ["UnitPolicy", "select_units", "default_units", "unit_buckets", "unit_grads", "UnitGrads",
+           "UnitCallError", "CompiledUnits", "compiled_unit_grads"]
 
 UnitPolicy = Union[type, tuple, Callable[[str, torch.nn.Module], bool]]
 
@@ -76,8 +83,17 @@ def _predicate(policy: UnitPolicy) -> Callable[[str, torch.nn.Module], bool]:
         policy = (policy,)
     if isinstance(policy, (tuple, list, set, frozenset)):
         classes = tuple(policy)
-        if not classes or not all(isinstance(c, type) for c in classes):
-            raise TypeError(f"units: expected module classes or a predicate (name, module) -> bool, got {policy!r}")
+        if not classes:
+            raise ValueError(
+                f"units={policy!r} is empty: give module classes, e.g. units=(TransformerBlock,), a predicate "
+                "(name, module) -> bool, or leave units out for a transformers model (its _no_split_modules)"
+            )
+        wrong = [c for c in classes if not (isinstance(c, type) and issubclass(c, torch.nn.Module))]
+        if wrong:
+            raise TypeError(
+                f"units: {wrong[0]!r} ({type(wrong[0]).__name__}) is not an nn.Module class; give module classes, "
+                "e.g. units=(TransformerBlock,), or a predicate (name, module) -> bool"
+            )
         return lambda name, module: isinstance(module, classes)
     if callable(policy):
         return policy
@@ -109,6 +125,36 @@ def select_units(module: torch.nn.Module, policy: UnitPolicy) -> tuple[str, ...]
                     f"units: {inner!r} lies inside unit {outer!r}; units may not nest: choose one of "
                     "them (e.g. only the transformer blocks)"
                 )
+    return tuple(chosen)
+
+
+def default_units(module: torch.nn.Module) -> tuple[str, ...]:
+    """The default wrap policy: the submodules whose class name a ``transformers`` model lists
+    in ``_no_split_modules`` (its blocks: what accelerate's FSDP auto-wrap wraps), outermost
+    only, in ``named_modules`` order (units without parameters left out).
+
+    Raises ``ValueError`` saying what to pass (``units=``) for a module that names no blocks,
+    or whose named blocks are not among its submodules."""
+    names = getattr(module, "_no_split_modules", None)
+    names = {names} if isinstance(names, str) else set(names or ())
+    if not names:
+        raise ValueError(
+            f"init_train_state: stage 3 needs the model's shard units, and {type(module).__name__} names no "
+            "blocks (no _no_split_modules, as transformers models have): pass units=(BlockClass,) or "
+            "units=lambda name, module: ..., as FSDP2's fully_shard per block"
+        )
+    chosen: list[str] = []
+    for name, m in module.named_modules():
+        if not name or type(m).__name__ not in names or any(name.startswith(c + ".") for c in chosen):
+            continue
+        if any(True for _ in m.parameters()):
+            chosen.append(name)
+    if not chosen:
+        raise ValueError(
+            f"init_train_state: stage 3 needs the model's shard units, and none of {type(module).__name__}'s "
+            f"_no_split_modules {sorted(names)} is a submodule with parameters: pass units=(BlockClass,) or "
+            "units=lambda name, module: ..."
+        )
     return tuple(chosen)
 
 
@@ -270,14 +316,155 @@ def _start_gather(plan: "_Plan", shard: ShardState, comm: Communicator, row: int
     return out
 
 
+class UnitCallError(RuntimeError):
+    """The ranks called different shard units, or in another order, in one stage-3 forward.
+
+    ``call``: the 1-based index of the first unit call (of this micro-batch's forward) that
+    differs; ``calls``: ``{rank: unit name, or None where the rank's forward called no
+    further unit}``. Raised on every rank (and by the simulated world, which compares its
+    ranks' calls) before any collective whose size depends on the differing call.
+    """
+
+    def __init__(self, call: int, calls: Mapping[int, Optional[str]]):
+        self.call, self.calls = call, dict(calls)
+        said = ", ".join(
+            f"rank {r} " + (f"called unit {u!r}" if u is not None else "called no further unit (its forward ended)")
+            for r, u in sorted(self.calls.items())
+        )
+        super().__init__(
+            f"fzero stage 3: the ranks called different shard units at unit call {call} of the forward: {said}. "
+            "Each unit's parameters are gathered by a collective every rank must join, so every rank must call "
+            "the same units in the same order. Make a data-dependent module one unit as a whole (a "
+            "mixture-of-experts layer, not each expert; the block that holds a branch), or leave it to the root"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.call, self.calls))
+
+
+_END = 0  # the event "the forward called no further unit" (bucket 0, the root, is never called)
+_NONE = -1  # no event (before the first)
+
+
+def _encode_tag(values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """int64 values as their bytes, one element each in ``dtype`` ([8 * len]): 0..255 is exact
+    in every floating dtype (bf16 and fp16 included), so the tag survives any gather."""
+    return torch.tensor(list(values), dtype=torch.int64).view(torch.uint8).to(dtype)
+
+
+def _decode_tags(x: torch.Tensor) -> list[list[int]]:
+    """``[W, 8 * n]`` received tags (any dtype) -> each rank's n int64 values."""
+    return x.round().to(torch.uint8).contiguous().view(torch.int64).tolist()
+
+
+def _start_tagged(plan: "_Plan", shard: ShardState, comm: Communicator, dtype: Optional[torch.dtype],
+                  bucket: Optional[int], tag: Sequence[int]
+                  ) -> tuple[dict[int, Callable[[], tuple[torch.Tensor, ...]]], Callable[[], list[list[int]]]]:
+    """A real rank's carrier (one local rank): start gathering ``bucket`` (or nothing) with
+    ``tag`` prepended to the payload of its first collective. Returns ``({bucket: waiting
+    function of its flat buffers}, waiting function of every rank's tag)``.
+
+    Its size depends only on ``bucket``, which every rank chose from calls already agreed, so
+    ranks whose latest call differs still join a collective of one size: the tag, not gloo's
+    size check, tells them. Groups of another travel dtype than the first go in a collective
+    of their own (untagged). The received buffer is cut into the flat buffers (one copy)."""
+    groups = plan.groups[bucket] if bucket is not None else ()
+    travel = (dtype or groups[0].dtype) if groups else torch.float32
+    first = [g for g in groups if (dtype or g.dtype) == travel]
+    rest = [g for g in groups if (dtype or g.dtype) != travel]
+    code = _encode_tag(tag, travel).unsqueeze(0)
+    joined = comm.all_gather_start(torch.cat([code, *(shard.master[g.index].to(travel) for g in first)], dim=1))
+    others = gather_flat_groups_start(shard, rest, comm, dtype) if rest else (lambda: ())
+    got: list[torch.Tensor] = []
+    decoded: list[list[list[int]]] = []
+    world, t = comm.world_size, code.shape[1]
+
+    def received() -> torch.Tensor:
+        if not decoded:
+            got.append(joined().view(world, -1))
+            decoded.append(_decode_tags(got[0][:, :t]))
+        return got[0]
+
+    def tags() -> list[list[int]]:
+        if not decoded:
+            received()
+            if not groups:
+                got.clear()
+        return decoded[0]
+
+    def flats() -> tuple[torch.Tensor, ...]:
+        full, out, offset = received(), {}, t
+        for g in first:
+            out[g.index] = full[:, offset : offset + g.shard_numel].reshape(g.padded_numel)
+            offset += g.shard_numel
+        for g, f in zip(rest, others()):
+            out[g.index] = f[0]
+        got.clear()  # cut out: the received buffer goes (its tags were read)
+        return tuple(out[g.index] for g in groups)
+
+    return ({bucket: flats} if bucket is not None else {}), tags
+
+
+class _CallCheck:
+    """Checks that every rank calls the same units in the same order in one micro-batch's forward.
+
+    The forward's *events* are its unit calls (bucket ``b >= 1``) and its end (:data:`_END`).
+    On a real rank an event sends the tag ``(index, previous event, event)`` with its
+    *carrier*: the gather the event starts anyway (the prefetch of the unit predicted next), or
+    the tag alone when there is none; a carrier is checked (waited for) before the next event
+    starts its own, and before any gather that depends on the event. A call of a held unit with
+    nothing to prefetch (the last block) sends no carrier of its own: the next event's carries
+    it (hence the previous event in the tag). In the simulated world the local ranks run one
+    after another: each rank's events are compared with rank 0's as they happen.
+    ``names``: unit names by bucket (index 0 unused)."""
+
+    def __init__(self, comm: Communicator, names: Sequence[str]):
+        self.names = names
+        self.world, self.rows = comm.world_size, comm.local_ranks
+        self.tagged = self.rows == 1 and self.world > 1  # a real rank among others: tags travel
+        self.ranks = tuple(comm.ranks)
+        self.reference: list[int] = []  # the simulated world's rank 0 events
+
+    def name(self, event: int) -> Optional[str]:
+        return None if event == _END else self.names[event]
+
+    def record(self, row: int, index: int, event: int) -> None:
+        """The simulated world: local rank ``row``'s event ``index`` (0-based) against rank 0's."""
+        if self.tagged or self.rows == 1:
+            return
+        if row == 0:
+            self.reference.append(event)
+            return
+        ref = self.reference[index] if index < len(self.reference) else _END
+        if ref != event:
+            raise UnitCallError(index + 1, {self.ranks[0]: self.name(ref), self.ranks[row]: self.name(event)})
+
+    def compare(self, tags: Sequence[Sequence[int]]) -> None:
+        """A real rank: every rank's ``(index, previous event, event)`` of one carrier (ranks
+        whose calls differ may send it at different indices: the first index whose known
+        events differ is named)."""
+        if all(list(t) == list(tags[0]) for t in tags):
+            return
+        known = [{i - 1: prev, i: e} for i, prev, e in tags]
+        for i in sorted(set().union(*known)):
+            seen = {r: k[i] for r, k in enumerate(known) if k.get(i, _NONE) != _NONE}
+            if len(set(seen.values())) > 1:
+                raise UnitCallError(i, {r: self.name(e) for r, e in seen.items()})
+        raise UnitCallError(min(t[0] for t in tags), {r: self.name(t[2]) for r, t in enumerate(tags)})
+
+
 class _RankRun:
     """One local rank's forward and backward at stage 3: gathers, binds, packs and regathers."""
 
     def __init__(self, plan: "_Plan", shard: ShardState, comm: Communicator, row: int,
                  dtype: Optional[torch.dtype], reduction: BucketReduction,
-                 unit_slots: Sequence[Sequence[tuple[dict, str, str]]], released: Mapping[str, torch.Tensor]):
+                 unit_slots: Sequence[Sequence[tuple[dict, str, str]]], released: Mapping[str, torch.Tensor],
+                 check: _CallCheck):
         self.plan, self.shard, self.comm, self.row, self.dtype = plan, shard, comm, row, dtype
-        self.reduction, self.unit_slots, self.released = reduction, unit_slots, released
+        self.reduction, self.unit_slots, self.released, self.check = reduction, unit_slots, released, check
+        self.events: list[int] = []  # this forward's unit calls, then _END
+        self.pending: Optional[Callable[[], list[list[int]]]] = None  # the last carrier's tags, unchecked
+        self.deferred = False  # the last event sent no carrier: the next one carries it
         self.anchor = torch.zeros((), requires_grad=True)
         self.backward = False
         self.expected = [0] * len(plan.groups)
@@ -299,15 +486,61 @@ class _RankRun:
         return started()
 
     def forward_flats(self, bucket: int) -> tuple[torch.Tensor, ...]:
-        """The bucket for its forward (prefetched, or gathered now); starts the next unit's
-        gather. The root travels with the first unit: one collective less per step."""
+        """The bucket for its forward (prefetched, or gathered now); a unit's call starts the
+        gather of the unit predicted next (:meth:`event`). The root travels with the first
+        unit: one collective less per step."""
         n = len(self.plan.groups)
         if bucket == 0 and n > 1 and not self.backward and 0 not in self.ahead:
             self.ahead.update(self.start(0, 1))
-        flats = self.take(bucket)
-        if not self.backward and 0 < bucket < n - 1 and self.expected[bucket + 1] == 0:
-            self.ahead.update(self.start(bucket + 1))
-        return flats
+        if bucket and not self.backward:
+            self.event(bucket)
+        return self.take(bucket)
+
+    def predicted(self) -> Optional[int]:
+        """The unit to prefetch at the next event: the one after the unit the last event called
+        (a chain of blocks calls them in order), unless called already or held. A function of
+        the events already checked, so every rank starts the same gather."""
+        last = self.events[-1] if self.events else 0
+        nxt = last + 2 if last + 2 < len(self.plan.groups) else None
+        if nxt is None or nxt in self.events or self.held(nxt):
+            return None
+        return nxt
+
+    def event(self, event: int) -> None:
+        """A unit call (its bucket) or the end of the forward (:data:`_END`): checked against the
+        other ranks, and the predicted unit's gather started.
+
+        On a real rank the previous event's carrier is checked first, so the carrier this one
+        starts has the same size on every rank (after an event that sent none, nothing is
+        prefetched: the prediction would rest on a call not yet checked); if the called unit is
+        not held, its gather depends on this call, so this call's carrier is checked before it
+        starts. A call of a held unit with nothing to prefetch defers its tag to the next event
+        (one collective less per step: the last block's call rides on the end's)."""
+        self.verify()
+        nxt = None if self.deferred else self.predicted()
+        prev = self.events[-1] if self.events else _NONE
+        self.events.append(event)
+        self.check.record(self.row, len(self.events) - 1, event)
+        if self.check.tagged:
+            defer = nxt is None and event != _END and self.held(event) and not self.deferred
+            self.deferred = defer
+            if not defer:
+                started, self.pending = _start_tagged(self.plan, self.shard, self.comm, self.dtype, nxt,
+                                                      (len(self.events), prev, event))
+                self.ahead.update(started)
+        elif nxt is not None and event != _END:
+            self.ahead.update(self.start(nxt))
+        if event == _END or not self.held(event):
+            self.verify()
+        if event == _END and nxt is not None:
+            # gathered only to carry the tag at the size every rank expected: no forward follows
+            self.ahead.pop(nxt, None)
+
+    def verify(self) -> None:
+        """Wait for the last carrier's tags and compare them (raises :class:`UnitCallError`)."""
+        if self.pending is not None:
+            tags, self.pending = self.pending(), None
+            self.check.compare(tags)
 
     def bucket_tensors(self, bucket: int, track: bool = True) -> dict[str, torch.Tensor]:
         """Gather ``bucket`` through autograd: ``{name: view}`` of its trainable parameters.
@@ -528,8 +761,9 @@ def unit_grads(
     losses, new_rng = [], []
     new_buffers: list[list[torch.Tensor]] = [[] for _ in buffer_names]
     unit_modules = [module.get_submodule(u) for u in units]
+    check = _CallCheck(comm, ("", *units))
     for r in range(rows):
-        run = _RankRun(plan, shard, comm, r, param_dtype, reduction, unit_slots, released)
+        run = _RankRun(plan, shard, comm, r, param_dtype, reduction, unit_slots, released, check)
         run.ahead.update(early)
         early.clear()  # the run holds them now, and drops each at its use
         batch_r = row_of(batch, r)
@@ -550,6 +784,8 @@ def unit_grads(
                     loss = loss_fn.forward_loss(tensors, batch_r)
                     check_loss(loss)
                     loss = loss.float()
+                    # every rank has called the same units: checked before backward's collectives
+                    run.event(_END)
                     run.backward = True
                     torch.autograd.grad(scale_loss(loss), [run.anchor], allow_unused=True)
                 del tensors
@@ -571,7 +807,8 @@ def unit_grads(
 
 def _released(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A placeholder with the parameter's shape, ``dtype`` and device, holding one element."""
-    data = torch.empty(1, dtype=dtype, device=device).expand(shape)
+    # a 0-d element expands to any shape, 0-d included (a learnable temperature, weight_norm's g)
+    data = torch.empty((), dtype=dtype, device=device).expand(shape)
     out = torch.Tensor._make_subclass(_Released, data, False)
     out._fzero_name = repr(name)
     return out

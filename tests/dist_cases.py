@@ -404,3 +404,112 @@ def stage3_step_memory(comm: fzero.Communicator, compiled: bool, units: int = 12
         "grad_shards": sum(4 * g.shard_numel for g in lay.groups),
         "loss": float(metrics["loss"]),
     }
+
+
+# --- ranks that call different stage-3 units -------------------------------------------------
+
+
+class BranchUnits(torch.nn.Module):
+    """Units ``a``, ``extra`` and ``b`` (of different sizes); the unit ``branch`` (``extra``, or
+    ``b``: the last) runs only for a batch whose first element is positive, so the ranks' unit
+    calls depend on their data."""
+
+    def __init__(self, branch: str = "extra"):
+        super().__init__()
+        self.branch = branch
+        self.inp = torch.nn.Linear(4, 8)
+        self.a = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        self.extra = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        self.b = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        taken = bool(x[0, 0] > 0)  # a host decision on the rank's own data
+        h = self.a(self.inp(x))
+        if taken or self.branch != "extra":
+            h = self.extra(h)
+        if taken or self.branch != "b":
+            h = self.b(h)
+        return self.out(h)
+
+
+class ExpertList(torch.nn.Module):
+    """A mixture of experts written as a list of experts: each token goes to the expert its
+    second feature names, and only the experts some token goes to run (as MoE layers do)."""
+
+    def __init__(self, d: int = 8, experts: int = 4):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, d)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(experts))
+        self.out = torch.nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        route = x[:, 1].long()
+        mixed = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            hit = route == e
+            if hit.any():
+                mixed = mixed.index_put((hit.nonzero()[:, 0],), expert(h[hit]))
+        return self.out(torch.tanh(h + mixed))
+
+
+def _divergent_data(world: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global batch of 4 rows per rank: for ``"branch"`` and ``"last"`` rank 0's first row takes the branch
+    and the others' do not; for ``"experts"`` rank 0 routes to experts 0 and 1, the others to
+    expert 0 only."""
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(4 * world, 4, generator=g), torch.randn(4 * world, 3, generator=g)
+    for r in range(world):
+        rows = slice(4 * r, 4 * r + 4)
+        if kind in ("branch", "last"):
+            x[4 * r, 0] = 1.0 if r == 0 else -1.0
+        else:
+            x[rows, 1] = torch.tensor([0.0, 1.0, 0.0, 1.0]) if r == 0 else 0.0
+    return x, y
+
+
+DIVERGENT = {
+    "branch": (BranchUnits, lambda name, m: name in ("a", "extra", "b")),
+    "experts": (ExpertList, lambda name, m: name.startswith("experts.")),
+    "last": (lambda: BranchUnits("b"), lambda name, m: name in ("a", "extra", "b")),
+}
+
+
+def divergent_units(comm: fzero.Communicator, kind: str) -> dict:
+    """One stage-3 step of a model whose ranks call different units: the error every rank
+    raises (type and text), how long it took, and whether a collective still works after it
+    (the ranks stopped in step: nothing was left half-issued)."""
+    build, units = DIVERGENT[kind]
+    torch.manual_seed(0)
+    model = build()
+    state = fzero.init_train_state(model, fzero.sgd(lr=0.1), comm, stage=3, units=units)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)
+    batch = comm.split_batch(_divergent_data(comm.world_size, kind))
+    t0 = time.monotonic()
+    try:
+        step(state, batch)
+        error, kind_of = None, None
+    except Exception as e:  # noqa: BLE001 - the test reads which
+        error, kind_of = str(e), type(e).__name__
+    seconds = time.monotonic() - t0
+    after = comm.all_reduce(torch.ones(comm.local_ranks, 1), "sum")
+    return {"error": error, "type": kind_of, "seconds": seconds, "after": after.flatten().tolist()}
+
+
+def agreeing_experts(comm: fzero.Communicator) -> dict:
+    """Experts as units, every rank routing to the same experts, in an order that is no chain:
+    step 1 to experts 0 and 3 (3 is gathered when called, after the check), step 2 to expert 0
+    alone (the end of the forward carries its tag on a gather it then drops). Trains; returns
+    the masters and losses."""
+    torch.manual_seed(0)
+    model = ExpertList()
+    state = fzero.init_train_state(model, fzero.sgd(lr=0.1), comm, stage=3, units=DIVERGENT["experts"][1])
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)
+    losses = []
+    for routes in ((0.0, 3.0), (0.0, 0.0)):
+        x, y = _divergent_data(comm.world_size, "experts")
+        x[:, 1] = torch.tensor(routes).repeat(2 * comm.world_size)
+        state, m = step(state, comm.split_batch((x, y)))
+        losses.append(m["loss"].item())
+    return {"masters": masters(state), "losses": losses}

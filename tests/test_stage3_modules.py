@@ -305,8 +305,12 @@ def test_nested_units():
 
 
 def test_stage3_needs_units_of_a_module():
-    with pytest.raises(ValueError, match="stage 3 needs the model's shard units"):
-        fzero.init_train_state(um.gpt2(), fzero.adamw(), fzero.SimulatedWorld(2), stage=3)
+    # a transformers model names its blocks (the default units: tests/test_unit_calls.py); a
+    # plain module does not
+    with pytest.raises(ValueError, match="stage 3 needs the model's shard units, and ResNet names no blocks"):
+        fzero.init_train_state(um.resnet(), fzero.adamw(), fzero.SimulatedWorld(2), stage=3)
+    with pytest.raises(TypeError, match="stage 3 shards an nn.Module unit by unit, got dict"):
+        fzero.init_train_state({"w": torch.zeros(3)}, fzero.adamw(), fzero.SimulatedWorld(2), stage=3)
     with pytest.raises(TypeError, match="chooses submodules of an nn.Module"):
         fzero.init_train_state({"w": torch.zeros(3)}, fzero.adamw(), fzero.SimulatedWorld(2), stage=3,
                                units=(torch.nn.Linear,))

@@ -57,6 +57,26 @@ def llama(seed: int = 0, checkpointing: bool = False) -> torch.nn.Module:
     return m
 
 
+MIXTRAL_VOCAB = 96
+
+
+def mixtral(seed: int = 0) -> torch.nn.Module:
+    """A tiny Mixtral (hidden 32, 2 layers, 4 experts, top-2; built from its config, no
+    download): every decoder layer routes each token to 2 of its 4 experts by the data."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(
+        vocab_size=MIXTRAL_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        attn_implementation="eager", experts_implementation="eager",  # a loop over the experts hit: float64 too
+    )
+    m = MixtralForCausalLM(cfg).train()
+    m.config.use_cache = False
+    return m
+
+
 class Block(torch.nn.Module):
     def __init__(self, c: int, checkpoint: bool = False):
         super().__init__()
@@ -99,11 +119,11 @@ def lm_criterion(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def token_batches(n: int, batch: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def token_batches(n: int, batch: int, seed: int = 1, vocab: int = VOCAB) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        ids = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g)
+        ids = torch.randint(0, vocab, (batch, SEQ + 1), generator=g)
         out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
     return out
 
