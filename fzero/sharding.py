@@ -296,10 +296,12 @@ def gather_flat_params_into(
     the next forward then reads in place). One ``all_gather`` per flat group, all started before
     any is waited for. Returns ``out``."""
     check_world(shard, comm)
-    started = [
-        comm.all_gather_into_start(m.to(dtype or g.dtype), o)
-        for g, m, o in zip(shard.layout.groups, shard.master, out)
-    ]
+    pairs = [(m.to(dtype or g.dtype), o) for g, m, o in zip(shard.layout.groups, shard.master, out)]
+    if torch.compiler.is_compiling():
+        # traced, each gather lands in a buffer of its own before it is copied in: one at a
+        # time, so one group's buffer is alive at once, not the whole model's
+        return tuple(comm.all_gather_into_start(m, o)() for m, o in pairs)
+    started = [comm.all_gather_into_start(m, o) for m, o in pairs]
     return tuple(done() for done in started)
 
 
