@@ -238,6 +238,14 @@ def _check_leaf(path: Any, x: Any, what: str, rows: int, accum_steps: int) -> No
         return
     need = 2 if accum_steps > 1 else 1
     if x.dim() >= need and x.shape[0] == rows and (accum_steps == 1 or x.shape[1] == accum_steps):
+        if x.dim() > need and x.shape[need] == 0:
+            # an empty batch's mean loss is NaN, which is not an overflow (found_inf stays 0),
+            # and the optimizer would still decay every parameter: refuse it before any collective
+            per = "per rank and micro-batch" if accum_steps > 1 else "per rank"
+            raise ValueError(
+                f"{what}: batch{tp.keystr(path)} is empty: shape {tuple(x.shape)}, 0 examples {per} "
+                f"(dim {need}); every rank needs at least one example"
+            )
         return
     if accum_steps > 1:
         want, fix = f"[{rows}, {accum_steps}, ...] (local ranks, micro-batches)", \
@@ -252,7 +260,8 @@ def _check_leaf(path: Any, x: Any, what: str, rows: int, accum_steps: int) -> No
 
 def check_batch(batch: Any, rows: int, accum_steps: int = 1, what: str = "train step") -> None:
     """Raise ``ValueError`` unless every tensor leaf of ``batch`` is ``[R, ...]``
-    (``[R, K, ...]`` with ``accum_steps=K``), naming the leaf, its shape and the fix.
+    (``[R, K, ...]`` with ``accum_steps=K``), naming the leaf, its shape and the fix,
+    or if a leaf's batch dimension (the one after those axes) is empty.
     Shapes are static: free under compile."""
     tp.tree_map_with_path(lambda p, x: _check_leaf(p, x, what, rows, accum_steps), batch)
 
@@ -570,6 +579,7 @@ def make_train_step(
                              "no gathered parameters; build it with init_train_state(..., stage=1 or 2)")
         check_batch(batch, comm.local_ranks, accum_steps)
         parts = digest_parts(state, comm) if check_replicas_every else None
+        buffers_in = state.buffers  # what a skipped step keeps (before any broadcast or forward)
         state = apply_schedules(state, schedules)
         micro = stage3_micro if stage == 3 else stage12_micro
         groups = state.layout.groups
@@ -597,7 +607,8 @@ def make_train_step(
                 average_flat_grads(a, comm, reduce_dtype or g.master_dtype, g.master_dtype, stage == 1)
                 for g, a in zip(groups, acc)
             )
-        return finish_step(state, acc, loss_sum, comm, clip_norm=clip_norm, donate=donate, replica_parts=parts)
+        return finish_step(state, acc, loss_sum, comm, clip_norm=clip_norm, donate=donate, replica_parts=parts,
+                           buffers_in=buffers_in)
 
     core: StepFn = step
     if compile:
@@ -798,6 +809,7 @@ def finish_step(
     clip_norm: Optional[float],
     donate: bool,
     replica_parts: Optional[torch.Tensor] = None,
+    buffers_in: Optional[tuple[torch.Tensor, ...]] = None,
 ) -> tuple[TrainState, dict[str, torch.Tensor]]:
     """The part of a step after gradient reduction, shared by every stage.
 
@@ -807,7 +819,9 @@ def finish_step(
     agreed overflow flag (a non-finite norm) and the mean loss; then one pass
     unscales and clips, the optimizer runs (skipped by selection on overflow),
     the scale is updated, and for stages 1-2 the new compute-dtype parameters
-    are all-gathered.
+    are all-gathered. ``buffers_in``: the module buffers the step was given; a skipped
+    step returns them instead of what its forward left (``state.buffers``), selected
+    branch-free, so NaN BatchNorm statistics of an overflowing step are not kept.
     """
     scaler = state.scaler
     # One all-reduce of (sum of squares of the *scaled* gradients, loss) per rank. The sum is
@@ -837,8 +851,13 @@ def finish_step(
     # buffers it read (and nothing of the parameters' size is allocated).
     into = state.params if donate and eager else None
     params = gather_step_params(new_shard, comm, state.precision.param_dtype, into) if state.params else ()
+    buffers = state.buffers
+    if buffers_in is not None:
+        skip = found_inf.to(torch.bool)
+        buffers = tuple(torch.where(skip.to(new.device), old, new) for old, new in zip(buffers_in, buffers))
     new_state = replace(
-        state, shard=new_shard, opt=new_opt, scaler=update_scale(scaler, found_inf), params=params
+        state, shard=new_shard, opt=new_opt, scaler=update_scale(scaler, found_inf), params=params,
+        buffers=buffers,
     )
     metrics = {
         "loss": loss,
