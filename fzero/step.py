@@ -78,6 +78,7 @@ __all__ = [
 ]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+UNUSED = ("skip", "zeros")  # make_train_step(unused=...): what a parameter without a gradient does
 
 
 @pytree_dataclass
@@ -187,6 +188,9 @@ def init_train_state(
     else:
         shard, made_buffers = materialized_shard(params, comm, init, unit_names, **layout_kw)
     opt = init_opt_state(optimizer, shard.master)
+    # per parameter, the steps it sat out (make_train_step(unused="skip")): none yet
+    opt = replace(opt, missed=(torch.zeros(len(shard.layout.trainable_slots), dtype=torch.int64,
+                                           device=opt.step.device),))
     if scaler is None:
         scaler = init_scaler() if precision.param_dtype == torch.float16 else static_scaler(1.0)
     spec, buffers, gathered = ModuleSpec(), (), ()
@@ -273,6 +277,7 @@ class RankGrads(NamedTuple):
     losses: torch.Tensor                # [R] fp32, unscaled
     buffers: tuple[torch.Tensor, ...]   # the buffers the forward left, [R, ...] each
     rng: tuple[torch.Tensor, ...]       # the generator states it left (or the input's)
+    used: torch.Tensor                  # [R, T] float64: 1 where the rank had a gradient
 
 
 def local_flat_grads(
@@ -312,6 +317,8 @@ def local_flat_grads(
     losses: list[torch.Tensor] = []
     new_rng: list[torch.Tensor] = []
     new_buffers: list[list[torch.Tensor]] = [[] for _ in names]
+    used: list[list[float]] = []
+    train_index = [i for i, s in enumerate(lay.slots) if s.group >= 0]
     for r in range(rows):
         batch_r = row_of(batch, r)
         views = trainable_views(lay, state.params, r)
@@ -343,7 +350,10 @@ def local_flat_grads(
                 watcher.close()
         if watcher is not None:
             watcher.finish()
+            used.append([float(i in watcher.used) for i in train_index])
         else:
+            # which parameters the loss reached is known when tracing: a constant of the graph
+            used.append([float(g is not None) for g in grads])
             by_path = {
                 s.path: g if g is not None else torch.zeros(s.shape, dtype=v.dtype, device=device)
                 for s, v, g in zip(train_slots, leaves, grads)
@@ -360,6 +370,7 @@ def local_flat_grads(
         torch.stack(losses),
         tuple(stack_rows(b) for b in new_buffers),
         (stack_rows(new_rng),) if swap_rng else state.rng,
+        torch.tensor(used, dtype=torch.float64, device=device),
     )
 
 
@@ -400,6 +411,7 @@ class Micro(NamedTuple):
     grads: tuple[torch.Tensor, ...]
     losses: torch.Tensor
     final: bool = False
+    used: Optional[torch.Tensor] = None  # [R, T] float64: 1 where the rank had a gradient
 
 
 def make_train_step(
@@ -416,6 +428,7 @@ def make_train_step(
     broadcast_buffers: bool = True,
     check_replicas_every: int = 0,
     replica_check: str = "raise",
+    unused: str = "skip",
 ) -> StepFn:
     """A step ``(state, batch) -> (state, metrics)`` for ZeRO stage 1, 2 or 3.
 
@@ -469,9 +482,21 @@ def make_train_step(
     (``[R, K, ...]`` with ``accum_steps=K``), else a ``ValueError`` names it.
     A collective that fails (a ``TorchCommunicator(timeout=...)`` that a stalled peer
     outlasted, or a dead peer) raises :class:`fzero.CollectiveError` naming it and the step.
+
+    ``unused``: a parameter that no rank's loss reached in a step (no gradient on any rank,
+    over every micro-batch). ``"skip"`` (default, DDP with ``find_unused_parameters=True``
+    and ``torch.optim``): it is not updated, no weight decay, no moment change, and its own
+    step count (``state.opt.step - state.opt.missed``) does not advance; a parameter used on
+    one rank only takes that rank's gradient averaged over all ranks, as in DDP. Which
+    parameters had a gradient rides on the step's one scalar ``all_reduce`` (``T`` more
+    float64 values, ``T`` trainable parameters; no collective of its own).
+    ``"zeros"``: no gradient is a zero gradient and every parameter takes every step
+    (DeepSpeed's flat buffers): weight decay and momentum still move an unused parameter.
     """
     if stage not in (1, 2, 3):
         raise ValueError(f"make_train_step: stage must be 1, 2 or 3, got {stage!r}")
+    if unused not in UNUSED:
+        raise ValueError(f"make_train_step: unused must be one of {UNUSED}, got {unused!r}")
     if clip_norm is not None and not clip_norm > 0:
         raise ValueError(f"make_train_step: clip_norm must be positive, got {clip_norm}")
     if not (isinstance(accum_steps, int) and accum_steps >= 1):
@@ -516,7 +541,7 @@ def make_train_step(
                 scale_loss=lambda loss: scale(state.scaler, loss),
                 param_dtype=state.precision.param_dtype, reduce_dtype=reduce_dtype,
             )
-            return Micro(replace(state, buffers=out.buffers), out.shards, out.losses)
+            return Micro(replace(state, buffers=out.buffers), out.shards, out.losses, used=out.used)
         if torch.compiler.is_compiling():
             # Module hooks and saved-tensor hooks do not trace: in a graph, every bucket is
             # gathered inside the step and inductor keeps it to its last use in backward
@@ -525,7 +550,8 @@ def make_train_step(
             gathered = gather_flat_params_at_once(state.shard, comm, state.precision.param_dtype)
             out = local_flat_grads(loss_fn, replace(state, params=gathered), batch, comm.local_ranks)
             return Micro(replace(state, buffers=out.buffers, rng=out.rng),
-                         average_flat_grads_at_once(out.flat, state.layout, comm, reduce_dtype), out.losses)
+                         average_flat_grads_at_once(out.flat, state.layout, comm, reduce_dtype), out.losses,
+                         used=out.used)
         units_out = unit_grads(
             loss_fn, state.shard, comm, batch, units=state.module.units, buffers=state.buffers,
             buffer_names=state.module.buffers, rng=state.rng[0] if state.rng else None,
@@ -533,7 +559,7 @@ def make_train_step(
             param_dtype=state.precision.param_dtype, reduce_dtype=reduce_dtype,
         )
         return Micro(replace(state, buffers=units_out.buffers, rng=units_out.rng or state.rng),
-                     units_out.shards, units_out.losses)
+                     units_out.shards, units_out.losses, used=units_out.used)
 
     def stage12_micro(state: TrainState, batch: Any, prior: Any, last: bool) -> Micro:
         """The state with the buffers and generators the forward left; per flat group the
@@ -552,8 +578,9 @@ def make_train_step(
             out = local_flat_grads(loss_fn, state, batch, rows)
             state = replace(state, buffers=out.buffers, rng=out.rng)
             if defer:
-                return Micro(state, out.flat, out.losses)
-            return Micro(state, average_flat_grads_at_once(out.flat, lay, comm, reduce_dtype), out.losses)
+                return Micro(state, out.flat, out.losses, used=out.used)
+            return Micro(state, average_flat_grads_at_once(out.flat, lay, comm, reduce_dtype), out.losses,
+                         used=out.used)
         prepare = None
         if defer and prior is not None:
             def prepare(g: FlatGroup, flat: torch.Tensor) -> torch.Tensor:
@@ -567,7 +594,8 @@ def make_train_step(
         )
         out = local_flat_grads(loss_fn, state, batch, rows, reduction)
         shards = reduction.finish(state.params[0].device, state.precision.param_dtype)
-        return Micro(replace(state, buffers=out.buffers, rng=out.rng), shards, out.losses, final=defer)
+        return Micro(replace(state, buffers=out.buffers, rng=out.rng), shards, out.losses, final=defer,
+                     used=out.used)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         check_world(state.shard, comm)
@@ -585,6 +613,7 @@ def make_train_step(
         groups = state.layout.groups
         acc: tuple[torch.Tensor, ...] = ()
         loss_sum: Optional[torch.Tensor] = None
+        used: Optional[torch.Tensor] = None
         final = False
         for k in range(accum_steps):
             last = k == accum_steps - 1
@@ -595,6 +624,7 @@ def make_train_step(
             else:  # accumulate in the master dtype (fp32), whatever the gradients' dtype
                 acc = tuple(a.to(g.master_dtype) + p for a, p, g in zip(acc, m.grads, groups))
             loss_sum = m.losses if loss_sum is None else loss_sum + m.losses
+            used = m.used if used is None else used + m.used
         if not torch.compiler.is_compiling():
             pool.clear()  # between steps a rank holds its state, not scratch buffers
         if accum_steps > 1:
@@ -608,7 +638,7 @@ def make_train_step(
                 for g, a in zip(groups, acc)
             )
         return finish_step(state, acc, loss_sum, comm, clip_norm=clip_norm, donate=donate, replica_parts=parts,
-                           buffers_in=buffers_in)
+                           buffers_in=buffers_in, used=used if unused == "skip" else None)
 
     core: StepFn = step
     if compile:
@@ -810,6 +840,7 @@ def finish_step(
     donate: bool,
     replica_parts: Optional[torch.Tensor] = None,
     buffers_in: Optional[tuple[torch.Tensor, ...]] = None,
+    used: Optional[torch.Tensor] = None,
 ) -> tuple[TrainState, dict[str, torch.Tensor]]:
     """The part of a step after gradient reduction, shared by every stage.
 
@@ -822,15 +853,22 @@ def finish_step(
     are all-gathered. ``buffers_in``: the module buffers the step was given; a skipped
     step returns them instead of what its forward left (``state.buffers``), selected
     branch-free, so NaN BatchNorm statistics of an overflowing step are not kept.
+    ``used``: ``[R, T]``, nonzero where rank ``r`` had a gradient for trainable parameter
+    ``t``; it rides on the all-reduce, and a parameter no rank had a gradient for is left
+    alone (:func:`fzero.sharding.shard_step`'s ``used``). ``None``: every parameter steps.
     """
     scaler = state.scaler
     # One all-reduce of (sum of squares of the *scaled* gradients, loss) per rank. The sum is
     # non-finite exactly when some rank has a non-finite gradient (or a shard norm beyond
     # fp32's range, which clip_grad_norm_ would call infinite too): found_inf comes agreed.
     local = torch.stack([local_sq_norm(shards), losses.double()], dim=1)
+    if used is not None:  # which parameters had a gradient rides along too
+        local = torch.cat([local, used.to(local.device, torch.float64)], dim=1)
+    n_used = 0 if used is None else used.shape[1]
     if replica_parts is not None:  # the replica digest rides along: no collective of its own
         local = torch.cat([local, replica_parts], dim=1)
     sums = comm.all_reduce(local, "sum")[0]
+    used_any = None if used is None else sums[2:2 + n_used] > 0
     scale64 = scaler.scale.double()
     norm64 = sums[0].sqrt() / scale64
     loss = (sums[1] / comm.world_size).float()
@@ -846,7 +884,8 @@ def finish_step(
             s.mul_(factor.to(s.dtype))
     else:
         shards = tuple(s * factor.to(s.dtype) for s in shards)
-    new_shard, new_opt = shard_step(state.shard, state.opt, shards, found_inf, donate=donate)
+    new_shard, new_opt = shard_step(state.shard, state.opt, shards, found_inf, donate=donate,
+                                    used=used_any, ranks=comm.ranks)
     # A donating step gathers into the parameters it was given: the next forward reads the
     # buffers it read (and nothing of the parameters' size is allocated).
     into = state.params if donate and eager else None
@@ -867,5 +906,5 @@ def finish_step(
         "lr": state.opt.hyper[0]["lr"].float(),
     }
     if replica_parts is not None:
-        metrics["replicas_differ"] = parts_differ(sums[2:], comm.world_size).float()
+        metrics["replicas_differ"] = parts_differ(sums[2 + n_used:], comm.world_size).float()
     return new_state, metrics
