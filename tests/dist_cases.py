@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 import fzero
-from helpers import Branchy, Mark, batches, children, deep_mlp, mlp, overlap_data
+from helpers import Branchy, Mark, batches, children, deep_mlp, is_grad_reduction, mlp, overlap_data
 
 mse = torch.nn.functional.mse_loss
 
@@ -137,8 +137,7 @@ def overlap_order(comm: fzero.Communicator, stage: int) -> dict:
         counting.reset()
         marks.clear()
         state, _ = step(state, counting.split_batch((x, y)))
-    reductions = [i for i, r in enumerate(counting.records)
-                  if r.op in ("all_reduce", "reduce_scatter") and r.elements > 2]
+    reductions = [i for i, r in enumerate(counting.records) if is_grad_reduction(r, state.layout)]
     return {
         "reductions": len(reductions),
         "before_first_layer": sum(i < marks[-1] for i in reductions),
