@@ -846,7 +846,7 @@ def finish_step(
 
     ``shards``: averaged, still scaled gradient shards per flat group
     ``[R, shard_numel]``; ``losses``: ``[R]`` unscaled per-rank losses.
-    One ``all_reduce(sum)`` of two values per rank gives the global norm, the
+    One ``all_reduce(sum)`` of two values per rank (and the ``used`` flags) gives the global norm, the
     agreed overflow flag (a non-finite norm) and the mean loss; then one pass
     unscales and clips, the optimizer runs (skipped by selection on overflow),
     the scale is updated, and for stages 1-2 the new compute-dtype parameters

@@ -69,6 +69,7 @@ def one_step_volume(comm: fzero.Communicator, stage: int, precision=fzero.MixedP
     big = counting.totals(min_elements=psi)
     return {
         "psi_padded": psi,
+        "params": len(state.layout.trainable_slots),
         "big": big,
         "ops": [(r.op, str(r.dtype), r.elements) for r in counting.records],
         "all": counting.totals(),
