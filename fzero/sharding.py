@@ -488,14 +488,29 @@ def per_element(layout: Layout, group: FlatGroup, per_slot: torch.Tensor, ranks:
                 where: Optional[Mapping[int, int]] = None) -> torch.Tensor:
     """``per_slot`` (``[T, m]``: a row per trainable parameter, ``trainable_index`` order)
     spread over the elements of ``group``'s shards of ``ranks``: ``[R, shard_numel, m]``;
-    padding takes zeros. One ``repeat_interleave`` of static sizes (branch-free, compiles).
+    padding takes zeros. Each parameter's piece of a shard is a static range: its row
+    expanded over the piece, the pieces concatenated, so the update that reads the result
+    stays a contiguous, vectorised pass. (Measured on the 0.87M benchmark model's compiled
+    step, CPU time over ``unused="zeros"``: a ``repeat_interleave`` of the rows +30 %, a
+    per-element ``bucketize`` and gather fused into the update +25 %, this +10 %.)
     ``where``: :func:`trainable_index` of ``layout`` if the caller has it. No collective."""
     where = trainable_index(layout) if where is None else where
     rows = torch.cat([per_slot[[where[i] for i in group.slots]], per_slot.new_zeros(1, per_slot.shape[1])])
-    sizes = torch.tensor([layout.slots[i].numel for i in group.slots] + [group.padding], device=per_slot.device)
-    full = torch.repeat_interleave(rows, sizes, dim=0, output_size=group.padded_numel)
-    full = full.view(layout.world_size, group.shard_numel, per_slot.shape[1])
-    return full if len(ranks) == layout.world_size else full[list(ranks)]
+    ends, total = [], 0
+    for i in group.slots:
+        total += layout.slots[i].numel
+        ends.append(total)
+    ends.append(group.padded_numel)  # the padding's row
+    out = []
+    for r in ranks:  # each parameter's piece of rank r's shard: its row, repeated (static sizes)
+        lo, hi, begin, pieces = r * group.shard_numel, (r + 1) * group.shard_numel, 0, []
+        for k, end in enumerate(ends):
+            n = min(end, hi) - max(begin, lo)
+            if n > 0:
+                pieces.append(rows[k].expand(n, rows.shape[1]))
+            begin = end
+        out.append(torch.cat(pieces))
+    return torch.stack(out)
 
 
 def shard_step(
@@ -582,7 +597,7 @@ def shard_step(
                 take = take & ~skip
             p2 = torch.where(take, p2, p)
             m2 = tuple(torch.where(take, b, a) for a, b in zip(moments, m2))
-            if donate and not torch.compiler.is_compiling():
+            if donate:  # in place, as the plain donating update (compiled too: no second state)
                 for old, new in zip((p, *moments), (p2, *m2)):
                     old.copy_(new)
                 p2, m2 = p, moments
