@@ -17,7 +17,7 @@ Run it as a script (a few seconds) or under pytest::
     python examples/property_test.py
     python -m pytest examples/property_test.py
 
-Needs hypothesis (``pip install fzero[testing]``).
+Needs hypothesis (``pip install -e ".[examples]"`` or ``".[testing]"``).
 """
 
 from __future__ import annotations

@@ -318,6 +318,7 @@ class BucketWatcher:
                       if rows == 1 and len(gs) == 1 and len(gs[0].slots) == 1 and not gs[0].padding}
         self.position = {g.index: pos for gs in groups for pos, g in enumerate(gs)}
         self.filled: set[int] = set()  # slot indices whose gradient is in the buffer
+        self.used: set[int] = set()  # slot indices that had a gradient (DDP's "used" parameters)
         self.handles: list[Any] = []
 
     def watch(self, leaves: Sequence[torch.Tensor]) -> None:
@@ -334,6 +335,7 @@ class BucketWatcher:
     def _got(self, slot: int, leaf: torch.Tensor) -> None:
         b = self.layout.slots[slot].bucket
         grad, leaf.grad = leaf.grad, None
+        self.used.add(slot)
         if b in self.whole and grad.is_contiguous():
             # autograd's accumulated gradient is its own tensor (it copies one it cannot take)
             self.missing[b] = -1

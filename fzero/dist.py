@@ -17,7 +17,8 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-from typing import Any, Callable, Iterator, Optional, Union
+import os
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -26,9 +27,38 @@ import torch.distributed._functional_collectives as funcol
 from .comm import CollectiveError, Communicator, ReduceOp
 from .layout import Layout, first_difference
 
-__all__ = ["TorchCommunicator", "LayoutMismatchError", "REDUCE_SCATTER_PATHS"]
+__all__ = ["TorchCommunicator", "LayoutMismatchError", "REDUCE_SCATTER_PATHS", "launcher_world_size", "choose_comm"]
 
 REDUCE_SCATTER_PATHS = ("reduce_scatter", "all_to_all", "all_reduce")
+
+def launcher_world_size(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The world size a launcher gave this process (``torchrun`` and torch's elastic agent set
+    ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK`` for every rank), or ``None`` when it was not
+    started by one. ``env``: default ``os.environ``. No collective."""
+    env = os.environ if env is None else env
+    if "LOCAL_RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    return int(env["WORLD_SIZE"])
+
+
+def choose_comm(requested: str, env: Optional[Mapping[str, str]] = None) -> str:
+    """``"sim"`` or ``"torch"`` for a script's ``--comm {auto,sim,torch}``: ``auto`` is
+    ``torch`` under a launcher and ``sim`` otherwise. ``sim`` under a launcher of several ranks
+    raises ``ValueError``: every process would run its own simulated world (the same run N
+    times, each writing the same files) instead of one run over N ranks."""
+    if requested not in ("auto", "sim", "torch"):
+        raise ValueError(f"--comm must be auto, sim or torch, got {requested!r}")
+    world = launcher_world_size(env)
+    if requested == "auto":
+        return "torch" if world is not None else "sim"
+    if requested == "sim" and world is not None and world > 1:
+        raise ValueError(
+            f"--comm sim under a launcher of {world} ranks (WORLD_SIZE={world}): each process would "
+            "run its own simulated world and write the same files; use --comm torch (or auto) under "
+            "torchrun, or run the script without torchrun for a simulated world"
+        )
+    return requested
+
 
 # torch 2.13 deprecates all_gather_tensor in favour of all_gather_single; older torch lacks the latter.
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor

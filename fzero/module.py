@@ -49,6 +49,7 @@ __all__ = [
 ]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+OUTPUTS = ("logits", "whole")  # what module_loss hands a criterion
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,9 +218,18 @@ class ModuleLoss:
     during backward, and must find the same tensors in the module then.
     """
 
-    def __init__(self, module: torch.nn.Module, criterion: Optional[Callable[..., torch.Tensor]]):
+    def __init__(self, module: torch.nn.Module, criterion: Optional[Callable[..., torch.Tensor]],
+                 output: str = "logits"):
+        if output not in OUTPUTS:
+            raise ValueError(f"module_loss: output must be one of {OUTPUTS}, got {output!r}")
+        if output == "whole" and criterion is None:
+            raise ValueError(
+                "module_loss(model, output='whole'): the whole output goes to a criterion; give one "
+                "(criterion(output, target)), or leave output='logits' for the model's own loss"
+            )
         self.module = module
         self.criterion = criterion
+        self.output = output
         self._param_names = [n for n, _ in module.named_parameters()]
         self._accepted = _accepts(module.forward)
         self._slots = _tensor_slots(module)
@@ -276,15 +286,23 @@ class ModuleLoss:
                 "that computes its own loss, use module_loss(model) with the labels in the inputs"
             )
         inputs, target = batch
-        out = model_output(self._run(dtype, inputs), "logits")
-        if out.dtype in LOW_PRECISION:
-            out = out.float()
-        return self.criterion(out, target)
+        out = self._run(dtype, inputs)
+        if self.output == "whole":
+            # every 16-bit tensor of the output upcast, as the logits are: an auxiliary loss
+            # (a router's, a second head's) is computed in fp32 too
+            return self.criterion(tp.tree_map(_upcast, out), target)
+        return self.criterion(_upcast(model_output(out, "logits")), target)
+
+
+def _upcast(x: Any) -> Any:
+    return x.float() if isinstance(x, torch.Tensor) and x.dtype in LOW_PRECISION else x
 
 
 def module_loss(
     module: torch.nn.Module,
     criterion: Optional[Callable[..., torch.Tensor]] = None,
+    *,
+    output: str = "logits",
 ) -> ModuleLoss:
     """``loss_fn(tensors, batch)`` for ``module``, as :func:`fzero.make_train_step` takes it.
 
@@ -294,8 +312,11 @@ def module_loss(
 
     With a ``criterion``, ``batch = (inputs, target)`` and the loss is
     ``criterion(output, target)``, where the output is the model's tensor,
-    the first element of a tuple, or ``logits`` of a dict/``ModelOutput``.
-    Without one, ``batch = inputs`` and the loss is the model's own
+    the first element of a tuple, or ``logits`` of a dict/``ModelOutput``
+    (``output="logits"``, the default). ``output="whole"``: the criterion gets the
+    model's whole output as the model returned it (a dict, a tuple, a ``ModelOutput``,
+    a tensor), so a loss can use several heads or an auxiliary loss the model returns
+    beside its logits (a mixture-of-experts router's). Without a criterion, ``batch = inputs`` and the loss is the model's own
     (``output.loss``; e.g. a ``transformers`` model given ``labels``), or a
     0-d tensor the model returns. ``inputs``: a tensor, a tuple of positional
     arguments, or a dict of keyword arguments (checked against the forward's
@@ -303,9 +324,10 @@ def module_loss(
 
     As FSDP2's ``cast_forward_inputs``, floating inputs are cast to the
     compute dtype (the dtype of the parameters given); a 16-bit output is
-    upcast to float32 before the criterion, so the loss is fp32.
+    upcast to float32 before the criterion (with ``output="whole"``, every 16-bit
+    tensor of the output), so the loss is fp32.
     """
-    return ModuleLoss(module, criterion)
+    return ModuleLoss(module, criterion, output)
 
 
 def check_loss(loss: Any) -> None:

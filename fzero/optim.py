@@ -143,15 +143,35 @@ class Optimizer:
         moments: tuple[torch.Tensor, ...],
         hyper: Mapping[str, torch.Tensor],
         step: torch.Tensor,
+        per_element: Optional[Mapping[str, torch.Tensor]] = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """One update of a shard. ``param``, ``grad``, moments: ``[R, n]``, same dtype.
 
-        ``step``: 0-d int64, updates applied before this one. Returns new
-        ``(param, moments)``; inputs are not modified. No collective.
+        ``step``: 0-d int64, updates applied before this one. ``per_element``: the
+        step-dependent scalars of :meth:`step_scalars` expanded to ``[R, n]`` (each
+        element's parameter has its own step count), replacing those of ``step``.
+        Returns new ``(param, moments)``; inputs are not modified. No collective.
         """
         if self.kind == "sgd":
-            return _sgd_update(self, param, grad, moments, hyper, step)
-        return _adam_update(self, param, grad, moments, hyper, step)
+            return _sgd_update(self, param, grad, moments, hyper, step, per_element)
+        return _adam_update(self, param, grad, moments, hyper, step, per_element)
+
+    @property
+    def step_scalar_names(self) -> tuple[str, ...]:
+        """What of an update depends on the step count (see :meth:`step_scalars`)."""
+        return ("first",) if self.kind == "sgd" else ("neg_step_size", "bias_correction2_sqrt")
+
+    def step_scalars(self, hyper: Mapping[str, torch.Tensor], steps: torch.Tensor) -> torch.Tensor:
+        """``[k, len(step_scalar_names)]`` float64: for ``k`` parameters with step counts
+        ``steps`` (``[k]`` int64, updates applied before this one) the scalars of their update
+        that depend on the count, computed as :meth:`update` computes them for a 0-d step.
+        SGD: ``first`` (1.0 where the momentum buffer starts as the gradient); Adam(W):
+        ``-lr / (1 - beta1^t)`` and ``sqrt(1 - beta2^t)``, ``t = steps + 1``. No collective."""
+        if self.kind == "sgd":
+            return (steps == 0).to(torch.float64).unsqueeze(1)
+        t = (steps + 1).to(torch.float64)
+        lr, beta1, beta2 = (hyper[k].to(torch.float64) for k in ("lr", "beta1", "beta2"))
+        return torch.stack([-(lr / (1 - beta1**t)), torch.sqrt(1 - beta2**t)], dim=1)
 
     def update_(
         self,
@@ -292,7 +312,9 @@ class OptState:
 
     Leaves: ``step`` (0-d int64, updates applied); ``hyper`` (per optimizer
     group, ``{name: 0-d float64}``); ``moments`` (per flat group, one
-    ``[R, shard_numel]`` tensor per :attr:`Optimizer.moment_names`).
+    ``[R, shard_numel]`` tensor per :attr:`Optimizer.moment_names`); ``missed``
+    (``()`` or ``[T]`` int64: per trainable parameter, the applied steps it sat out
+    because it had no gradient on any rank, see :func:`fzero.make_train_step`'s ``unused``).
     Static: the :class:`Optimizer`.
     """
 
@@ -300,6 +322,11 @@ class OptState:
     hyper: tuple[dict[str, torch.Tensor], ...]
     moments: tuple[tuple[torch.Tensor, ...], ...]
     optimizer: Optimizer = static_field()
+    # ``()`` or one ``[T]`` int64 tensor (T trainable parameters, ``Layout.trainable_slots``
+    # order, replicated): the applied steps that left each parameter alone because no rank
+    # had a gradient for it. Its own step count (torch.optim's per-parameter ``step``) is
+    # ``step - missed``. ``()``: every parameter took every applied step.
+    missed: tuple[torch.Tensor, ...] = ()
 
 
 # CPU moments of at least this size start as pages the OS has not committed (below it, a mapping
@@ -382,6 +409,7 @@ def _sgd_update(
     moments: tuple[torch.Tensor, ...],
     h: Mapping[str, torch.Tensor],
     step: torch.Tensor,
+    per_element: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     c = _scalars(h, p.dtype, damp=1 - h["dampening"])
     if opt.maximize:
@@ -390,8 +418,9 @@ def _sgd_update(
     new_moments: tuple[torch.Tensor, ...] = ()
     if opt.momentum_buffer:
         (buf,) = moments
+        first = step == 0 if per_element is None else per_element["first"] != 0
         # torch starts the buffer as a copy of the first gradient (no dampening).
-        buf = torch.where(step == 0, g, buf * c["momentum"] + c["damp"] * g)
+        buf = torch.where(first, g, buf * c["momentum"] + c["damp"] * g)
         g = g + c["momentum"] * buf if opt.nesterov else buf
         new_moments = (buf,)
     return p + (-c["lr"]) * g, new_moments
@@ -404,6 +433,7 @@ def _adam_update(
     moments: tuple[torch.Tensor, ...],
     h: Mapping[str, torch.Tensor],
     step: torch.Tensor,
+    per_element: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     if opt.maximize:
         g = -g
@@ -418,6 +448,8 @@ def _adam_update(
         neg_step_size=-(lr / (1 - beta1**t)),
         bias_correction2_sqrt=torch.sqrt(1 - beta2**t),
     )
+    if per_element is not None:
+        c = {**c, **per_element}
     if opt.kind == "adamw":
         p = p * c["decay"]
     else:

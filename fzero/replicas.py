@@ -10,7 +10,7 @@ Compared (the *items*, in this order):
 * ``static``: a hash of the static metadata (layout fingerprint, optimizer
   kind, defaults, group overrides and flags, scaler rule, precision);
 * ``scaler.scale``, ``scaler.growth_tracker``, ``scaler.hysteresis_left``;
-* ``opt.step`` and every hyperparameter ``opt.hyper[g]['name']``;
+* ``opt.step``, ``opt.missed`` and every hyperparameter ``opt.hyper[g]['name']``;
 * ``params flat group g``: the gathered compute-dtype buffers of stages 1-2
   (padding included), per local rank; stage 3 keeps none;
 * ``frozen['path']``: frozen parameters (replicated, no rank axis);
@@ -201,6 +201,8 @@ def replica_items(
     for k in ("scale", "growth_tracker", "hysteresis_left"):
         items.append((f"scaler.{k}", getattr(sc, k), False))
     items.append(("opt.step", state.opt.step, False))
+    for m in getattr(state.opt, "missed", ()):  # each parameter's skipped steps: replicated too
+        items.append(("opt.missed", m, False))
     for g, hyper in enumerate(state.opt.hyper):
         for k, v in hyper.items():
             items.append((f"opt.hyper[{g}][{k!r}]", v, False))

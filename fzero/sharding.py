@@ -479,6 +479,41 @@ def global_norm(grads: Sequence[torch.Tensor], comm: Communicator) -> torch.Tens
     return comm.all_reduce(local_sq_norm(grads), "sum")[0].sqrt().float()
 
 
+def trainable_index(layout: Layout) -> dict[int, int]:
+    """``{index in layout.slots: position in layout.trainable_slots}`` (the order of per-parameter
+    vectors such as ``OptState.missed`` and a step's ``used`` flags)."""
+    return {i: k for k, i in enumerate(i for i, s in enumerate(layout.slots) if s.group >= 0)}
+
+
+def per_element(layout: Layout, group: FlatGroup, per_slot: torch.Tensor, ranks: Sequence[int],
+                where: Optional[Mapping[int, int]] = None) -> torch.Tensor:
+    """``per_slot`` (``[T, m]``: a row per trainable parameter, ``trainable_index`` order)
+    spread over the elements of ``group``'s shards of ``ranks``: ``[R, shard_numel, m]``;
+    padding takes zeros. Each parameter's piece of a shard is a static range: its row
+    expanded over the piece, the pieces concatenated, so the update that reads the result
+    stays a contiguous, vectorised pass. (Measured on the 0.87M benchmark model's compiled
+    step, CPU time over ``unused="zeros"``: a ``repeat_interleave`` of the rows +30 %, a
+    per-element ``bucketize`` and gather fused into the update +25 %, this +10 %.)
+    ``where``: :func:`trainable_index` of ``layout`` if the caller has it. No collective."""
+    where = trainable_index(layout) if where is None else where
+    rows = torch.cat([per_slot[[where[i] for i in group.slots]], per_slot.new_zeros(1, per_slot.shape[1])])
+    ends, total = [], 0
+    for i in group.slots:
+        total += layout.slots[i].numel
+        ends.append(total)
+    ends.append(group.padded_numel)  # the padding's row
+    out = []
+    for r in ranks:  # each parameter's piece of rank r's shard: its row, repeated (static sizes)
+        lo, hi, begin, pieces = r * group.shard_numel, (r + 1) * group.shard_numel, 0, []
+        for k, end in enumerate(ends):
+            n = min(end, hi) - max(begin, lo)
+            if n > 0:
+                pieces.append(rows[k].expand(n, rows.shape[1]))
+            begin = end
+        out.append(torch.cat(pieces))
+    return torch.stack(out)
+
+
 def shard_step(
     shard: ShardState,
     opt_state: OptState,
@@ -486,6 +521,8 @@ def shard_step(
     found_inf: Optional[torch.Tensor] = None,
     *,
     donate: bool = False,
+    used: Optional[torch.Tensor] = None,
+    ranks: Optional[Sequence[int]] = None,
 ) -> tuple[ShardState, OptState]:
     """Apply the optimizer to every flat group's master shard.
 
@@ -494,13 +531,25 @@ def shard_step(
     returned states hold bitwise the input values (selection, not a Python
     branch on a tensor; no host sync) and the step count holds.
 
+    ``used`` (``[T]`` bool, agreed across ranks, ``Layout.trainable_slots`` order):
+    whether some rank had a gradient for each parameter. A parameter without one is
+    left alone, moments included (``torch.optim`` skips a parameter whose gradient is
+    ``None``, DDP leaves it ``None``), and ``opt_state.missed`` counts the step for it,
+    so its own step count (Adam's bias correction, SGD's first momentum) is
+    ``step - missed``, as torch.optim's per-parameter ``step``. ``ranks``: the global
+    ranks of the shards' rows (the communicator's ``ranks``), needed with ``used``.
+    ``None``: every parameter takes the step (DeepSpeed's flat behaviour: no gradient
+    is a zero gradient).
+
     ``donate=False`` (pure): the inputs are untouched; the result is new
     buffers. ``donate=True``: master shards and moments are updated in place
     and the returned states hold the same tensors; the inputs are consumed
     (see :func:`fzero.step.make_train_step` for the bookkeeping that makes a
     consumed state raise). Eagerly both run torch's fused Adam(W) kernel (the
-    pure form on fresh copies), so they give bitwise the same numbers.
-    No collective.
+    pure form on fresh copies), so they give bitwise the same numbers; with ``used``,
+    eagerly, when every parameter had a gradient and none ever missed a step (read on
+    the host: a ``[T]`` vector), and otherwise the written-out update with per-element
+    step scalars and a mask. No collective.
     """
     lay = shard.layout
     if len(grads) != len(lay.groups):
@@ -511,8 +560,22 @@ def shard_step(
             f"{len(lay.groups)}: the optimizer state belongs to another layout"
         )
     opt = opt_state.optimizer
-    out_of_place = not donate and torch.compiler.is_compiling()
     skip = None if found_inf is None else found_inf.to(torch.bool)
+    applied = torch.ones((), dtype=torch.bool) if skip is None else ~skip
+    missed = opt_state.missed
+    if used is not None:
+        n = len(lay.trainable_slots)
+        if ranks is None or tuple(used.shape) != (n,):
+            raise ValueError(f"shard_step: used must be [{n}] (one flag per trainable parameter) with the "
+                             f"rows' ranks, got {tuple(used.shape)} and ranks={ranks!r}")
+        before = missed[0] if missed else torch.zeros(n, dtype=torch.int64, device=used.device)
+        if not torch.compiler.is_compiling() and bool(used.all()) and not bool(before.any()):
+            used = None  # every parameter steps alike: the plain (fused) update, and missed stays 0
+        else:
+            steps = opt_state.step.to(before.device) - before
+            missed = (before + (~used & applied.to(used.device)).to(before.dtype),)
+            where = trainable_index(lay)
+    out_of_place = not donate and torch.compiler.is_compiling()
     new_master, new_moments = [], []
     for g, p, grad, moments in zip(lay.groups, shard.master, grads, opt_state.moments):
         if tuple(grad.shape) != tuple(p.shape):
@@ -522,7 +585,24 @@ def shard_step(
             )
         hyper = opt_state.hyper[g.opt_group]
         grad = grad.to(p.dtype)
-        if out_of_place:
+        if used is not None:
+            # per parameter: its step count's scalars and whether it takes the step, spread
+            # over its elements; written out, selected by torch.where (eager or compiled)
+            per_slot = torch.cat([opt.step_scalars(hyper, steps), used.to(torch.float64).unsqueeze(1)], dim=1)
+            spread = per_element(lay, g, per_slot.to(p.device), ranks, where).to(p.dtype)
+            names = opt.step_scalar_names
+            p2, m2 = opt.update(p, grad, moments, hyper, opt_state.step,
+                                {k: spread[..., j] for j, k in enumerate(names)})
+            take = spread[..., len(names)] != 0
+            if skip is not None:
+                take = take & ~skip
+            p2 = torch.where(take, p2, p)
+            m2 = tuple(torch.where(take, b, a) for a, b in zip(moments, m2))
+            if donate:  # in place, as the plain donating update (compiled too: no second state)
+                for old, new in zip((p, *moments), (p2, *m2)):
+                    old.copy_(new)
+                p2, m2 = p, moments
+        elif out_of_place:
             # Compiled and pure: inductor writes fresh outputs in one fused pass.
             p2, m2 = opt.update(p, grad, moments, hyper, opt_state.step)
             if skip is not None:
@@ -536,5 +616,5 @@ def shard_step(
     step = opt_state.step + 1 if skip is None else opt_state.step + (~skip).to(opt_state.step.dtype)
     return (
         replace(shard, master=tuple(new_master)),
-        replace(opt_state, step=step, moments=tuple(new_moments)),
+        replace(opt_state, step=step, moments=tuple(new_moments), missed=missed),
     )

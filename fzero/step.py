@@ -79,6 +79,7 @@ __all__ = [
 ]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+UNUSED = ("skip", "zeros")  # make_train_step(unused=...): what a parameter without a gradient does
 
 
 @pytree_dataclass
@@ -194,6 +195,9 @@ def init_train_state(
     else:
         shard, made_buffers = materialized_shard(params, comm, init, unit_names, **layout_kw)
     opt = init_opt_state(optimizer, shard.master)
+    # per parameter, the steps it sat out (make_train_step(unused="skip")): none yet
+    opt = replace(opt, missed=(torch.zeros(len(shard.layout.trainable_slots), dtype=torch.int64,
+                                           device=opt.step.device),))
     if scaler is None:
         scaler = init_scaler() if precision.param_dtype == torch.float16 else static_scaler(1.0)
     spec, buffers, gathered = ModuleSpec(), (), ()
@@ -245,6 +249,14 @@ def _check_leaf(path: Any, x: Any, what: str, rows: int, accum_steps: int) -> No
         return
     need = 2 if accum_steps > 1 else 1
     if x.dim() >= need and x.shape[0] == rows and (accum_steps == 1 or x.shape[1] == accum_steps):
+        if x.dim() > need and x.shape[need] == 0:
+            # an empty batch's mean loss is NaN, which is not an overflow (found_inf stays 0),
+            # and the optimizer would still decay every parameter: refuse it before any collective
+            per = "per rank and micro-batch" if accum_steps > 1 else "per rank"
+            raise ValueError(
+                f"{what}: batch{tp.keystr(path)} is empty: shape {tuple(x.shape)}, 0 examples {per} "
+                f"(dim {need}); every rank needs at least one example"
+            )
         return
     if accum_steps > 1:
         want, fix = f"[{rows}, {accum_steps}, ...] (local ranks, micro-batches)", \
@@ -259,7 +271,8 @@ def _check_leaf(path: Any, x: Any, what: str, rows: int, accum_steps: int) -> No
 
 def check_batch(batch: Any, rows: int, accum_steps: int = 1, what: str = "train step") -> None:
     """Raise ``ValueError`` unless every tensor leaf of ``batch`` is ``[R, ...]``
-    (``[R, K, ...]`` with ``accum_steps=K``), naming the leaf, its shape and the fix.
+    (``[R, K, ...]`` with ``accum_steps=K``), naming the leaf, its shape and the fix,
+    or if a leaf's batch dimension (the one after those axes) is empty.
     Shapes are static: free under compile."""
     tp.tree_map_with_path(lambda p, x: _check_leaf(p, x, what, rows, accum_steps), batch)
 
@@ -271,6 +284,7 @@ class RankGrads(NamedTuple):
     losses: torch.Tensor                # [R] fp32, unscaled
     buffers: tuple[torch.Tensor, ...]   # the buffers the forward left, [R, ...] each
     rng: tuple[torch.Tensor, ...]       # the generator states it left (or the input's)
+    used: torch.Tensor                  # [R, T] float64: 1 where the rank had a gradient
 
 
 def local_flat_grads(
@@ -310,6 +324,8 @@ def local_flat_grads(
     losses: list[torch.Tensor] = []
     new_rng: list[torch.Tensor] = []
     new_buffers: list[list[torch.Tensor]] = [[] for _ in names]
+    used: list[list[float]] = []
+    train_index = [i for i, s in enumerate(lay.slots) if s.group >= 0]
     for r in range(rows):
         batch_r = row_of(batch, r)
         views = trainable_views(lay, state.params, r)
@@ -341,7 +357,10 @@ def local_flat_grads(
                 watcher.close()
         if watcher is not None:
             watcher.finish()
+            used.append([float(i in watcher.used) for i in train_index])
         else:
+            # which parameters the loss reached is known when tracing: a constant of the graph
+            used.append([float(g is not None) for g in grads])
             by_path = {
                 s.path: g if g is not None else torch.zeros(s.shape, dtype=v.dtype, device=device)
                 for s, v, g in zip(train_slots, leaves, grads)
@@ -358,6 +377,7 @@ def local_flat_grads(
         torch.stack(losses),
         tuple(stack_rows(b) for b in new_buffers),
         (stack_rows(new_rng),) if swap_rng else state.rng,
+        torch.tensor(used, dtype=torch.float64, device=device),
     )
 
 
@@ -398,6 +418,7 @@ class Micro(NamedTuple):
     grads: tuple[torch.Tensor, ...]
     losses: torch.Tensor
     final: bool = False
+    used: Optional[torch.Tensor] = None  # [R, T] float64: 1 where the rank had a gradient
 
 
 def make_train_step(
@@ -414,6 +435,7 @@ def make_train_step(
     broadcast_buffers: bool = True,
     check_replicas_every: int = 0,
     replica_check: str = "raise",
+    unused: str = "skip",
 ) -> StepFn:
     """A step ``(state, batch) -> (state, metrics)`` for ZeRO stage 1, 2 or 3.
 
@@ -467,9 +489,21 @@ def make_train_step(
     (``[R, K, ...]`` with ``accum_steps=K``), else a ``ValueError`` names it.
     A collective that fails (a ``TorchCommunicator(timeout=...)`` that a stalled peer
     outlasted, or a dead peer) raises :class:`fzero.CollectiveError` naming it and the step.
+
+    ``unused``: a parameter that no rank's loss reached in a step (no gradient on any rank,
+    over every micro-batch). ``"skip"`` (default, DDP with ``find_unused_parameters=True``
+    and ``torch.optim``): it is not updated, no weight decay, no moment change, and its own
+    step count (``state.opt.step - state.opt.missed``) does not advance; a parameter used on
+    one rank only takes that rank's gradient averaged over all ranks, as in DDP. Which
+    parameters had a gradient rides on the step's one scalar ``all_reduce`` (``T`` more
+    float64 values, ``T`` trainable parameters; no collective of its own).
+    ``"zeros"``: no gradient is a zero gradient and every parameter takes every step
+    (DeepSpeed's flat buffers): weight decay and momentum still move an unused parameter.
     """
     if stage not in (1, 2, 3):
         raise ValueError(f"make_train_step: stage must be 1, 2 or 3, got {stage!r}")
+    if unused not in UNUSED:
+        raise ValueError(f"make_train_step: unused must be one of {UNUSED}, got {unused!r}")
     if clip_norm is not None and not clip_norm > 0:
         raise ValueError(f"make_train_step: clip_norm must be positive, got {clip_norm}")
     if not (isinstance(accum_steps, int) and accum_steps >= 1):
@@ -514,7 +548,7 @@ def make_train_step(
                 scale_loss=lambda loss: scale(state.scaler, loss),
                 param_dtype=state.precision.param_dtype, reduce_dtype=reduce_dtype,
             )
-            return Micro(replace(state, buffers=out.buffers), out.shards, out.losses)
+            return Micro(replace(state, buffers=out.buffers), out.shards, out.losses, used=out.used)
         if torch.compiler.is_compiling():
             # Module hooks and saved-tensor hooks do not trace: in a graph, every bucket is
             # gathered inside the step and inductor keeps it to its last use in backward
@@ -523,7 +557,8 @@ def make_train_step(
             gathered = gather_flat_params_at_once(state.shard, comm, state.precision.param_dtype)
             out = local_flat_grads(loss_fn, replace(state, params=gathered), batch, comm.local_ranks)
             return Micro(replace(state, buffers=out.buffers, rng=out.rng),
-                         average_flat_grads_at_once(out.flat, state.layout, comm, reduce_dtype), out.losses)
+                         average_flat_grads_at_once(out.flat, state.layout, comm, reduce_dtype), out.losses,
+                         used=out.used)
         units_out = unit_grads(
             loss_fn, state.shard, comm, batch, units=state.module.units, buffers=state.buffers,
             buffer_names=state.module.buffers, rng=state.rng[0] if state.rng else None,
@@ -531,7 +566,7 @@ def make_train_step(
             param_dtype=state.precision.param_dtype, reduce_dtype=reduce_dtype,
         )
         return Micro(replace(state, buffers=units_out.buffers, rng=units_out.rng or state.rng),
-                     units_out.shards, units_out.losses)
+                     units_out.shards, units_out.losses, used=units_out.used)
 
     def stage12_micro(state: TrainState, batch: Any, prior: Any, last: bool) -> Micro:
         """The state with the buffers and generators the forward left; per flat group the
@@ -550,8 +585,9 @@ def make_train_step(
             out = local_flat_grads(loss_fn, state, batch, rows)
             state = replace(state, buffers=out.buffers, rng=out.rng)
             if defer:
-                return Micro(state, out.flat, out.losses)
-            return Micro(state, average_flat_grads_at_once(out.flat, lay, comm, reduce_dtype), out.losses)
+                return Micro(state, out.flat, out.losses, used=out.used)
+            return Micro(state, average_flat_grads_at_once(out.flat, lay, comm, reduce_dtype), out.losses,
+                         used=out.used)
         prepare = None
         if defer and prior is not None:
             def prepare(g: FlatGroup, flat: torch.Tensor) -> torch.Tensor:
@@ -565,7 +601,8 @@ def make_train_step(
         )
         out = local_flat_grads(loss_fn, state, batch, rows, reduction)
         shards = reduction.finish(state.params[0].device, state.precision.param_dtype)
-        return Micro(replace(state, buffers=out.buffers, rng=out.rng), shards, out.losses, final=defer)
+        return Micro(replace(state, buffers=out.buffers, rng=out.rng), shards, out.losses, final=defer,
+                     used=out.used)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         check_world(state.shard, comm)
@@ -577,11 +614,13 @@ def make_train_step(
                              "no gathered parameters; build it with init_train_state(..., stage=1 or 2)")
         check_batch(batch, comm.local_ranks, accum_steps)
         parts = digest_parts(state, comm) if check_replicas_every else None
+        buffers_in = state.buffers  # what a skipped step keeps (before any broadcast or forward)
         state = apply_schedules(state, schedules)
         micro = stage3_micro if stage == 3 else stage12_micro
         groups = state.layout.groups
         acc: tuple[torch.Tensor, ...] = ()
         loss_sum: Optional[torch.Tensor] = None
+        used: Optional[torch.Tensor] = None
         final = False
         for k in range(accum_steps):
             last = k == accum_steps - 1
@@ -592,6 +631,7 @@ def make_train_step(
             else:  # accumulate in the master dtype (fp32), whatever the gradients' dtype
                 acc = tuple(a.to(g.master_dtype) + p for a, p, g in zip(acc, m.grads, groups))
             loss_sum = m.losses if loss_sum is None else loss_sum + m.losses
+            used = m.used if used is None else used + m.used
         if not torch.compiler.is_compiling():
             pool.clear()  # between steps a rank holds its state, not scratch buffers
         if accum_steps > 1:
@@ -604,7 +644,8 @@ def make_train_step(
                 average_flat_grads(a, comm, reduce_dtype or g.master_dtype, g.master_dtype, stage == 1)
                 for g, a in zip(groups, acc)
             )
-        return finish_step(state, acc, loss_sum, comm, clip_norm=clip_norm, donate=donate, replica_parts=parts)
+        return finish_step(state, acc, loss_sum, comm, clip_norm=clip_norm, donate=donate, replica_parts=parts,
+                           buffers_in=buffers_in, used=used if unused == "skip" else None)
 
     core: StepFn = step
     if compile:
@@ -809,25 +850,36 @@ def finish_step(
     clip_norm: Optional[float],
     donate: bool,
     replica_parts: Optional[torch.Tensor] = None,
+    buffers_in: Optional[tuple[torch.Tensor, ...]] = None,
+    used: Optional[torch.Tensor] = None,
 ) -> tuple[TrainState, dict[str, torch.Tensor]]:
     """The part of a step after gradient reduction, shared by every stage.
 
     ``shards``: averaged, still scaled gradient shards per flat group
     ``[R, shard_numel]``; ``losses``: ``[R]`` unscaled per-rank losses.
-    One ``all_reduce(sum)`` of two values per rank gives the global norm, the
+    One ``all_reduce(sum)`` of two values per rank (and the ``used`` flags) gives the global norm, the
     agreed overflow flag (a non-finite norm) and the mean loss; then one pass
     unscales and clips, the optimizer runs (skipped by selection on overflow),
     the scale is updated, and for stages 1-2 the new compute-dtype parameters
-    are all-gathered.
+    are all-gathered. ``buffers_in``: the module buffers the step was given; a skipped
+    step returns them instead of what its forward left (``state.buffers``), selected
+    branch-free, so NaN BatchNorm statistics of an overflowing step are not kept.
+    ``used``: ``[R, T]``, nonzero where rank ``r`` had a gradient for trainable parameter
+    ``t``; it rides on the all-reduce, and a parameter no rank had a gradient for is left
+    alone (:func:`fzero.sharding.shard_step`'s ``used``). ``None``: every parameter steps.
     """
     scaler = state.scaler
     # One all-reduce of (sum of squares of the *scaled* gradients, loss) per rank. The sum is
     # non-finite exactly when some rank has a non-finite gradient (or a shard norm beyond
     # fp32's range, which clip_grad_norm_ would call infinite too): found_inf comes agreed.
     local = torch.stack([local_sq_norm(shards), losses.double()], dim=1)
+    if used is not None:  # which parameters had a gradient rides along too
+        local = torch.cat([local, used.to(local.device, torch.float64)], dim=1)
+    n_used = 0 if used is None else used.shape[1]
     if replica_parts is not None:  # the replica digest rides along: no collective of its own
         local = torch.cat([local, replica_parts], dim=1)
     sums = comm.all_reduce(local, "sum")[0]
+    used_any = None if used is None else sums[2:2 + n_used] > 0
     scale64 = scaler.scale.double()
     norm64 = sums[0].sqrt() / scale64
     loss = (sums[1] / comm.world_size).float()
@@ -843,15 +895,21 @@ def finish_step(
             s.mul_(factor.to(s.dtype))
     else:
         shards = tuple(s * factor.to(s.dtype) for s in shards)
-    new_shard, new_opt = shard_step(state.shard, state.opt, shards, found_inf, donate=donate)
+    new_shard, new_opt = shard_step(state.shard, state.opt, shards, found_inf, donate=donate,
+                                    used=used_any, ranks=comm.ranks)
     # A donating step gathers into the parameters it was given: the next forward reads the
     # buffers it read, which the module's parameters view (eagerly nothing of the parameters'
     # size is allocated; compiled, the functional gather's result is copied in, so the module
     # does not keep the first step's buffers alive beside the state's).
     into = state.params if donate else None
     params = gather_step_params(new_shard, comm, state.precision.param_dtype, into) if state.params else ()
+    buffers = state.buffers
+    if buffers_in is not None:
+        skip = found_inf.to(torch.bool)
+        buffers = tuple(torch.where(skip.to(new.device), old, new) for old, new in zip(buffers_in, buffers))
     new_state = replace(
-        state, shard=new_shard, opt=new_opt, scaler=update_scale(scaler, found_inf), params=params
+        state, shard=new_shard, opt=new_opt, scaler=update_scale(scaler, found_inf), params=params,
+        buffers=buffers,
     )
     metrics = {
         "loss": loss,
@@ -861,5 +919,5 @@ def finish_step(
         "lr": state.opt.hyper[0]["lr"].float(),
     }
     if replica_parts is not None:
-        metrics["replicas_differ"] = parts_differ(sums[2:], comm.world_size).float()
+        metrics["replicas_differ"] = parts_differ(sums[2 + n_used:], comm.world_size).float()
     return new_state, metrics

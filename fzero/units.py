@@ -60,6 +60,7 @@ Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.buckets``, ``fzero.sharding``
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -193,6 +194,13 @@ class UnitGrads:
     losses: torch.Tensor
     buffers: tuple[torch.Tensor, ...]
     rng: tuple[torch.Tensor, ...]
+    used: Optional[torch.Tensor] = None  # [R, T] float64: 1 where the rank had a gradient
+
+
+def _mark_used(used: set[int], slot: int, grad: torch.Tensor) -> None:
+    """A view's gradient hook: its parameter had a gradient (a plain set: no cycle through the
+    view's hooks back to the run that holds views)."""
+    used.add(slot)
 
 
 # Tensor metadata a module may read from a released parameter (HF models read
@@ -476,6 +484,7 @@ class _RankRun:
         self.ahead: dict[int, Callable[[], tuple[torch.Tensor, ...]]] = {}  # started gathers (prefetch)
         self.order: list[int] = []  # units in the order of their first forward
         self.last_flats: tuple[torch.Tensor, ...] = ()  # what bucket_tensors gathered last
+        self.used: set[int] = set()  # slot indices whose view got a gradient
 
     def start(self, *buckets: int) -> dict[int, Callable[[], tuple[torch.Tensor, ...]]]:
         return _start_gather(self.plan, self.shard, self.comm, self.row, self.dtype, buckets)
@@ -633,6 +642,8 @@ class _RankRun:
         lay = self.plan.layout
         for g, flat in zip(self.plan.groups[bucket], flats):
             for i, view in zip(g.slots, split_views(lay, g, flat)):
+                if view.requires_grad:
+                    view.register_hook(functools.partial(_mark_used, self.used, i))
                 tensors[lay.slots[i].path] = view
         return tensors
 
@@ -758,7 +769,8 @@ def unit_grads(
     # unit's: the two travel in one collective.
     reduction = BucketReduction(plan.groups, comm, reduce_dtype,
                                 [(0, 1)] + [(b,) for b in range(2, len(plan.groups))])
-    losses, new_rng = [], []
+    losses, new_rng, used = [], [], []
+    train_index = [i for i, s in enumerate(lay.slots) if s.group >= 0]
     new_buffers: list[list[torch.Tensor]] = [[] for _ in buffer_names]
     unit_modules = [module.get_submodule(u) for u in units]
     check = _CallCheck(comm, ("", *units))
@@ -790,6 +802,7 @@ def unit_grads(
                     torch.autograd.grad(scale_loss(loss), [run.anchor], allow_unused=True)
                 del tensors
             run.finish_rank()
+            used.append([float(i in run.used) for i in train_index])
         finally:
             for h in handles:
                 h.remove()
@@ -802,6 +815,7 @@ def unit_grads(
         torch.stack(losses),
         tuple(stack_rows(b) for b in new_buffers),
         (stack_rows(new_rng),) if rng is not None else (),
+        torch.tensor(used, dtype=torch.float64, device=device),
     )
 
 
@@ -1040,4 +1054,8 @@ def compiled_unit_grads(
             units_run.run = None
     shards = tuple((g if g is not None else torch.zeros_like(m[0])).unsqueeze(0)
                    for g, m in zip(grads, shard.master))
-    return UnitGrads(shards, loss.detach().unsqueeze(0), tuple(b.unsqueeze(0) for b in bufs), ())
+    # Which parameters had a gradient, per flat group (known when tracing): a unit that did
+    # not run has none; inside a unit that ran every parameter counts as used
+    used = [[float(grads[s.group] is not None) for s in lay.slots if s.group >= 0]]
+    return UnitGrads(shards, loss.detach().unsqueeze(0), tuple(b.unsqueeze(0) for b in bufs), (),
+                     torch.tensor(used, dtype=torch.float64, device=leaves[0].device))

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 import fzero
-from helpers import Branchy, Mark, batches, children, deep_mlp, mlp, overlap_data
+from helpers import Branchy, Mark, batches, children, deep_mlp, is_grad_reduction, mlp, overlap_data
 
 mse = torch.nn.functional.mse_loss
 
@@ -69,6 +69,7 @@ def one_step_volume(comm: fzero.Communicator, stage: int, precision=fzero.MixedP
     big = counting.totals(min_elements=psi)
     return {
         "psi_padded": psi,
+        "params": len(state.layout.trainable_slots),
         "big": big,
         "ops": [(r.op, str(r.dtype), r.elements) for r in counting.records],
         "all": counting.totals(),
@@ -137,8 +138,7 @@ def overlap_order(comm: fzero.Communicator, stage: int) -> dict:
         counting.reset()
         marks.clear()
         state, _ = step(state, counting.split_batch((x, y)))
-    reductions = [i for i, r in enumerate(counting.records)
-                  if r.op in ("all_reduce", "reduce_scatter") and r.elements > 2]
+    reductions = [i for i, r in enumerate(counting.records) if is_grad_reduction(r, state.layout)]
     return {
         "reductions": len(reductions),
         "before_first_layer": sum(i < marks[-1] for i in reductions),

@@ -245,6 +245,22 @@ def case_stage3_memory_eager(comm):
     return cases.stage3_step_memory(comm, compiled=False)
 
 
+def case_unused(comm):
+    """Unused parameters against DDP(find_unused_parameters=True) with torch.optim, stages 1-3,
+    eagerly (a data-dependent branch) and compiled (a static branch; ``aux`` unused)."""
+    import unused_cases as uc
+
+    out = {}
+    for opt in ("adamw", "sgd"):
+        out[f"ddp_{opt}"] = uc.run_ddp(comm, opt)
+        out[f"ddp_static_{opt}"] = uc.run_ddp(comm, opt, branch=True)
+        for stage in (1, 2, 3):
+            out[f"s{stage}_{opt}"] = uc.run_fzero(comm, opt, stage)
+    for stage in (1, 2, 3):
+        out[f"s{stage}c_adamw"] = uc.run_fzero(comm, "adamw", stage, compile=True, branch=True)
+    return out
+
+
 if __name__ == "__main__":
     from dist_harness import worker_main
 

@@ -125,3 +125,12 @@ def branchy_reference(data_, world, lr=0.1):
                 p.grad = torch.zeros_like(p)
         opt.step()
     return dict(model.named_parameters())
+
+
+def is_grad_reduction(record, layout) -> bool:
+    """A gradient reduction among ``CountingCommunicator.records``: an all-reduce or a
+    reduce-scatter, but not the step's one scalar all-reduce (float64: norm, loss and one
+    used-flag per trainable parameter, ``fzero.step.finish_step``)."""
+    scalar = (record.op == "all_reduce" and record.dtype == torch.float64
+              and record.elements == 2 + len(layout.trainable_slots))
+    return record.op in ("all_reduce", "reduce_scatter") and record.elements > 2 and not scalar

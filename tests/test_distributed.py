@@ -234,10 +234,11 @@ def test_counted_volume_equals_theory(fixture, world, request):
             assert big["calls"] == 2 and big["moved"] == pytest.approx(2 * psi * frac), res[key]["ops"]
         native = res["s2_native"]["big"]
         assert res["s2_bf16"]["big"]["bytes"] == native["bytes"] / 2
-        # beyond the two big collectives only two scalars move: sum of squares (norm and
-        # overflow flag) and loss.
+        # beyond the two big collectives only the step's scalar all-reduce moves: sum of squares
+        # (norm and overflow flag), loss, and one "had a gradient" flag per trainable parameter
         small = res["s2_native"]["all"]["elements"] - res["s2_native"]["big"]["elements"]
-        assert small == 2
+        assert small == 2 + res["s2_native"]["params"]
+        assert res["s2_native"]["all"]["calls"] == 3
 
 
 @pytest.mark.parametrize("fixture,world", [("w2", 2), ("w4", 4)])

@@ -18,7 +18,7 @@ import torch
 
 import fzero
 from fzero.buckets import buckets_of, size_buckets
-from helpers import Mark
+from helpers import Mark, is_grad_reduction
 import dist_cases as cases
 from helpers import branchy_reference, deep_mlp, max_rel_err, overlap_data as data
 
@@ -40,8 +40,7 @@ def test_reductions_issued_before_backward_reaches_the_first_layer(stage, world)
     counting.reset()
     step(state, counting.split_batch((x, y)))
     ops = [r.op for r in counting.records]
-    reductions = [i for i, r in enumerate(counting.records)
-                  if r.op in ("all_reduce", "reduce_scatter") and r.elements > 2]
+    reductions = [i for i, r in enumerate(counting.records) if is_grad_reduction(r, state.layout)]
     assert len(reductions) == 10, ops
     # the last rank's backward launches the buckets (a simulated world waits for every rank's part)
     before = [i for i in reductions if i < marks[-1]]
@@ -73,7 +72,7 @@ def test_launch_order_is_fixed_whatever_order_backward_completes_buckets():
         for x, y in data(3, 2):
             counting.reset()
             state, _ = step(state, counting.split_batch((x, y)))
-        sizes = [r.elements for r in counting.records if r.op in ("all_reduce", "reduce_scatter") and r.elements > 2]
+        sizes = [r.elements for r in counting.records if is_grad_reduction(r, state.layout)]
         results.append((sizes, fzero.all_gather_params(state.shard, counting)))
     one, many = results
     # reverse registration order: stem's bias, stem's weight, body's bias, ... (padded to 16 x 2)

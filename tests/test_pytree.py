@@ -203,6 +203,7 @@ def _expected_leaves(st):
     out = list(st.shard.master) + list(st.shard.frozen) + [st.opt.step]
     out += [v for d in st.opt.hyper for v in d.values()]
     out += [m for ms in st.opt.moments for m in ms]
+    out += list(st.opt.missed)
     out += [getattr(st.scaler, n) for n in SCALER_TENSORS]
     out += list(st.params) + list(st.buffers) + list(st.rng)
     return out
@@ -225,6 +226,7 @@ def _assert_same_train_state(back, st):
     assert type(back.shard.frozen) is tuple and len(back.shard.frozen) == len(st.shard.frozen)
     assert all(a is b for a, b in zip(back.shard.frozen, st.shard.frozen))
     assert back.opt.step is st.opt.step
+    assert len(back.opt.missed) == len(st.opt.missed) == 1 and back.opt.missed[0] is st.opt.missed[0]
     assert type(back.opt.hyper) is tuple and len(back.opt.hyper) == len(st.opt.hyper)
     for hb, hs in zip(back.opt.hyper, st.opt.hyper):
         assert type(hb) is dict and set(hb) == set(hs)

@@ -237,6 +237,21 @@ def test_with_replica_check_every_n_steps(mode):
         with_replica_check(inner, faulty, every=0)
 
 
+def test_with_replica_check_rejects_an_unknown_mode():
+    """A misspelt mode is an error naming the function, the value and the choices, raised when
+    the wrapper is built (not silently treated as one of the modes at the first check)."""
+    from fzero.replicas import with_replica_check
+
+    world = fzero.SimulatedWorld(2)
+
+    def never(state, batch):
+        raise AssertionError("the step must not run")
+
+    with pytest.raises(ValueError) as info:
+        with_replica_check(never, world, mode="bogus")
+    assert str(info.value) == "with_replica_check: mode must be 'raise' or 'flag', got 'bogus'"
+
+
 def test_make_train_step_checks_replicas_every_n_steps():
     """The digest rides on the step's own all-reduce: a corrupted all-gather at the end of
     step 1 is seen by step 2, which raises naming the parameter group and the rank."""

@@ -25,6 +25,15 @@ SEQ = 8
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
+def checkpointing_on(m: torch.nn.Module) -> None:
+    """transformers' activation checkpointing, non-reentrant: ``activation_checkpointing_enable``
+    where it exists (``gradient_checkpointing_enable`` is its deprecated alias there)."""
+    if hasattr(m, "activation_checkpointing_enable"):
+        m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def gpt2(dropout: float = 0.0, seed: int = 0, checkpointing: bool = False) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -37,7 +46,7 @@ def gpt2(dropout: float = 0.0, seed: int = 0, checkpointing: bool = False) -> to
     m = GPT2LMHeadModel(cfg).train()
     m.config.use_cache = False  # training; HF also turns it off (with a warning) under checkpointing
     if checkpointing:
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpointing_on(m)
     return m
 
 
@@ -53,7 +62,7 @@ def llama(seed: int = 0, checkpointing: bool = False) -> torch.nn.Module:
     m = LlamaForCausalLM(cfg).train()
     m.config.use_cache = False
     if checkpointing:
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpointing_on(m)
     return m
 
 

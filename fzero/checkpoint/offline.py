@@ -25,7 +25,7 @@ from .manifest import PathLike, _read_manifest, checked_metadata
 from .metadata import DTYPES
 from .planners import dcp_load
 from ..module import ModuleSpec
-from .saveload import BUFFER_PREFIX
+from .saveload import BUFFER_PREFIX, MISSED_KEY
 from .torch_optim import module_state_dict, torch_optim_dict, torch_order
 
 __all__ = ["checkpoint_info", "consolidate_model_state_dict", "consolidate_torch_optim_state_dict",
@@ -176,7 +176,12 @@ def _optim(checked: CheckedDir, man: dict[str, Any]) -> dict[str, Any]:
                 _, shape, dtype, _ = params[i]
                 t = flat.pop(key) if _numel(shape) else torch.empty(0)
                 moments.setdefault(i, {})[name] = t.reshape(shape).to(_dtype(dtype))
-    return torch_optim_dict(opt, order, step, hyper, moments)
+    own = None
+    if MISSED_KEY in checked.metadata.state_dict_metadata:  # each parameter's own step count
+        trainable = [i for i, p in enumerate(params) if p[3] >= 0]
+        missed = _read(checked, [MISSED_KEY], [len(trainable)])[MISSED_KEY].tolist()
+        own = {i: step - int(m) for i, m in zip(trainable, missed)}
+    return torch_optim_dict(opt, order, step, hyper, moments, own)
 
 
 def consolidate_checkpoint(path: PathLike, out: PathLike, *, optim: Optional[PathLike] = None) -> Path:

@@ -53,6 +53,8 @@ HYPERPARAMS = ("checkpoint", "template")
 _HYPER_PREFIX = "fzero/hyper/"
 
 
+MISSED_KEY = "fzero/missed"  # OptState.missed: [T] int64, replicated
+
 def _sharded(state: TrainState, comm: Communicator, master: Sequence[torch.Tensor],
              moments: Sequence[Sequence[torch.Tensor]]) -> dict[str, _Pieces]:
     """``fzero/master/{path}`` and ``fzero/{moment}/{path}`` for every trainable parameter."""
@@ -174,6 +176,8 @@ def _replicated(state: TrainState) -> dict[str, torch.Tensor]:
     shaped like them. A new replicated leaf of the state is one line here and one in
     :func:`_assemble`, which puts the loaded values back."""
     sd = {"fzero/step": state.opt.step}
+    if state.opt.missed:  # each parameter's steps sat out without a gradient (its own count)
+        sd[MISSED_KEY] = state.opt.missed[0]
     for k, h in enumerate(state.opt.hyper):
         for name, v in h.items():
             sd[f"{_HYPER_PREFIX}{k}/{name}"] = v
@@ -308,6 +312,12 @@ def load_checkpoint(
     replicated = {k: torch.empty_like(v) for k, v in _replicated(template).items()}
     if hyperparams == "template":
         replicated = {k: v for k, v in replicated.items() if not k.startswith(_HYPER_PREFIX)}
+    if MISSED_KEY in replicated and MISSED_KEY not in metadata.state_dict_metadata:
+        # saved before per-parameter step counts: every parameter took every step
+        replicated[MISSED_KEY] = torch.zeros_like(replicated[MISSED_KEY])
+        no_missed = {MISSED_KEY: replicated.pop(MISSED_KEY)}
+    else:
+        no_missed = {}
     shapes = _sharded(template, comm, template.shard.master, template.opt.moments)
     _check_entries(d, metadata, {**shapes, **replicated})
     masters = tuple(_destination(m, donate) for m in template.shard.master)
@@ -319,6 +329,7 @@ def load_checkpoint(
     dcp_load(sd, checked, pg)  # raises CheckpointError naming the entry and file
     if hyperparams == "template":
         replicated.update({k: v.clone() for k, v in _replicated(template).items() if k.startswith(_HYPER_PREFIX)})
+    replicated.update(no_missed)
     # donating, the parameters are regathered into the template's own buffers (which a stage
     # 1-2 module views): nothing of their size is allocated
     state = _assemble(template, comm, masters, moments, replicated, into=template.params if donate else None)
@@ -387,7 +398,8 @@ def _assemble(
     return replace(
         template,
         shard=shard,
-        opt=replace(opt, step=replicated["fzero/step"], hyper=hyper, moments=moments),
+        opt=replace(opt, step=replicated["fzero/step"], hyper=hyper, moments=moments,
+                    missed=(replicated[MISSED_KEY],) if MISSED_KEY in replicated else opt.missed),
         scaler=scaler,
         params=params,
         buffers=buffers,

@@ -176,6 +176,7 @@ def export_torch_optim_state_dict(state: TrainState, comm: Communicator) -> dict
     check_world(state.shard, comm)
     lay, opt = state.layout, state.opt.optimizer
     step = int(state.opt.step)
+    own = own_steps(lay, step, state.opt.missed)
     moments: dict[int, dict[str, torch.Tensor]] = {}
     if step > 0 and opt.moment_names:
         for g in lay.groups:
@@ -183,7 +184,15 @@ def export_torch_optim_state_dict(state: TrainState, comm: Communicator) -> dict
                 full = _full_flat(rows, comm)
                 for i, v in zip(g.slots, group_views(lay, g, full)):
                     moments.setdefault(i, {})[name] = v.to(lay.slots[i].dtype)
-    return torch_optim_dict(opt, _torch_order(lay, opt), step, state.opt.hyper, moments)
+    return torch_optim_dict(opt, _torch_order(lay, opt), step, state.opt.hyper, moments, own)
+
+
+def own_steps(layout: Layout, step: int, missed: Sequence[torch.Tensor]) -> dict[int, int]:
+    """``{slot index: its own step count}`` (``step`` less the steps the parameter sat out
+    without a gradient, ``OptState.missed``), for the trainable slots."""
+    counts = missed[0].tolist() if missed else [0] * len(layout.trainable_slots)
+    slots = [i for i, s in enumerate(layout.slots) if s.group >= 0]
+    return {i: step - int(m) for i, m in zip(slots, counts)}
 
 
 def torch_optim_dict(
@@ -192,16 +201,22 @@ def torch_optim_dict(
     step: int,
     hyper: Sequence[Mapping[str, torch.Tensor]],
     moments: Mapping[int, Mapping[str, torch.Tensor]],
+    own: Optional[Mapping[int, int]] = None,
 ) -> dict[str, Any]:
     """A ``torch.optim`` state dict. ``optimizer``: anything with fzero's ``kind``, ``nesterov``,
     ``maximize``, ``amsgrad`` and ``moment_names`` (an :class:`Optimizer`, or a manifest's
     ``optimizer`` section); ``order``: :func:`torch_order`; ``moments``: ``{slot: {name: tensor}}``
-    in the parameter's shape and dtype (used only when ``step > 0``)."""
+    in the parameter's shape and dtype (used only when ``step > 0``); ``own``: each slot's own
+    step count (:func:`own_steps`; default ``step``): a parameter that never took a step has no
+    state, as in torch."""
     index = {slot: n for n, slot in enumerate(i for group in order for i in group)}
     per_param: dict[int, dict[str, Any]] = {}
     if step > 0 and optimizer.moment_names:
         for slot, n in index.items():
-            per_param[n] = {} if optimizer.kind == "sgd" else {"step": torch.tensor(float(step), dtype=torch.float32)}
+            mine = step if own is None else own.get(slot, step)
+            if mine <= 0:
+                continue
+            per_param[n] = {} if optimizer.kind == "sgd" else {"step": torch.tensor(float(mine), dtype=torch.float32)}
             for name in optimizer.moment_names:
                 per_param[n][name] = moments[slot][name]
     groups = []
@@ -255,17 +270,22 @@ def _torch_group_hyper(
     return out
 
 
-def _torch_step(optimizer: Optimizer, states: Sequence[Mapping[str, Any]]) -> int:
-    """fzero's single step count from torch's per-parameter state."""
+def _own_torch_step(optimizer: Optimizer, state: Mapping[str, Any]) -> int:
+    """One parameter's step count in torch's state (SGD keeps none: 1 once it has a momentum
+    buffer, which exists from the parameter's first step)."""
     if optimizer.kind == "sgd":
-        # torch's SGD keeps no count; a momentum buffer exists only after the first step.
-        return int(any(s.get("momentum_buffer") is not None for s in states))
-    steps = {int(float(s["step"])) for s in states if "step" in s}
-    if len(steps) > 1:
-        raise CheckpointMismatchError(
-            f"torch optimizer state has parameters at different steps {sorted(steps)}; fzero keeps one count"
-        )
-    return steps.pop() if steps else 0
+        return int(state.get("momentum_buffer") is not None)
+    return int(float(state["step"])) if "step" in state else 0
+
+
+def _torch_steps(optimizer: Optimizer, layout: Layout,
+                 per_slot: Mapping[int, Mapping[str, Any]]) -> tuple[int, list[int]]:
+    """fzero's step count from torch's per-parameter state (the largest, the optimizer's), and
+    per trainable slot the steps it sat out (``OptState.missed``)."""
+    slots = [i for i, s in enumerate(layout.slots) if s.group >= 0]
+    own = [_own_torch_step(optimizer, per_slot.get(i, {})) for i in slots]
+    step = max(own, default=0)
+    return step, [step - k for k in own]
 
 
 def import_torch_optim_state_dict(
@@ -306,9 +326,12 @@ def import_torch_optim_state_dict(
         params[i].to(device=f.device, dtype=lay.slots[i].dtype).clone()
         for i, f in zip(frozen_slots, template.shard.frozen)
     )
-    step = template.opt.step.new_tensor(_torch_step(opt, list(per_slot.values())))
+    count, missed = _torch_steps(opt, lay, per_slot)
+    step = template.opt.step.new_tensor(count)
     shard = replace(template.shard, master=master, frozen=frozen)
     new_opt = replace(template.opt, step=step, hyper=hyper, moments=moments)
+    if template.opt.missed or any(missed):
+        new_opt = replace(new_opt, missed=(torch.tensor(missed, dtype=torch.int64, device=step.device),))
     gathered = gather_flat_params(shard, comm, template.precision.param_dtype) if len(template.params) else ()
     return replace(template, shard=shard, opt=new_opt, params=gathered)
 
