@@ -148,8 +148,9 @@ class Optimizer:
         """One update of a shard. ``param``, ``grad``, moments: ``[R, n]``, same dtype.
 
         ``step``: 0-d int64, updates applied before this one. ``per_element``: the
-        step-dependent scalars of :meth:`step_scalars` expanded to ``[R, n]`` (each
-        element's parameter has its own step count), replacing those of ``step``.
+        step-dependent scalars of :meth:`step_scalars`, each broadcastable to ``param``
+        (0-d for one parameter's piece of a shard, which has its own step count), replacing
+        those of ``step``.
         Returns new ``(param, moments)``; inputs are not modified. No collective.
         """
         if self.kind == "sgd":
