@@ -516,6 +516,9 @@ def _update_by_parameter(opt: Optimizer, layout: Layout, group: FlatGroup, p: to
     peak, where the shard is 103 MiB); the pieces are static slices, so no buffer beyond
     the update's own."""
     names = opt.step_scalar_names
+    if torch.compiler.is_compiling():
+        return _update_by_element(opt, layout, group, p, grad, moments, hyper, step, per_slot, take_all, ranks,
+                                  where, donate)
     rows_p: list[torch.Tensor] = []
     rows_m: list[list[torch.Tensor]] = [[] for _ in moments]
     for row, rank in enumerate(ranks):
@@ -545,6 +548,41 @@ def _update_by_parameter(opt: Optimizer, layout: Layout, group: FlatGroup, p: to
     if donate:
         return p, moments
     return torch.stack(rows_p), tuple(torch.stack(r) for r in rows_m)
+
+
+def _update_by_element(opt: Optimizer, layout: Layout, group: FlatGroup, p: torch.Tensor, grad: torch.Tensor,
+                       moments: tuple[torch.Tensor, ...], hyper: Mapping[str, torch.Tensor], step: torch.Tensor,
+                       per_slot: torch.Tensor, take_all: torch.Tensor, ranks: Sequence[int],
+                       where: Mapping[int, int], donate: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """:func:`_update_by_parameter` as one pass over the shard, for a compiled step: each
+    element finds its parameter's row of ``per_slot`` by a binary search of the static piece
+    ends (``bucketize``) and reads it there, so inductor fuses the look-up into the update and
+    writes a donated shard in place. Inductor keeps the look-up's index as a buffer (int32, the
+    shard's element count): on a 12-unit test model a compiled stage-3 step held 22 MiB more
+    than with ``unused="zeros"``. (Pieces copied into slices of a donated shard were worse:
+    each became a copy of the whole shard in the graph, 58 MiB more.)"""
+    names = opt.step_scalar_names
+    table = torch.cat([per_slot, per_slot.new_zeros(1, per_slot.shape[1])])  # last row: the padding's
+    padding_row = table.shape[0] - 1
+    index = []
+    for rank in ranks:
+        pieces = shard_pieces(layout, group, rank, where)
+        ends = torch.tensor([hi for _, _, hi in pieces], dtype=torch.int32, device=p.device)
+        rows = torch.tensor([padding_row if k is None else k for k, _, _ in pieces], dtype=torch.int32,
+                            device=p.device)
+        position = torch.arange(group.shard_numel, dtype=torch.int32, device=p.device)
+        index.append(rows[torch.bucketize(position, ends, right=True, out_int32=True)])
+    index = torch.stack(index)  # [R, n]: each element's row of the table
+    spread = {name: table[index, j].to(p.dtype) for j, name in enumerate(names)}
+    new_p, new_m = opt.update(p, grad, moments, hyper, step, spread)
+    take = (table[index, len(names)] != 0) & take_all
+    new_p = torch.where(take, new_p, p)
+    new_m = tuple(torch.where(take, b, a) for a, b in zip(moments, new_m))
+    if not donate:
+        return new_p, new_m
+    for old, new in zip((p, *moments), (new_p, *new_m)):
+        old.copy_(new)
+    return p, moments
 
 
 def shard_step(

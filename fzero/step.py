@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import types
 import warnings
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
@@ -751,7 +752,7 @@ def compiled_step(step: StepFn, backward_regions: int = 1, regather: bool = Fals
         # remat pass recomputes only the gather
         dynamo_flags["skip_fwd_side_effects_in_bwd_under_checkpoint"] = True
     functorch_flags = {"remat_using_tags_for_fwd_loss_bwd_graph": backward_regions == 1}
-    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    compiled = torch.compile(_with_own_code(step), fullgraph=True, dynamic=False)
     warned = []
     # Made once and re-entered on every call: each config patch object owns a ContextVar, and a
     # context keeps every variable ever set in it, so a new patch per call grew the heap by
@@ -778,6 +779,17 @@ def compiled_step(step: StepFn, backward_regions: int = 1, regather: bool = Fals
         return replace(new_state, rng=(rng,)), metrics
 
     return run
+
+
+def _with_own_code(fn: StepFn) -> StepFn:
+    """``fn`` with a code object of its own. Dynamo keeps compiled graphs on the code object,
+    and every step ``make_train_step`` builds shares one: without a copy, each new step (another
+    model, stage or option in the same process) adds a guarded entry there, a later one
+    recompiles inside its first steps, and the ninth hits dynamo's recompile limit, which
+    ``fullgraph=True`` makes a hard error."""
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    own.__kwdefaults__, own.__qualname__, own.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+    return own
 
 
 class _RegatherWarningFilter(logging.Filter):

@@ -139,3 +139,21 @@ def test_donating_steps_gather_into_the_buffers_the_module_views(compile):
     gathered = fzero.all_gather_params(state.shard, comm)
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), gathered[name][0]), name
+
+
+def test_each_compiled_step_has_its_own_graph_cache():
+    """Steps made by separate ``make_train_step`` calls in one process compile once each and
+    never recompile one another's entries (dynamo keys its cache on the code object, which the
+    steps shared: the second recompiled, the ninth hit the recompile limit, a hard error with
+    ``fullgraph=True``)."""
+    torch._dynamo.reset()
+    counters.clear()
+    comm = fzero.SimulatedWorld(1)
+    for donate in (False, True, False):
+        model = mlp()
+        state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm)
+        step = fzero.make_train_step(fzero.module_loss(model, mse), comm, donate=donate, compile=True)
+        for batch in batches(2, 1, 4, torch.float32):
+            state, _ = step(state, comm.split_batch(batch))
+    assert counters["stats"]["unique_graphs"] == 3
+    assert not counters["recompiles"]
