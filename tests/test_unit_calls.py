@@ -19,6 +19,7 @@ import fzero
 import dist_cases as cases
 import user_models as um
 from dist_harness import run_torchrun
+from test_distributed import _case
 from test_user_models import OPTIMIZERS, _data, assert_params_match
 
 transformers = pytest.importorskip("transformers")
@@ -31,13 +32,6 @@ GLOO_CASES = ["branch", "experts", "last", "experts_agree", "mixtral"]
 @pytest.fixture(scope="module")
 def w2():
     return run_torchrun(2, "unit_calls_worker.py", GLOO_CASES, timeout=300)
-
-
-def _case(results, name):
-    for r, res in enumerate(results):
-        if "exception" in res[name]:
-            pytest.fail(f"rank {r} raised in case {name!r}:\n{res[name]['exception']}")
-    return [res[name] for res in results]
 
 
 def _sim_error(kind: str) -> str:

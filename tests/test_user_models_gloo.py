@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dist_harness import run_torchrun
+from test_distributed import _case
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed
@@ -18,13 +19,6 @@ CASES = ["dropout_gpt2", "bn_vs_ddp", "compiled_gpt2", "stage3_dropout_gpt2", "s
 @pytest.fixture(scope="module")
 def w2():
     return run_torchrun(2, "user_models_worker.py", CASES, timeout=420)
-
-
-def _case(results, name):
-    for r, res in enumerate(results):
-        if "exception" in res[name]:
-            pytest.fail(f"rank {r} raised in case {name!r}:\n{res[name]['exception']}")
-    return [res[name] for res in results]
 
 
 @pytest.mark.parametrize("case", ["dropout_gpt2", "stage3_dropout_gpt2"])
