@@ -594,6 +594,7 @@ def shard_step(
     donate: bool = False,
     used: Optional[torch.Tensor] = None,
     ranks: Optional[Sequence[int]] = None,
+    uniform: bool = False,
 ) -> tuple[ShardState, OptState]:
     """Apply the optimizer to every flat group's master shard.
 
@@ -609,6 +610,8 @@ def shard_step(
     so its own step count (Adam's bias correction, SGD's first momentum) is
     ``step - missed``, as torch.optim's per-parameter ``step``. ``ranks``: the global
     ranks of the shards' rows (the communicator's ``ranks``), needed with ``used``.
+    ``uniform``: compiled, the caller's static knowledge that every flag of ``used`` is set
+    and ``missed`` is zero, so the plain update runs (eagerly this is read on the host).
     ``None``: every parameter takes the step (DeepSpeed's flat behaviour: no gradient
     is a zero gradient).
 
@@ -640,7 +643,7 @@ def shard_step(
             raise ValueError(f"shard_step: used must be [{n}] (one flag per trainable parameter) with the "
                              f"rows' ranks, got {tuple(used.shape)} and ranks={ranks!r}")
         before = missed[0] if missed else torch.zeros(n, dtype=torch.int64, device=used.device)
-        if not torch.compiler.is_compiling() and bool(used.all()) and not bool(before.any()):
+        if uniform if torch.compiler.is_compiling() else bool(used.all()) and not bool(before.any()):
             used = None  # every parameter steps alike: the plain (fused) update, and missed stays 0
         else:
             steps = opt_state.step.to(before.device) - before

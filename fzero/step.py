@@ -286,6 +286,7 @@ class RankGrads(NamedTuple):
     buffers: tuple[torch.Tensor, ...]   # the buffers the forward left, [R, ...] each
     rng: tuple[torch.Tensor, ...]       # the generator states it left (or the input's)
     used: torch.Tensor                  # [R, T] float64: 1 where the rank had a gradient
+    every: bool = False                 # all of used is 1 (known in Python; compiled: when tracing)
 
 
 def local_flat_grads(
@@ -379,6 +380,7 @@ def local_flat_grads(
         tuple(stack_rows(b) for b in new_buffers),
         (stack_rows(new_rng),) if swap_rng else state.rng,
         torch.tensor(used, dtype=torch.float64, device=device),
+        all(all(row) for row in used),
     )
 
 
@@ -420,6 +422,7 @@ class Micro(NamedTuple):
     losses: torch.Tensor
     final: bool = False
     used: Optional[torch.Tensor] = None  # [R, T] float64: 1 where the rank had a gradient
+    every: bool = False  # all of used is 1, known in Python (compiled: when tracing)
 
 
 def make_train_step(
@@ -549,7 +552,7 @@ def make_train_step(
                 scale_loss=lambda loss: scale(state.scaler, loss),
                 param_dtype=state.precision.param_dtype, reduce_dtype=reduce_dtype,
             )
-            return Micro(replace(state, buffers=out.buffers), out.shards, out.losses, used=out.used)
+            return Micro(replace(state, buffers=out.buffers), out.shards, out.losses, used=out.used, every=out.every)
         if torch.compiler.is_compiling():
             # Module hooks and saved-tensor hooks do not trace: in a graph, every bucket is
             # gathered inside the step and inductor keeps it to its last use in backward
@@ -559,7 +562,7 @@ def make_train_step(
             out = local_flat_grads(loss_fn, replace(state, params=gathered), batch, comm.local_ranks)
             return Micro(replace(state, buffers=out.buffers, rng=out.rng),
                          average_flat_grads_at_once(out.flat, state.layout, comm, reduce_dtype), out.losses,
-                         used=out.used)
+                         used=out.used, every=out.every)
         units_out = unit_grads(
             loss_fn, state.shard, comm, batch, units=state.module.units, buffers=state.buffers,
             buffer_names=state.module.buffers, rng=state.rng[0] if state.rng else None,
@@ -567,7 +570,7 @@ def make_train_step(
             param_dtype=state.precision.param_dtype, reduce_dtype=reduce_dtype,
         )
         return Micro(replace(state, buffers=units_out.buffers, rng=units_out.rng or state.rng),
-                     units_out.shards, units_out.losses, used=units_out.used)
+                     units_out.shards, units_out.losses, used=units_out.used, every=units_out.every)
 
     def stage12_micro(state: TrainState, batch: Any, prior: Any, last: bool) -> Micro:
         """The state with the buffers and generators the forward left; per flat group the
@@ -586,9 +589,9 @@ def make_train_step(
             out = local_flat_grads(loss_fn, state, batch, rows)
             state = replace(state, buffers=out.buffers, rng=out.rng)
             if defer:
-                return Micro(state, out.flat, out.losses, used=out.used)
+                return Micro(state, out.flat, out.losses, used=out.used, every=out.every)
             return Micro(state, average_flat_grads_at_once(out.flat, lay, comm, reduce_dtype), out.losses,
-                         used=out.used)
+                         used=out.used, every=out.every)
         prepare = None
         if defer and prior is not None:
             def prepare(g: FlatGroup, flat: torch.Tensor) -> torch.Tensor:
@@ -603,7 +606,13 @@ def make_train_step(
         out = local_flat_grads(loss_fn, state, batch, rows, reduction)
         shards = reduction.finish(state.params[0].device, state.precision.param_dtype)
         return Micro(replace(state, buffers=out.buffers, rng=out.rng), shards, out.losses, final=defer,
-                     used=out.used)
+                     used=out.used, every=out.every)
+
+    # Compiled: whether no parameter has ever sat out a step (state.opt.missed all zero), read on
+    # the host before each call (a CPU vector: no device sync) and read by the trace as a
+    # constant, so a step whose every parameter had a gradient compiles the plain update.
+    # Dynamo guards on it: the one time it turns False, the step compiles once more.
+    hint = {"no_missed": False}
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         check_world(state.shard, comm)
@@ -622,6 +631,7 @@ def make_train_step(
         acc: tuple[torch.Tensor, ...] = ()
         loss_sum: Optional[torch.Tensor] = None
         used: Optional[torch.Tensor] = None
+        every = True
         final = False
         for k in range(accum_steps):
             last = k == accum_steps - 1
@@ -633,6 +643,7 @@ def make_train_step(
                 acc = tuple(a.to(g.master_dtype) + p for a, p, g in zip(acc, m.grads, groups))
             loss_sum = m.losses if loss_sum is None else loss_sum + m.losses
             used = m.used if used is None else used + m.used
+            every = every and m.every
         if not torch.compiler.is_compiling():
             pool.clear()  # between steps a rank holds its state, not scratch buffers
         if accum_steps > 1:
@@ -646,7 +657,8 @@ def make_train_step(
                 for g, a in zip(groups, acc)
             )
         return finish_step(state, acc, loss_sum, comm, clip_norm=clip_norm, donate=donate, replica_parts=parts,
-                           buffers_in=buffers_in, used=used if unused == "skip" else None)
+                           buffers_in=buffers_in, used=used if unused == "skip" else None,
+                           uniform=every and hint["no_missed"])
 
     core: StepFn = step
     if compile:
@@ -655,6 +667,7 @@ def make_train_step(
         def core(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
             # before the graph: a bad shape raises our error, not a recompile that fails inside
             check_batch(batch, comm.local_ranks, accum_steps)
+            hint["no_missed"] = no_missed_steps(state.opt)
             if regather is None or stage != 3:
                 return compiled(state, batch)
             with regather.installed(state.module.units):
@@ -781,6 +794,15 @@ def compiled_step(step: StepFn, backward_regions: int = 1, regather: bool = Fals
     return run
 
 
+def no_missed_steps(opt: OptState) -> bool:
+    """Whether it is known without a device sync that no parameter ever sat out a step
+    (``opt.missed`` absent, or a CPU vector of zeros)."""
+    if not opt.missed:
+        return True
+    missed = opt.missed[0]
+    return missed.device.type == "cpu" and not bool(missed.any())
+
+
 def _with_own_code(fn: StepFn) -> StepFn:
     """``fn`` with a code object of its own. Dynamo keeps compiled graphs on the code object,
     and every step ``make_train_step`` builds shares one: without a copy, each new step (another
@@ -864,6 +886,7 @@ def finish_step(
     replica_parts: Optional[torch.Tensor] = None,
     buffers_in: Optional[tuple[torch.Tensor, ...]] = None,
     used: Optional[torch.Tensor] = None,
+    uniform: bool = False,
 ) -> tuple[TrainState, dict[str, torch.Tensor]]:
     """The part of a step after gradient reduction, shared by every stage.
 
@@ -879,6 +902,8 @@ def finish_step(
     ``used``: ``[R, T]``, nonzero where rank ``r`` had a gradient for trainable parameter
     ``t``; it rides on the all-reduce, and a parameter no rank had a gradient for is left
     alone (:func:`fzero.sharding.shard_step`'s ``used``). ``None``: every parameter steps.
+    ``uniform`` (static): this rank had a gradient for every parameter, so every flag comes
+    back set, and no parameter ever sat out a step: the plain update is exact.
     """
     scaler = state.scaler
     # One all-reduce of (sum of squares of the *scaled* gradients, loss) per rank. The sum is
@@ -908,7 +933,8 @@ def finish_step(
     else:
         shards = tuple(s * factor.to(s.dtype) for s in shards)
     new_shard, new_opt = shard_step(state.shard, state.opt, shards, found_inf, donate=donate,
-                                    used=used_any, ranks=comm.ranks)
+                                    used=used_any, ranks=comm.ranks,
+                                    uniform=uniform)
     # A donating step gathers into the parameters it was given: the next forward reads the
     # buffers it read, which the module's parameters view (eagerly nothing of the parameters'
     # size is allocated; compiled, the functional gather's result is copied in, so the module

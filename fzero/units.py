@@ -195,6 +195,7 @@ class UnitGrads:
     buffers: tuple[torch.Tensor, ...]
     rng: tuple[torch.Tensor, ...]
     used: Optional[torch.Tensor] = None  # [R, T] float64: 1 where the rank had a gradient
+    every: bool = False  # every trainable parameter had a gradient on every local rank (known in Python)
 
 
 def _mark_used(used: set[int], slot: int, grad: torch.Tensor) -> None:
@@ -816,6 +817,7 @@ def unit_grads(
         tuple(stack_rows(b) for b in new_buffers),
         (stack_rows(new_rng),) if rng is not None else (),
         torch.tensor(used, dtype=torch.float64, device=device),
+        all(all(row) for row in used),
     )
 
 
@@ -1058,4 +1060,4 @@ def compiled_unit_grads(
     # not run has none; inside a unit that ran every parameter counts as used
     used = [[float(grads[s.group] is not None) for s in lay.slots if s.group >= 0]]
     return UnitGrads(shards, loss.detach().unsqueeze(0), tuple(b.unsqueeze(0) for b in bufs), (),
-                     torch.tensor(used, dtype=torch.float64, device=leaves[0].device))
+                     torch.tensor(used, dtype=torch.float64, device=leaves[0].device), all(used[0]))

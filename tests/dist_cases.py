@@ -383,10 +383,7 @@ def stage3_step_memory(comm: fzero.Communicator, compiled: bool, units: int = 12
     model = torch.nn.Sequential(torch.nn.Linear(16, d), *[WideBlock(d) for _ in range(units)],
                                 torch.nn.Linear(d, 4))
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-3), comm, stage=3, units=(WideBlock,))
-    # unused="zeros": this measures what the gathers hold; a compiled step with the default
-    # "skip" also holds an int32 index of the shard's size during the update (design.md)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3, compile=compiled, donate=True,
-                                 unused="zeros")
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3, compile=compiled, donate=True)
     g = torch.Generator().manual_seed(1)
     data = [comm.split_batch((torch.randn(4 * comm.world_size, 16, generator=g),
                               torch.randn(4 * comm.world_size, 4, generator=g))) for _ in range(steps + 1)]

@@ -160,3 +160,44 @@ def test_gloo_compiled_unused_parameters_equal_ddp(gloo, stage):
         mine = res[f"s{stage}c_adamw"]
         _assert_matches(mine["params"], res["ddp_static_adamw"])
         assert mine["steps"]["aux.weight"] == 0 and mine["steps"]["a.weight"] == uc.STEPS
+
+
+class _Switch(torch.nn.Module):
+    """``b`` runs only while ``use_b`` (a Python flag, so a compiled step traces either way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 4, dtype=torch.float64)
+        self.b = torch.nn.Linear(4, 4, dtype=torch.float64)
+        self.use_b = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return h + torch.tanh(self.b(h)) if self.use_b else h
+
+
+def _switch_run(compile_from: int, steps: int = 5) -> dict[str, torch.Tensor]:
+    """``b`` sits out steps 1-2, then runs; steps from ``compile_from`` on are compiled."""
+    comm = fzero.SimulatedWorld(1)
+    model = _Switch()
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2, weight_decay=0.1), comm)
+    loss = fzero.module_loss(model, torch.nn.functional.mse_loss)
+    eager = fzero.make_train_step(loss, comm)
+    compiled = fzero.make_train_step(loss, comm, compile=True)
+    g = torch.Generator().manual_seed(3)
+    for i in range(1, steps + 1):
+        model.use_b = i > 2
+        batch = comm.split_batch((torch.randn(4, 4, generator=g, dtype=torch.float64),
+                                  torch.randn(4, 4, generator=g, dtype=torch.float64)))
+        state, _ = (compiled if i >= compile_from else eager)(state, batch)
+    return {k: v[0] for k, v in fzero.all_gather_params(state.shard, comm).items()}
+
+
+def test_compiled_steps_after_a_parameter_sat_out_use_its_own_step_count():
+    """A compiled step whose every parameter has a gradient compiles the plain update only
+    while no parameter ever sat out a step (read on the host before the call): after ``b``
+    sat out two eager steps, the compiled steps still give it its own bias correction."""
+    want = _switch_run(compile_from=99)
+    _assert_matches(_switch_run(compile_from=3), want)
+    _assert_matches(_switch_run(compile_from=1), want)
