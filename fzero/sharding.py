@@ -502,65 +502,21 @@ def shard_pieces(layout: Layout, group: FlatGroup, rank: int,
     return out
 
 
-def _update_by_parameter(opt: Optimizer, layout: Layout, group: FlatGroup, p: torch.Tensor, grad: torch.Tensor,
-                         moments: tuple[torch.Tensor, ...], hyper: Mapping[str, torch.Tensor], step: torch.Tensor,
-                         per_slot: torch.Tensor, take_all: torch.Tensor, ranks: Sequence[int],
-                         where: Mapping[int, int], donate: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """The update of one flat group's shards ``[R, n]``, parameter by parameter: each piece with
-    its own step scalars (``per_slot[k]``: :meth:`Optimizer.step_scalars`, then the used flag)
-    and taken only where its parameter is used and ``take_all`` (0-d bool) holds; the padding
-    is left alone. Donating: written into ``p`` and ``moments``; else new tensors.
-
-    Piece by piece, not with the scalars spread over the shard: a spread ``[R, n, k]`` is a
-    buffer several times the shard (measured, compiled, 54M parameters: +454 MiB at the step's
-    peak, where the shard is 103 MiB); the pieces are static slices, so no buffer beyond
-    the update's own."""
-    names = opt.step_scalar_names
-    if torch.compiler.is_compiling():
-        return _update_by_element(opt, layout, group, p, grad, moments, hyper, step, per_slot, take_all, ranks,
-                                  where, donate)
-    rows_p: list[torch.Tensor] = []
-    rows_m: list[list[torch.Tensor]] = [[] for _ in moments]
-    for row, rank in enumerate(ranks):
-        pieces_p: list[torch.Tensor] = []
-        pieces_m: list[list[torch.Tensor]] = [[] for _ in moments]
-        for k, lo, hi in shard_pieces(layout, group, rank, where):
-            old_p, old_m = p[row, lo:hi], tuple(m[row, lo:hi] for m in moments)
-            if k is None:
-                new_p, new_m = old_p, old_m
-            else:
-                scalars = per_slot[k].to(p.dtype)
-                new_p, new_m = opt.update(old_p, grad[row, lo:hi], old_m, hyper, step,
-                                          {name: scalars[j] for j, name in enumerate(names)})
-                take = (per_slot[k, len(names)] != 0) & take_all
-                new_p = torch.where(take, new_p, old_p)
-                new_m = tuple(torch.where(take, b, a) for a, b in zip(old_m, new_m))
-                if donate:
-                    for old, new in zip((old_p, *old_m), (new_p, *new_m)):
-                        old.copy_(new)
-            pieces_p.append(new_p)
-            for i, t in enumerate(new_m):
-                pieces_m[i].append(t)
-        if not donate:
-            rows_p.append(torch.cat(pieces_p))
-            for i in range(len(moments)):
-                rows_m[i].append(torch.cat(pieces_m[i]))
-    if donate:
-        return p, moments
-    return torch.stack(rows_p), tuple(torch.stack(r) for r in rows_m)
-
-
 def _update_by_element(opt: Optimizer, layout: Layout, group: FlatGroup, p: torch.Tensor, grad: torch.Tensor,
                        moments: tuple[torch.Tensor, ...], hyper: Mapping[str, torch.Tensor], step: torch.Tensor,
                        per_slot: torch.Tensor, take_all: torch.Tensor, ranks: Sequence[int],
                        where: Mapping[int, int], donate: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """:func:`_update_by_parameter` as one pass over the shard, for a compiled step: each
-    element finds its parameter's row of ``per_slot`` by a binary search of the static piece
-    ends (``bucketize``) and reads it there, so inductor fuses the look-up into the update and
-    writes a donated shard in place. Inductor keeps the look-up's index as a buffer (int32, the
-    shard's element count): on a 12-unit test model a compiled stage-3 step held 22 MiB more
-    than with ``unused="zeros"``. (Pieces copied into slices of a donated shard were worse:
-    each became a copy of the whole shard in the graph, 58 MiB more.)"""
+    """The update of one flat group's shards ``[R, n]`` with each parameter's own step
+    scalars (``per_slot[k]``: :meth:`Optimizer.step_scalars`, then the used flag), taken only
+    where its parameter is used and ``take_all`` (0-d bool) holds; the padding is left alone.
+    Donating: written into ``p`` and ``moments``; else new tensors. One pass over the shard:
+    each element finds its parameter's row by a binary search of the static piece ends
+    (``bucketize``), so a compiled step fuses the look-up into the update and writes a donated
+    shard in place. Inductor keeps the look-up's index (int32, the shard's element count) as a
+    buffer. Other forms were worse in a graph: the scalars spread over the shard ``[R, n, k]``
+    (+454 MiB at the step's peak on a 54M TinyGPT), pieces copied into slices of a donated
+    shard (each a copy of the whole shard). Eagerly this runs only once some parameter has
+    sat out a step."""
     names = opt.step_scalar_names
     table = torch.cat([per_slot, per_slot.new_zeros(1, per_slot.shape[1])])  # last row: the padding's
     padding_row = table.shape[0] - 1
@@ -663,7 +619,7 @@ def shard_step(
             # per parameter: its step count's scalars and whether it takes the step; written
             # out, selected by torch.where (eager or compiled), in place when donating
             per_slot = torch.cat([opt.step_scalars(hyper, steps), used.to(torch.float64).unsqueeze(1)], dim=1)
-            p2, m2 = _update_by_parameter(opt, lay, g, p, grad, moments, hyper, opt_state.step,
+            p2, m2 = _update_by_element(opt, lay, g, p, grad, moments, hyper, opt_state.step,
                                           per_slot.to(p.device), applied.to(p.device), ranks, where, donate)
         elif out_of_place:
             # Compiled and pure: inductor writes fresh outputs in one fused pass.
