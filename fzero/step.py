@@ -662,8 +662,7 @@ def make_train_step(
 
     core: StepFn = step
     if compile:
-        compiled = compiled_step(step, comm.local_ranks * accum_steps, regather=regather is not None,
-                                 overlap=stage < 3)
+        compiled = compiled_step(step, comm.local_ranks * accum_steps, regather=regather is not None)
 
         def core(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
             # before the graph: a bad shape raises our error, not a recompile that fails inside
@@ -730,18 +729,7 @@ def _checking_replicas(step: StepFn, comm: Communicator, every: int, mode: str) 
     return run
 
 
-# Inductor options of a compiled stage 1-2 step: reorder collectives for overlap. Measured at 162M
-# parameters, W=2 gloo, compiled donating stage 2 (median of 8 steps): 4.56 s -> 4.37 s, the
-# time waiting for collectives 2.04 s -> 1.33 s a step (profiled). The passes move only
-# collectives, their waits and independent compute: the same operations, the same bits.
-COMM_OVERLAP = {
-    "reorder_for_compute_comm_overlap": True,
-    "reorder_for_compute_comm_overlap_passes": ["reorder_compute_for_overlap", "sink_waits", "raise_comms"],
-}
-
-
-def compiled_step(step: StepFn, backward_regions: int = 1, regather: bool = False,
-                  overlap: bool = False) -> StepFn:
+def compiled_step(step: StepFn, backward_regions: int = 1, regather: bool = False) -> StepFn:
     """``torch.compile(step, fullgraph=True)`` with what fzero's step needs around it.
 
     * ``torch._dynamo.config.trace_autograd_ops=True`` while tracing: torch
@@ -764,12 +752,6 @@ def compiled_step(step: StepFn, backward_regions: int = 1, regather: bool = Fals
       another step function of the same code in the process (another state, another stage)
       would be compiled with dynamic shapes, and round differently from the same step
       compiled first: the simulated world and gloo would no longer agree bitwise.
-    * ``overlap`` (stages 1-2): inductor's scheduler starts each collective as soon as its
-      input is computed and waits for it at its first use (``COMM_OVERLAP``), so a flat
-      group's reduction runs while backward computes the groups before it (eager steps get
-      this from bucket hooks). Not at stage 3: there it would start every unit's gather at
-      the top of the graph and hold them all (the bound ``regather`` keeps, measured: 100 MiB
-      instead of at most 38 in ``tests/test_compiled_stage3_memory.py``).
     * ``regather`` (stage 3, one local rank, one micro-batch; :class:`fzero.units.CompiledUnits`):
       dynamo applies the side effects of a checkpointed region once
       (``skip_fwd_side_effects_in_bwd_under_checkpoint``; the units bind their gathered
@@ -783,8 +765,7 @@ def compiled_step(step: StepFn, backward_regions: int = 1, regather: bool = Fals
         # remat pass recomputes only the gather
         dynamo_flags["skip_fwd_side_effects_in_bwd_under_checkpoint"] = True
     functorch_flags = {"remat_using_tags_for_fwd_loss_bwd_graph": backward_regions == 1}
-    compiled = torch.compile(_with_own_code(step), fullgraph=True, dynamic=False,
-                             options=COMM_OVERLAP if overlap else None)
+    compiled = torch.compile(_with_own_code(step), fullgraph=True, dynamic=False)
     warned = []
     # Made once and re-entered on every call: each config patch object owns a ContextVar, and a
     # context keeps every variable ever set in it, so a new patch per call grew the heap by
