@@ -275,12 +275,13 @@ def test_gloo_rank_dependent_branch_reduces_in_one_order(w2, stage):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_gloo_eager_steps_leave_no_tensors_behind(w2, stage):
-    """No more tensors are alive after 8 eager steps than after 3 on a real rank. (A started
+    """Fewer than one tensor a step more is alive after 13 eager steps than after 3 on a real
+    rank: a step that leaves anything behind leaves at least one a step. (A started
     collective's ``Work`` keeps the launching thread's saved-tensor hooks; held past its wait
-    it tied each stage-3 step's gradients into a cycle the collector could not free.) Fewer is
-    possible: the count is the whole process's, and what earlier cases (compiled ones) left
-    to torch's C++ side may be released meanwhile."""
+    it tied each stage-3 step's gradients into a cycle the collector could not free.) The
+    count is the whole process's: what earlier cases left to torch's C++ side may be released
+    meanwhile, and a CI run under load once counted 2 more at the later reading."""
     for r, res in enumerate(_case(w2, "live_tensors")):
-        after3, after8 = res[f"s{stage}"]
-        assert after8 <= after3, (r, after3, after8)
+        after3, after13 = res[f"s{stage}"]
+        assert after13 - after3 < 10, (r, after3, after13)
 
