@@ -599,7 +599,7 @@ def shard_step(
             raise ValueError(f"shard_step: used must be [{n}] (one flag per trainable parameter) with the "
                              f"rows' ranks, got {tuple(used.shape)} and ranks={ranks!r}")
         before = missed[0] if missed else torch.zeros(n, dtype=torch.int64, device=used.device)
-        if uniform if torch.compiler.is_compiling() else bool(used.all()) and not bool(before.any()):
+        if (uniform if torch.compiler.is_compiling() else (bool(used.all()) and not bool(before.any()))):
             used = None  # every parameter steps alike: the plain (fused) update, and missed stays 0
         else:
             steps = opt_state.step.to(before.device) - before
