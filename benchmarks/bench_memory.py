@@ -64,7 +64,9 @@ growing over a long run without ``gc.collect()`` (and whether it is live heap or
 memory the allocator keeps).
 
 The script prints one plain-text table for the model, then each system's census
-breakdown (rank 0: categories, the operators that allocated most of ``other``). A
+breakdown (rank 0: categories, the operators that allocated most of ``other``); on
+stderr, each system's rows as soon as its launch ends, so a run stopped half-way keeps
+the systems it finished. A
 launch that fails or exceeds ``--timeout`` (killed with its ranks) gets a row saying
 so. DeepSpeed ZeRO-3 runs on CPU (deepspeed 0.19.8); the first DeepSpeed launch on a
 machine JIT-compiles its CPU communication op (minutes; cached afterwards).
@@ -425,6 +427,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         results[key] = launch(key, args)
         print(f"  {key}: {time.perf_counter() - t:.0f}s" + (" FAILED" if "error" in results[key] else ""),
               file=sys.stderr, flush=True)
+        # each system's rows as soon as its launch ends: a long run stopped half-way keeps them
+        one = {key: results[key]}
+        print(format_long(args, one) if args.long else format_table(args, one), file=sys.stderr, flush=True)
     n_params = next((r["n_params"] for r in results.values() if "n_params" in r), None)
     print(header(args, n_params))
     if args.long:
