@@ -417,9 +417,9 @@ def make_fzero_runner(stage: int, compiled: bool, donate: bool, ctx: dict, bucke
     r = Runner()
     r.note = f"stage {stage}" + (", units: blocks" if units else "") + (", fullgraph" if compiled else "") \
         + (", donating" if donate else "") \
-        + (f", {len(holder['state'].layout.groups)} buckets" if stage < 3 else "")
+        + (f", {len({g.bucket for g in holder['state'].layout.groups})} buckets" if stage < 3 else "")
     if not compiled:
-        r.step_buffers = fzero.memory_report(holder["state"].layout, opt, stage=stage).step_buffers
+        r.step_buffers = fzero.memory_report(holder["state"].layout, opt, stage=stage, comm=comm).step_buffers
 
     def step(i: int) -> None:
         holder["state"], holder["metrics"] = step_fn(holder["state"], batches[i])

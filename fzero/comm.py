@@ -43,6 +43,7 @@ __all__ = [
     "SimulatedWorld",
     "CountingCommunicator",
     "CollectiveRecord",
+    "ReductionFootprint",
     "gradient_divide_factors",
 ]
 
@@ -86,6 +87,25 @@ def gradient_divide_factors(world_size: int) -> tuple[float, float]:
     while world_size % pre == 0 and world_size / pre > pre:
         pre *= 2
     return float(pre), world_size / pre
+
+
+@dataclasses.dataclass(frozen=True)
+class ReductionFootprint:
+    """What one started gradient reduction allocates in this process, in elements of the
+    dtype it reduces in, for an input ``[R, numel]`` (``R = local_ranks``; result ``[R, n]``,
+    ``n = numel / W``): ``held`` from its start until it is waited for (receive buffers, a
+    backend's copy of the input); ``result``, the reduced shard the caller keeps (allocated
+    when it starts if ``result_first``, otherwise when it is waited for); ``scratch``,
+    allocated and freed again while it starts; ``keeps_input``: the input itself is kept
+    until the wait (an asynchronous collective holds it), so a copy made to send (a cast,
+    a pre-divide) lives that long. :func:`fzero.memory.memory_report` predicts a step's
+    reduction buffers from it (see :meth:`Communicator.reduction_footprint`)."""
+
+    held: int
+    result: int
+    result_first: bool = False
+    scratch: int = 0
+    keeps_input: bool = True
 
 
 class Communicator:
@@ -155,6 +175,14 @@ class Communicator:
             raise ValueError(f"broadcast: src must be a rank in [0, {self.world_size}), got {src}")
         n = x.shape[1]
         return self.all_gather(x)[:, src * n : (src + 1) * n].contiguous()
+
+    def reduction_footprint(self, numel: int, op: ReduceOp = "sum",
+                            via_all_reduce: bool = False) -> ReductionFootprint | None:
+        """The memory an eager, started reduction of a ``[R, numel]`` gradient allocates
+        (``reduce_scatter_start``, or with ``via_all_reduce`` ``all_reduce_start`` and
+        ``take_shard``, as ZeRO-1 reduces); ``None``: not known for this communicator (a
+        memory report then predicts no reduction buffers). No communication."""
+        return None
 
     def check_layout(self, layout: Any) -> None:
         """Verify that every rank built the same layout (raise otherwise).
@@ -236,6 +264,21 @@ class SimulatedWorld(Communicator):
 
     def __repr__(self) -> str:
         return f"SimulatedWorld({self.world_size})"
+
+    def reduction_footprint(self, numel: int, op: ReduceOp = "sum",
+                            via_all_reduce: bool = False) -> ReductionFootprint:
+        rows, world = self.local_ranks, self.world_size
+        n = numel // world
+        # every collective runs when it is started: nothing keeps its input
+        if world == 1:  # the identity (take_shard still stacks its rows)
+            return ReductionFootprint(0, rows * n if via_all_reduce else 0, keeps_input=False)
+        if via_all_reduce:
+            # the sum over rows ([numel]; with avg also its quotient) is repeated to every row
+            # and kept until take_shard stacks each row's chunk
+            return ReductionFootprint(held=rows * numel, result=rows * n, scratch=numel, keeps_input=False)
+        # the rows' sum is the result at once; avg divides it into a new buffer
+        return ReductionFootprint(0, rows * n, result_first=True, scratch=rows * n if op == "avg" else 0,
+                                  keeps_input=False)
 
     def _reduce0(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         if op == "max":
@@ -343,6 +386,10 @@ class CountingCommunicator(Communicator):
 
     def check_layout(self, layout: Any) -> None:
         self.inner.check_layout(layout)
+
+    def reduction_footprint(self, numel: int, op: ReduceOp = "sum",
+                            via_all_reduce: bool = False) -> ReductionFootprint | None:
+        return self.inner.reduction_footprint(numel, op, via_all_reduce)
 
     def batched(self) -> ContextManager[None]:
         """The inner communicator's: counting does not change what travels together (each

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from .comm import CollectiveError, Communicator, ReduceOp
+from .comm import CollectiveError, Communicator, ReduceOp, ReductionFootprint
 from .layout import Layout, first_difference
 
 __all__ = ["TorchCommunicator", "LayoutMismatchError", "REDUCE_SCATTER_PATHS", "launcher_world_size", "choose_comm"]
@@ -93,19 +93,26 @@ def _average_owned(total: torch.Tensor, op: ReduceOp, world_size: int) -> torch.
 _Bound = Optional[tuple[str, int, float]]
 
 
-def _waiter(work: Any, result: Callable[[], torch.Tensor], bound: _Bound = None) -> Callable[[], torch.Tensor]:
+def _waiter(work: Any, result: Callable[[], torch.Tensor], bound: _Bound = None,
+            sent: Optional[torch.Tensor] = None) -> Callable[[], torch.Tensor]:
     """A function that waits for ``work`` (at most ``bound``'s timeout) and gives ``result()``.
 
     The ``Work`` is dropped once waited for: it keeps the thread-local state of its launch,
     saved-tensor hooks included, so a ``Work`` held by an object those hooks reach would be a
     reference cycle through C++ that Python's collector cannot free (stage 3 leaked each
-    step's gradients that way)."""
+    step's gradients that way). ``sent``: the tensor the collective sends, kept until the
+    wait. The backend drops it when the collective completes, before or after the wait as
+    timing goes; kept, a step's memory does not depend on timing (and
+    :func:`fzero.memory.memory_report` can predict it)."""
     pending = [work]
+    keep = [sent]
 
     def done() -> torch.Tensor:
         if pending:
             _wait(pending.pop(), bound)
-        return result()
+        out = result()
+        keep.clear()
+        return out
 
     return done
 
@@ -339,6 +346,27 @@ class TorchCommunicator(Communicator):
         work = _c10d_all_gather(out[0], x[0].contiguous(), group=self._pg, async_op=True)
         return _waiter(work, lambda: out, self._bound(f"all_gather of {out[0].numel()} {out.dtype}"))
 
+    def reduction_footprint(self, numel: int, op: ReduceOp = "sum",
+                            via_all_reduce: bool = False) -> ReductionFootprint:
+        """Eagerly (measured by ``tests/dist_cases.py``'s census case on gloo): the
+        ``all_to_all`` path receives every rank's chunk for this rank in a buffer of the
+        input's size and sums it into the result when waited for; ``all_reduce`` reduces a
+        copy in place (c10d) and then takes this rank's chunk (with ``sum``, a view of the
+        copy: the whole copy is kept); the backend's own allocates the result when it starts,
+        and gloo also copies the input until it is done."""
+        world = self.world_size
+        n = numel // world
+        if world == 1:
+            return ReductionFootprint(0, numel, result_first=True)
+        if via_all_reduce or self.reduce_scatter_via == "all_reduce":
+            # the copy is what travels: nothing keeps the input
+            if via_all_reduce or op == "avg":
+                return ReductionFootprint(held=numel, result=n, keeps_input=False)
+            return ReductionFootprint(0, numel, result_first=True, keeps_input=False)
+        if self.reduce_scatter_via == "all_to_all":
+            return ReductionFootprint(held=numel, result=n)
+        return ReductionFootprint(held=numel if self.backend == "gloo" else 0, result=n, result_first=True)
+
     def reduce_scatter_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
         """Launch the collective; the returned function waits for it and takes this rank's
         shard (``reduce_scatter`` calls it at once)."""
@@ -356,10 +384,10 @@ class TorchCommunicator(Communicator):
             return self._reduce_scatter_all_to_all(x, op, n)
         if _eager():
             out = x.new_empty(n)
-            work = _c10d_reduce_scatter(out, x[0].contiguous(), dist.ReduceOp.SUM, group=self._pg,
-                                        async_op=True)
+            sent = x[0].contiguous()
+            work = _c10d_reduce_scatter(out, sent, dist.ReduceOp.SUM, group=self._pg, async_op=True)
             return _waiter(work, lambda: _average_owned(out, op, self.world_size).unsqueeze(0),
-                           self._bound(f"reduce_scatter ({op}) of {x[0].numel()} {x.dtype}"))
+                           self._bound(f"reduce_scatter ({op}) of {x[0].numel()} {x.dtype}"), sent)
         started = funcol.reduce_scatter_tensor(x[0], "sum", 0, self._name)
         return lambda: self._finish(started, op).unsqueeze(0)
 
@@ -379,9 +407,11 @@ class TorchCommunicator(Communicator):
 
         def alone() -> Callable[[], torch.Tensor]:
             out = x.new_empty(world * n)
-            work = dist.all_to_all_single(out, x[0].contiguous(), group=self._pg, async_op=True)
+            sent = x[0].contiguous()
+            work = dist.all_to_all_single(out, sent, group=self._pg, async_op=True)
             return _waiter(work, lambda: summed(out),
-                           self._bound(f"reduce_scatter ({op}, as all_to_all_single) of {x[0].numel()} {x.dtype}"))
+                           self._bound(f"reduce_scatter ({op}, as all_to_all_single) of {x[0].numel()} {x.dtype}"),
+                           sent)
 
         if self._batch is not None:
             return self._batch.add(_Part(x[0].view(world, n), summed, alone))

@@ -32,15 +32,25 @@ gradients are copied into during backward: the :data:`~fzero.buckets.MAX_IN_FLIG
 bucket filling; a bucket of one parameter that fills its flat group exactly takes
 autograd's gradient on a real rank and needs no buffer).
 
-Not counted at all (they depend on the model, the batch and the backend, not on Ψ
-alone): activations; what the collectives allocate (``fzero::grad_reduction``: gloo,
-for one, copies a reduce-scatter's whole input and gathers through a buffer of its
-own); compiled, or deferring accumulation, the full local gradients; in stage 3 eagerly the root and at most two
+Given the communicator (``comm=``), also ``fzero::grad_reduction``: what the eager stage
+1-2 gradient reductions allocate at their peak, the averaged shards so far (the paper's
+transient gradient) with the receive buffers and copies of the reductions under way.
+It replays the step's schedule (launches in reverse bucket order, at most
+``MAX_IN_FLIGHT`` under way, casts to the reduce dtype, FSDP's divide factors, groups of
+a bucket joined in one collective) with what one reduction allocates on that
+communicator (:meth:`fzero.comm.Communicator.reduction_footprint`), for one micro-batch
+per step.
+
+Not counted at all (they depend on the model and the batch, not on Ψ alone):
+activations; autograd's own gradient of a parameter that is a bucket by itself (it is
+reduced as it is, no bucket buffer: a large embedding's gradient lives until its
+reduction is waited for); compiled, or deferring accumulation, the full local gradients; in stage 3 eagerly the root and at most two
 units of gathered parameters (``GatherTracker`` measures them,
 ``benchmarks/bench_zero3_memory.py``), compiled every unit from its forward to
 its backward.
 
-Imports: ``fzero.buckets``, ``fzero.layout``, ``fzero.optim``, ``fzero.precision``, ``fzero.scopes``.
+Imports: ``fzero.buckets``, ``fzero.comm``, ``fzero.layout``, ``fzero.optim``, ``fzero.precision``,
+``fzero.scopes``, ``fzero.sharding``.
 """
 
 from __future__ import annotations
@@ -51,12 +61,15 @@ from typing import Optional
 import torch
 
 from .buckets import MAX_IN_FLIGHT, buckets_of
-from .layout import Layout
+from .comm import Communicator, gradient_divide_factors
+from .layout import FlatGroup, Layout
 from .optim import Optimizer
 from .precision import MixedPrecision
-from .scopes import GRAD_BUCKETS
+from .scopes import GRAD_BUCKETS, GRAD_REDUCTION
+from .sharding import LOW_PRECISION, reduces_joined
 
-__all__ = ["MemoryReport", "memory_report", "zero_paper_bytes", "format_memory_table"]
+__all__ = ["MemoryReport", "memory_report", "zero_paper_bytes", "format_memory_table", "bucket_buffer_bytes",
+           "reduction_buffer_bytes"]
 
 KINDS = ("params", "grads", "master", "moments")
 
@@ -106,6 +119,7 @@ def memory_report(
     precision: MixedPrecision = MixedPrecision(),
     world_size: Optional[int] = None,
     local_ranks: int = 1,
+    comm: Optional[Communicator] = None,
 ) -> MemoryReport:
     """Training-state bytes per rank for ``layout``'s parameters.
 
@@ -117,7 +131,12 @@ def memory_report(
     Held between steps: master and moments, and the parameters in stages 1-2;
     the rest is transient (see the module doc). ``local_ranks``: ranks this process
     simulates (:class:`~fzero.comm.SimulatedWorld`), which share their bucket buffers.
+    ``comm``: the communicator the step runs on (its ``local_ranks`` then apply); with it,
+    ``step_buffers`` also predicts the gradient reductions' buffers (module doc). No
+    collective is called.
     """
+    if comm is not None:
+        local_ranks = comm.local_ranks
     if stage not in (1, 2, 3):
         raise ValueError(f"memory_report: stage must be 1, 2 or 3, got {stage!r}")
     if world_size is not None and world_size != layout.world_size:
@@ -141,6 +160,9 @@ def memory_report(
     held = {kind: by_kind[kind] if _held(kind, stage) else 0.0 for kind in KINDS}
     transient = {kind: by_kind[kind] - held[kind] for kind in KINDS}
     buffers = {GRAD_BUCKETS: bucket_buffer_bytes(layout, precision, local_ranks)} if stage < 3 else {}
+    reductions = reduction_buffer_bytes(layout, precision, comm, stage=stage) if comm is not None and stage < 3 else None
+    if reductions is not None:
+        buffers[GRAD_REDUCTION] = reductions
     return MemoryReport(stage, n, layout.num_params, by_kind, padding, held, transient, buffers)
 
 
@@ -155,6 +177,125 @@ def bucket_buffer_bytes(layout: Layout, precision: MixedPrecision = MixedPrecisi
         if groups and not lone:
             sizes.append(sum(_size(precision.compute_dtype(g.dtype)) * local_ranks * g.padded_numel for g in groups))
     return float(sum(sorted(sizes, reverse=True)[: MAX_IN_FLIGHT + 1])) / local_ranks
+
+
+class _Heap:
+    """Live bytes and their peak, for replaying a schedule of allocations."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+
+    def alloc(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+def reduction_buffer_bytes(
+    layout: Layout, precision: MixedPrecision, comm: Communicator, *, stage: int
+) -> Optional[float]:
+    """Per rank, the peak bytes an eager stage 1-2 step's gradient reductions allocate
+    (profiler scope ``fzero::grad_reduction``), or ``None`` when ``comm`` does not say what
+    a reduction allocates. Replays :class:`fzero.buckets.BucketReduction`'s schedule for one
+    micro-batch: launches in reverse bucket order, at most :data:`MAX_IN_FLIGHT` under way
+    (starting another waits for the oldest); per launch :func:`fzero.sharding.
+    average_flat_groups_start` (groups joined in one collective or one collective each, the
+    cast to the reduce dtype, FSDP's divide factors in 16 bits, the cast of the result to
+    the master dtype); per collective ``comm.reduction_footprint``."""
+    rows, world = comm.local_ranks, comm.world_size
+    pre, post = gradient_divide_factors(world)
+    heap = _Heap()
+    # Per launch under way, what its wait does, in order: allocate the results, free what was
+    # sent (the communicator keeps it until then), allocate the divided and cast results,
+    # free the rest (receive buffers, results cast or divided away).
+    started: list[tuple[list[int], list[int], list[int], list[int]]] = []
+
+    def collective(numel: int, in_dtype: torch.dtype, rdtype: torch.dtype,
+                   out_dtype: torch.dtype) -> Optional[tuple[list[int], list[int], list[int], list[int], int, int]]:
+        """Start one reduction of a ``[R, numel]`` flat gradient in ``in_dtype`` (its
+        allocations replayed now); its wait's four lists, the result's bytes, and the bytes
+        of the copy made to send it (freed when it starts unless the collective keeps it)."""
+        low = rdtype in LOW_PRECISION
+        fp = comm.reduction_footprint(numel, "sum" if low else "avg", via_all_reduce=stage == 1)
+        if fp is None:
+            return None
+        size, shard = _size(rdtype), rows * numel // world
+        send = 0
+        if in_dtype != rdtype:
+            send = rows * numel * size
+            heap.alloc(send)
+        if low and pre > 1:  # divided into a new buffer; the cast (if any) is dropped
+            heap.alloc(rows * numel * size)
+            heap.free(send)
+            send = rows * numel * size
+        heap.alloc(fp.held * size)
+        if fp.result_first:
+            heap.alloc(fp.result * size)
+        heap.alloc(fp.scratch * size)
+        heap.free(fp.scratch * size)
+        if not fp.keeps_input:
+            heap.free(send)
+            send = 0
+        results = [] if fp.result_first else [fp.result * size]
+        then, rest = [], [fp.held * size]
+        result = fp.result * size
+        if low and post > 1:
+            then.append(shard * size)
+            rest.append(result)
+            result = shard * size
+        if out_dtype != rdtype:
+            then.append(shard * _size(out_dtype))
+            rest.append(result)
+            result = shard * _size(out_dtype)
+        return results, [send], then, rest, result, int(fp.keeps_input)
+
+    def wait_oldest() -> None:
+        for phase, nbytes in zip((heap.alloc, heap.free, heap.alloc, heap.free), started.pop(0)):
+            for b in nbytes:
+                phase(b)
+
+    for groups in reversed(buckets_of(layout)):
+        if not groups:
+            continue
+        while len(started) >= MAX_IN_FLIGHT:
+            wait_oldest()
+        if reduces_joined(groups, precision.reduce_dtype):
+            rdtype = precision.reduce_dtype or groups[0].master_dtype
+            joined = rows * sum(g.padded_numel for g in groups) * _size(rdtype)
+            casts = sum(rows * g.padded_numel * _size(rdtype)
+                        for g in groups if precision.compute_dtype(g.dtype) != rdtype)
+            heap.alloc(casts)  # each group cast, then joined
+            heap.alloc(joined)
+            heap.free(casts)
+            one = collective(sum(g.padded_numel for g in groups), rdtype, rdtype, rdtype)
+            if one is None:
+                return None
+            results, sent, then, rest, result, keeps_input = one
+            if (rdtype in LOW_PRECISION and pre > 1) or not keeps_input:
+                heap.free(joined)  # the divided copy travels instead, or nothing keeps it
+            else:
+                sent.append(joined)
+            # each group's shard cut back out: a view, or a copy in its master dtype
+            cast = [rows * g.shard_numel * _size(g.master_dtype) for g in groups if g.master_dtype != rdtype]
+            then += cast
+            if len(cast) == len(groups):
+                rest.append(result)
+            started.append((results, sent, then, rest))
+            continue
+        phases: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
+        for g in groups:
+            one = collective(g.padded_numel, precision.compute_dtype(g.dtype),
+                             precision.reduce_dtype or g.master_dtype, g.master_dtype)
+            if one is None:
+                return None
+            for mine, theirs in zip(phases, one[:4]):
+                mine += theirs
+        started.append(phases)
+    while started:
+        wait_oldest()
+    return float(heap.peak) / rows
 
 
 def _held(kind: str, stage: int) -> bool:

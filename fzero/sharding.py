@@ -366,6 +366,13 @@ def average_flat_grads_at_once(
     return average_flat_groups_start(flats, layout.groups, comm, reduce_dtype)()
 
 
+def reduces_joined(groups: Sequence[FlatGroup], reduce_dtype: Optional[torch.dtype]) -> bool:
+    """Whether :func:`average_flat_groups_start` reduces ``groups`` in one collective: several
+    groups of one reduce dtype, small enough to join (:data:`GATHER_AT_ONCE_NUMEL`)."""
+    dtypes = {reduce_dtype or g.master_dtype for g in groups}
+    return len(groups) > 1 and len(dtypes) == 1 and _join(groups)
+
+
 def average_flat_groups_start(
     flats: Sequence[torch.Tensor],
     groups: Sequence[FlatGroup],
@@ -381,13 +388,12 @@ def average_flat_groups_start(
     summed with the same elements in the same rank order as one collective per group: the
     same bits (``SimulatedWorld``, and gloo at W = 2). Groups that reduce in different dtypes,
     or more than :data:`GATHER_AT_ONCE_NUMEL` elements in all, go one by one (all started)."""
-    dtypes = {reduce_dtype or g.master_dtype for g in groups}
-    if len(groups) == 1 or len(dtypes) != 1 or not _join(groups):
+    if not reduces_joined(groups, reduce_dtype):
         started = [average_flat_grads_start(f, comm, reduce_dtype or g.master_dtype, g.master_dtype, via_all_reduce)
                    for g, f in zip(groups, flats)]
         return lambda: tuple(done() for done in started)
     rows, world = comm.local_ranks, comm.world_size
-    rdtype = dtypes.pop()
+    rdtype = reduce_dtype or groups[0].master_dtype
     joined = torch.cat([f.to(rdtype).view(rows, world, g.shard_numel) for g, f in zip(groups, flats)], dim=2)
     reduced = average_flat_grads_start(joined.reshape(rows, -1), comm, rdtype, rdtype, via_all_reduce)
 

@@ -146,6 +146,47 @@ def overlap_order(comm: fzero.Communicator, stage: int) -> dict:
     }
 
 
+REDUCTION_PRECISIONS = {
+    "fp32": fzero.MixedPrecision(),
+    "bf16 params": fzero.MixedPrecision(param_dtype=torch.bfloat16),
+    "bf16 params and reduce": fzero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
+    "bf16 reduce": fzero.MixedPrecision(reduce_dtype=torch.bfloat16),
+}
+
+
+def reduction_buffers(comm: fzero.Communicator, stage: int, precision: str, two_groups: bool) -> dict:
+    """One eager donating step under the census (after a first step), on an MLP in buckets of
+    unequal sizes (one parameter alone, several together): the peak bytes allocated in each of
+    the step's own profiler scopes, and ``memory_report(..., comm=comm)``'s prediction of them
+    (per process: the simulated world's rows together). ``two_groups``: an optimizer group
+    without weight decay, so that a bucket holds two flat groups (reduced joined)."""
+    from fzero.buckets import buckets_of
+    from fzero.testing import Census
+
+    torch.manual_seed(0)
+    model = mlp(sizes=(64, 256, 256, 16))
+    opt = fzero.adamw(groups=[(fzero.no_weight_decay, {"weight_decay": 0.0})] if two_groups else ())
+    mp = REDUCTION_PRECISIONS[precision]
+    state = fzero.init_train_state(model, opt, comm, stage=stage, bucket_numel=20_000, precision=mp)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage, donate=True)
+    batch = comm.split_batch((torch.randn(4 * comm.world_size, 64), torch.randn(4 * comm.world_size, 16)))
+    held = {"state": step(state, batch)[0]}
+    del state
+    with Census() as census:
+        held["state"], _ = step(held["state"], batch)
+    report = fzero.memory_report(held["state"].layout, opt, stage=stage, precision=mp, comm=comm)
+    # A buffer whose last reference a backend thread drops (gloo's worker, finishing a
+    # collective after the step's wait) is freed where the profiler does not look: the
+    # census sees it live until its address is reused, or to the end of the step.
+    unseen = {k: sum(a.nbytes for a in census.allocations if a.scope == k and not a.free_seen)
+              for k in report.step_buffers}
+    return {"buckets": len({g.bucket for g in held["state"].layout.groups}),
+            "joined": sum(len(gs) > 1 for gs in buckets_of(held["state"].layout)),
+            "census": {k: census.scope_peaks.get(k, 0) for k in report.step_buffers},
+            "unseen frees": unseen,
+            "predicted": {k: v * comm.local_ranks for k, v in report.step_buffers.items()}}
+
+
 def live_tensors(comm: fzero.Communicator, stage: int, checks: tuple[int, ...] = (3, 13)) -> list[int]:
     """How many tensors are alive (after a garbage collection, once every rank's collectives
     are done) once each step count in ``checks`` has run, eagerly: a step that leaves anything

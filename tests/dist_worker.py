@@ -219,6 +219,18 @@ def case_overlap(comm):
             "s2_native": cases.overlap_order(native, 2), "s2_all_reduce": cases.overlap_order(via_all_reduce, 2)}
 
 
+def case_reduction_buffers(comm):
+    out = {}
+    for via in ("all_to_all", "reduce_scatter", "all_reduce"):
+        c = TorchCommunicator(reduce_scatter_via=via)
+        for stage in (1, 2):
+            for precision in cases.REDUCTION_PRECISIONS:
+                for two in (False, True):
+                    out[f"{via} s{stage} {precision}{' 2 groups' if two else ''}"] = cases.reduction_buffers(
+                        c, stage, precision, two)
+    return out
+
+
 def case_live_tensors(comm):
     return {f"s{stage}": cases.live_tensors(comm, stage) for stage in (1, 2, 3)}
 

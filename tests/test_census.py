@@ -8,7 +8,7 @@ import torch
 import torch.utils._pytree as tp
 
 import fzero
-from fzero.scopes import GRAD_BUCKETS
+from fzero.scopes import GRAD_BUCKETS, GRAD_REDUCTION
 from fzero.testing import Census
 from fzero.testing.census import _replay, storages_of
 from helpers import mlp
@@ -188,10 +188,13 @@ def test_fzero_step_against_memory_report(stage, donate):
     else:
         assert census.baseline["module"] == R * rep.held["params"]
     assert census.peak_bytes >= R * rep.transient_total
-    # the step's own bucket buffers, by their profiler scope: as predicted, to the byte
-    buffers = fzero.memory_report(held["s"].layout, held["s"].opt.optimizer, stage=stage, local_ranks=R).step_buffers
-    assert {k: v * R for k, v in buffers.items()} == {k: census.scope_peaks.get(k, 0) for k in buffers}
-    assert (GRAD_BUCKETS in buffers) == (stage < 3)
+    # the step's own buffers, by their profiler scope: the buckets as predicted to the byte,
+    # the reductions within the 0-d scalars their averages allocate
+    buffers = fzero.memory_report(held["s"].layout, held["s"].opt.optimizer, stage=stage, comm=comm).step_buffers
+    assert set(buffers) == ({GRAD_BUCKETS, GRAD_REDUCTION} if stage < 3 else set())
+    if stage < 3:
+        assert buffers[GRAD_BUCKETS] * R == census.scope_peaks[GRAD_BUCKETS]
+        assert 0 <= census.scope_peaks[GRAD_REDUCTION] - buffers[GRAD_REDUCTION] * R <= 256
     new = census.in_block_by_category.get("new state", 0)
     made = census.end_by_category.get("new state", 0)
     if donate:

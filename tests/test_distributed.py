@@ -13,6 +13,7 @@ import torch
 
 import fzero
 import dist_cases as cases
+from fzero.scopes import GRAD_BUCKETS, GRAD_REDUCTION
 from dist_harness import run_torchrun
 from helpers import branchy_reference, max_rel_err
 
@@ -21,10 +22,10 @@ pytestmark = pytest.mark.distributed
 W2_CASES = [
     "eager_s2", "eager_s1", "compiled_s2", "eager_s3", "compiled_s3", "fsdp_full_vs_stage3", "ddp_adamw", "zero_sgd", "zero_adam", "fsdp",
     "inf_even", "volume", "mismatch", "padding_only", "fp16_40000", "overlap", "branchy",
-    "live_tensors", "reduce_scatter_ways", "batched", "stage3_calls",
+    "live_tensors", "reduce_scatter_ways", "batched", "stage3_calls", "reduction_buffers",
 ]
 W4_CASES = ["eager_s2", "compiled_s2", "inf_even", "volume", "padding_only", "fp16_40000", "ddp_adamw",
-            "reduce_scatter_ways", "batched"]
+            "reduce_scatter_ways", "batched", "reduction_buffers"]
 
 
 @pytest.fixture(scope="module")
@@ -259,6 +260,29 @@ def test_gloo_reductions_start_during_backward(w2, kind):
         assert got["reductions"] == 10 and got["before_first_layer"] == 8, (r, got)
         for k, v in sim["params"].items():
             assert max_rel_err(got["params"][k], v) < 1e-12, (r, k)
+
+
+# what memory_report's replay leaves out: the 0-d scalars an average allocates (a few bytes)
+SCALAR_SLACK = 256
+
+
+@pytest.mark.parametrize("fixture", ["w2", "w4"])
+def test_gloo_step_buffers_as_memory_report_predicts(fixture, request):
+    """On real ranks, every way of reducing (all_to_all, the backend's reduce_scatter,
+    all_reduce), stages 1-2, fp32 and bf16 parameters and/or reductions, one or two flat
+    groups per bucket: the peak bytes of the eager step's bucket buffers equal
+    ``memory_report(..., comm=comm).step_buffers`` to the byte, and of its gradient
+    reductions (receive buffers, copies, shards) within the scalars of the average, plus
+    what the census could not see freed (a buffer gloo's own thread releases)."""
+    for r, res in enumerate(_case(request.getfixturevalue(fixture), "reduction_buffers")):
+        assert len(res) == 3 * 2 * len(cases.REDUCTION_PRECISIONS) * 2
+        for name, got in res.items():
+            assert got["buckets"] >= 3 and (got["joined"] >= 1) == ("2 groups" in name), (name, got)
+            census, predicted, unseen = got["census"], got["predicted"], got["unseen frees"]
+            assert set(predicted) == {GRAD_BUCKETS, GRAD_REDUCTION}, (r, name)
+            assert census[GRAD_BUCKETS] == predicted[GRAD_BUCKETS], (r, name, got)
+            extra = census[GRAD_REDUCTION] - predicted[GRAD_REDUCTION]
+            assert 0 <= extra <= unseen[GRAD_REDUCTION] + SCALAR_SLACK, (r, name, got)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -75,6 +75,9 @@ class Allocation:
     kind: str = OTHER
     op: str = ""  # the innermost operator (or record_function scope) that allocated it
     scope: str = ""  # the innermost enclosing ``record_function`` named with a census prefix
+    # False: no free was seen (made on a thread the profiler does not follow, e.g. gloo's):
+    # ``end_ns`` is then when its address was handed out again, or None
+    free_seen: bool = True
 
     def live_at(self, t_ns: int) -> bool:
         return self.start_ns <= t_ns and (self.end_ns is None or t_ns < self.end_ns)
@@ -410,20 +413,20 @@ def _replay(events: list[tuple[int, int, int, str, str]],
     out: list[Allocation] = []
     missed = 0
 
-    def close(ptr: int, t: Optional[int]) -> None:
+    def close(ptr: int, t: Optional[int], seen: bool = True) -> None:
         start, n, op, scope = open_.pop(ptr)
-        out.append(Allocation(ptr, n, start, t, kinds.get((ptr, start), OTHER), op, scope))
+        out.append(Allocation(ptr, n, start, t, kinds.get((ptr, start), OTHER), op, scope, seen))
 
     for t, ptr, size, op, scope in events:
         if size > 0:
             if ptr in open_:
                 missed += 1
-                close(ptr, t)
+                close(ptr, t, seen=False)
             open_[ptr] = (t, size, op, scope)
         elif ptr in open_:
             close(ptr, t)
     for ptr in list(open_):
-        close(ptr, None)
+        close(ptr, None, seen=False)
     out.sort(key=lambda a: a.start_ns)
     return out, missed
 
