@@ -217,6 +217,7 @@ class Runner:
     tensors: Callable[[], dict[str, list[torch.Tensor]]] = staticmethod(lambda: {})
     note: str = ""
     step_buffers: dict = {}  # fzero eager: memory_report's prediction of the step's own buffers
+    step_peak: Optional[float] = None  # fzero eager stages 1-2: ... of them together, at their peak
 
 
 def _optimizer_tensors(opt) -> list[torch.Tensor]:
@@ -419,7 +420,8 @@ def make_fzero_runner(stage: int, compiled: bool, donate: bool, ctx: dict, bucke
         + (", donating" if donate else "") \
         + (f", {len({g.bucket for g in holder['state'].layout.groups})} buckets" if stage < 3 else "")
     if not compiled:
-        r.step_buffers = fzero.memory_report(holder["state"].layout, opt, stage=stage, comm=comm).step_buffers
+        report = fzero.memory_report(holder["state"].layout, opt, stage=stage, comm=comm)
+        r.step_buffers, r.step_peak = report.step_buffers, report.step_peak
 
     def step(i: int) -> None:
         holder["state"], holder["metrics"] = step_fn(holder["state"], batches[i])

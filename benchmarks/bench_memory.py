@@ -238,7 +238,7 @@ def census_step(runner, i: int) -> dict:
     return {"state": cats.get("state", 0), "new st.": cats.get("new st.", 0), "module": cats.get("module", 0),
             "other": cats.get("other", 0), "total": c.total_at_peak, "end": c.end_bytes,
             "missed": c.missed_frees, "scope_peaks": c.scope_peaks, "predicted": dict(runner.step_buffers),
-            "table": c.table()}
+            "predicted peak": runner.step_peak, "table": c.table()}
 
 
 def measure(key: str, ctx: dict, args: argparse.Namespace) -> dict:
@@ -374,6 +374,11 @@ def format_details(results: dict[str, dict]) -> str:
             for scope, want in census.get("predicted", {}).items():
                 got = census["scope_peaks"].get(scope, 0)
                 out.append(f"memory_report predicts {scope} {want / MIB:.2f} MiB; census: {got / MIB:.2f} MiB")
+            if census.get("predicted peak") is not None:
+                # at the step's peak (after backward) the step's allocations are its gradient memory
+                out.append(f"memory_report predicts the step's gradient memory at its peak (step_peak) "
+                           f"{census['predicted peak'] / MIB:.2f} MiB; census at the step's peak: "
+                           f"other {census['other'] / MIB:.2f} MiB")
             out.append("")
     return "\n".join(out)
 

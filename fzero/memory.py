@@ -30,7 +30,9 @@ it: in stages 1-2 eagerly, ``fzero::grad_buckets``, the bucket buffers each rank
 gradients are copied into during backward: the :data:`~fzero.buckets.MAX_IN_FLIGHT`
 ``+ 1`` largest buckets of the compute dtype (two reductions under way and one
 bucket filling; a bucket of one parameter that fills its flat group exactly takes
-autograd's gradient on a real rank and needs no buffer).
+autograd's gradient on a real rank and needs no buffer). Given the communicator, the
+buffers are replayed with the schedule below instead, which knows when a smaller
+bucket reuses a larger one's buffer.
 
 Given the communicator (``comm=``), also ``fzero::grad_reduction``: what the eager stage
 1-2 gradient reductions allocate at their peak, the averaged shards so far (the paper's
@@ -39,12 +41,14 @@ It replays the step's schedule (launches in reverse bucket order, at most
 ``MAX_IN_FLIGHT`` under way, casts to the reduce dtype, FSDP's divide factors, groups of
 a bucket joined in one collective) with what one reduction allocates on that
 communicator (:meth:`fzero.comm.Communicator.reduction_footprint`), for one micro-batch
-per step.
+per step. The same replay gives ``step_peak``: the step's gradient memory together
+(bucket buffers, autograd's gradients of lone-parameter buckets, reductions) at its
+peak, which on a real rank comes after backward, when the activations are gone: it is
+what a census finds beside the state at the step's peak (162M parameters, gloo W=2,
+stages 1-2: equal to 0.01 MiB).
 
 Not counted at all (they depend on the model and the batch, not on Ψ alone):
-activations; autograd's own gradient of a parameter that is a bucket by itself (it is
-reduced as it is, no bucket buffer: a large embedding's gradient lives until its
-reduction is waited for); compiled, or deferring accumulation, the full local gradients; in stage 3 eagerly the root and at most two
+activations; compiled, or deferring accumulation, the full local gradients; in stage 3 eagerly the root and at most two
 units of gathered parameters (``GatherTracker`` measures them,
 ``benchmarks/bench_zero3_memory.py``), compiled every unit from its forward to
 its backward.
@@ -56,7 +60,7 @@ Imports: ``fzero.buckets``, ``fzero.comm``, ``fzero.layout``, ``fzero.optim``, `
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -69,7 +73,7 @@ from .scopes import GRAD_BUCKETS, GRAD_REDUCTION
 from .sharding import LOW_PRECISION, reduces_joined
 
 __all__ = ["MemoryReport", "memory_report", "zero_paper_bytes", "format_memory_table", "bucket_buffer_bytes",
-           "reduction_buffer_bytes"]
+           "reduction_buffer_bytes", "step_buffer_peak"]
 
 KINDS = ("params", "grads", "master", "moments")
 
@@ -81,7 +85,9 @@ class MemoryReport:
     ``transient``: the part that exists only inside a step (``held + transient ==
     by_kind`` for every kind); ``padding``: the part of the total that is padding,
     averaged over ranks; ``step_buffers``: the eager step's own scratch memory at its
-    peak, by profiler scope (module doc), outside the paper's model."""
+    peak, by profiler scope (module doc), outside the paper's model; ``step_peak`` (given
+    the communicator, stages 1-2): the peak of the eager step's gradient memory together,
+    bucket buffers, lone-parameter gradients and reductions (:func:`step_buffer_peak`)."""
 
     stage: int
     world_size: int
@@ -91,6 +97,7 @@ class MemoryReport:
     held: dict[str, float] = dataclasses.field(default_factory=dict)
     transient: dict[str, float] = dataclasses.field(default_factory=dict)
     step_buffers: dict[str, float] = dataclasses.field(default_factory=dict)
+    step_peak: Optional[float] = None
 
     @property
     def total(self) -> float:
@@ -160,10 +167,11 @@ def memory_report(
     held = {kind: by_kind[kind] if _held(kind, stage) else 0.0 for kind in KINDS}
     transient = {kind: by_kind[kind] - held[kind] for kind in KINDS}
     buffers = {GRAD_BUCKETS: bucket_buffer_bytes(layout, precision, local_ranks)} if stage < 3 else {}
-    reductions = reduction_buffer_bytes(layout, precision, comm, stage=stage) if comm is not None and stage < 3 else None
-    if reductions is not None:
-        buffers[GRAD_REDUCTION] = reductions
-    return MemoryReport(stage, n, layout.num_params, by_kind, padding, held, transient, buffers)
+    peaks = _replay_reductions(layout, precision, comm, stage) if comm is not None and stage < 3 else None
+    if peaks is not None:  # the replay knows which bucket buffers the pool reuses
+        buffers[GRAD_BUCKETS], buffers[GRAD_REDUCTION] = peaks[2], peaks[0]
+    return MemoryReport(stage, n, layout.num_params, by_kind, padding, held, transient, buffers,
+                        None if peaks is None else peaks[1])
 
 
 def bucket_buffer_bytes(layout: Layout, precision: MixedPrecision = MixedPrecision(), local_ranks: int = 1) -> float:
@@ -180,17 +188,23 @@ def bucket_buffer_bytes(layout: Layout, precision: MixedPrecision = MixedPrecisi
 
 
 class _Heap:
-    """Live bytes and their peak, for replaying a schedule of allocations."""
+    """Live bytes and their peak, for replaying a schedule of allocations; ``also``: another
+    heap that sees the same allocations (and others of its own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, also: Optional["_Heap"] = None) -> None:
         self.live = self.peak = 0
+        self.also = also
 
     def alloc(self, nbytes: int) -> None:
         self.live += nbytes
         self.peak = max(self.peak, self.live)
+        if self.also is not None:
+            self.also.alloc(nbytes)
 
     def free(self, nbytes: int) -> None:
         self.live -= nbytes
+        if self.also is not None:
+            self.also.free(nbytes)
 
 
 def reduction_buffer_bytes(
@@ -204,16 +218,65 @@ def reduction_buffer_bytes(
     average_flat_groups_start` (groups joined in one collective or one collective each, the
     cast to the reduce dtype, FSDP's divide factors in 16 bits, the cast of the result to
     the master dtype); per collective ``comm.reduction_footprint``."""
+    peaks = _replay_reductions(layout, precision, comm, stage)
+    return None if peaks is None else peaks[0]
+
+
+def step_buffer_peak(
+    layout: Layout, precision: MixedPrecision, comm: Communicator, *, stage: int
+) -> Optional[float]:
+    """Per rank, the peak bytes of everything an eager stage 1-2 step allocates for its
+    gradients, together: the bucket buffers (:class:`fzero.buckets.BufferPool`: a free
+    buffer that fits is reused, at most ``MAX_IN_FLIGHT + 1`` kept), autograd's gradient of
+    a parameter that is a bucket by itself (kept until its reduction is waited for), and
+    what the reductions allocate (:func:`reduction_buffer_bytes`). Activations are not in
+    it (backward frees them as it goes: at the step's peak, after backward, they are
+    gone). ``None`` when ``comm`` does not say what a reduction allocates."""
+    peaks = _replay_reductions(layout, precision, comm, stage)
+    return None if peaks is None else peaks[1]
+
+
+class _Pool:
+    """:class:`fzero.buckets.BufferPool`'s choices, replayed on a heap: sizes only."""
+
+    def __init__(self, heap: "_Heap", limit: int = MAX_IN_FLIGHT + 1):
+        self.heap, self.limit, self.free = heap, limit, []  # free: (numel, itemsize)
+
+    def take(self, numel: int, itemsize: int) -> tuple[int, int]:
+        fits = [b for b in self.free if b[0] >= numel and b[1] == itemsize]
+        if fits:
+            got = min(fits)
+            self.free.remove(got)
+            return got
+        self.heap.alloc(numel * itemsize)
+        return numel, itemsize
+
+    def give(self, buf: tuple[int, int]) -> None:
+        self.free.append(buf)
+        if len(self.free) > self.limit:
+            drop = min(self.free)
+            self.free.remove(drop)
+            self.heap.free(drop[0] * drop[1])
+
+
+def _replay_reductions(
+    layout: Layout, precision: MixedPrecision, comm: Communicator, stage: int
+) -> Optional[tuple[float, float, float]]:
+    """The replay behind :func:`reduction_buffer_bytes` and :func:`step_buffer_peak`: per
+    rank, the peak of the reductions' own allocations, the peak of those together with the
+    bucket buffers and lone-parameter gradients, and the peak of the bucket buffers."""
     rows, world = comm.local_ranks, comm.world_size
     pre, post = gradient_divide_factors(world)
-    heap = _Heap()
+    every = _Heap()  # the reductions' allocations and the gradients' buffers together
+    heap = _Heap(also=every)
+    pool = _Pool(_Heap(also=every))
     # Per launch under way, what its wait does, in order: allocate the results, free what was
     # sent (the communicator keeps it until then), allocate the divided and cast results,
     # free the rest (receive buffers, results cast or divided away).
     started: list[tuple[list[int], list[int], list[int], list[int]]] = []
 
     def collective(numel: int, in_dtype: torch.dtype, rdtype: torch.dtype,
-                   out_dtype: torch.dtype) -> Optional[tuple[list[int], list[int], list[int], list[int], int, int]]:
+                   out_dtype: torch.dtype) -> Optional[tuple[list[int], list[int], list[int], list[int], int, int, bool]]:
         """Start one reduction of a ``[R, numel]`` flat gradient in ``in_dtype`` (its
         allocations replayed now); its wait's four lists, the result's bytes, and the bytes
         of the copy made to send it (freed when it starts unless the collective keeps it)."""
@@ -249,16 +312,38 @@ def reduction_buffer_bytes(
             then.append(shard * _size(out_dtype))
             rest.append(result)
             result = shard * _size(out_dtype)
-        return results, [send], then, rest, result, int(fp.keeps_input)
+        # whether the collective keeps the caller's own tensor (not a copy) until the wait
+        sends_input = fp.keeps_input and in_dtype == rdtype and not (low and pre > 1)
+        return results, [send], then, rest, result, int(fp.keeps_input), sends_input
+
+    grads: list[tuple[list[tuple[int, int]], int]] = []  # per launch under way: pool buffers, a lone gradient
 
     def wait_oldest() -> None:
         for phase, nbytes in zip((heap.alloc, heap.free, heap.alloc, heap.free), started.pop(0)):
             for b in nbytes:
                 phase(b)
+        buffers, lone = grads.pop(0)
+        for buf in buffers:
+            pool.give(buf)
+        every.free(lone)
 
-    for groups in reversed(buckets_of(layout)):
-        if not groups:
-            continue
+    def gradient(groups: Sequence[FlatGroup]) -> tuple[list[tuple[int, int]], int]:
+        """A bucket's gradient: autograd's own for a lone parameter filling its group on a
+        real rank (:class:`fzero.buckets.BucketWatcher`), else a pool buffer per group."""
+        if rows == 1 and len(groups) == 1 and len(groups[0].slots) == 1 and not groups[0].padding:
+            nbytes = groups[0].padded_numel * _size(precision.compute_dtype(groups[0].dtype))
+            every.alloc(nbytes)
+            return [], nbytes
+        return [pool.take(rows * g.padded_numel, _size(precision.compute_dtype(g.dtype))) for g in groups], 0
+
+    order = [gs for gs in reversed(buckets_of(layout)) if gs]
+    # Several local ranks run their backward one after another: the first one reaches every
+    # bucket before any is complete, so all take their buffers before the first launch.
+    # One rank: a bucket takes its buffers as backward reaches it, before the launch that
+    # waits for the oldest.
+    taken = [gradient(gs) for gs in order] if rows > 1 else []
+    for i, groups in enumerate(order):
+        grads.append(taken[i] if taken else gradient(groups))
         while len(started) >= MAX_IN_FLIGHT:
             wait_oldest()
         if reduces_joined(groups, precision.reduce_dtype):
@@ -272,7 +357,7 @@ def reduction_buffer_bytes(
             one = collective(sum(g.padded_numel for g in groups), rdtype, rdtype, rdtype)
             if one is None:
                 return None
-            results, sent, then, rest, result, keeps_input = one
+            results, sent, then, rest, result, keeps_input, _ = one
             if (rdtype in LOW_PRECISION and pre > 1) or not keeps_input:
                 heap.free(joined)  # the divided copy travels instead, or nothing keeps it
             else:
@@ -292,10 +377,14 @@ def reduction_buffer_bytes(
                 return None
             for mine, theirs in zip(phases, one[:4]):
                 mine += theirs
+            if grads[-1][1] and not one[6]:
+                # nothing keeps the lone parameter's gradient once its reduction has started
+                every.free(grads[-1][1])
+                grads[-1] = (grads[-1][0], 0)
         started.append(phases)
     while started:
         wait_oldest()
-    return float(heap.peak) / rows
+    return float(heap.peak) / rows, float(every.peak) / rows, float(pool.heap.peak) / rows
 
 
 def _held(kind: str, stage: int) -> bool:

@@ -195,6 +195,9 @@ def test_fzero_step_against_memory_report(stage, donate):
     if stage < 3:
         assert buffers[GRAD_BUCKETS] * R == census.scope_peaks[GRAD_BUCKETS]
         assert 0 <= census.scope_peaks[GRAD_REDUCTION] - buffers[GRAD_REDUCTION] * R <= 256
+        # together (simulated ranks share their buckets: no lone-parameter gradient here)
+        together = fzero.memory_report(held["s"].layout, held["s"].opt.optimizer, stage=stage, comm=comm).step_peak
+        assert 0 <= census.joint_peak((GRAD_BUCKETS, GRAD_REDUCTION)) - together * R <= 256
     new = census.in_block_by_category.get("new state", 0)
     made = census.end_by_category.get("new state", 0)
     if donate:

@@ -310,6 +310,11 @@ class Census:
                 by.setdefault(a.scope, []).append(a)
         return {name: _peak(allocs, self.start_ns)[0] for name, allocs in by.items()}
 
+    def joint_peak(self, scopes: Iterable[str]) -> int:
+        """The most bytes the allocations of ``scopes`` held at once, together."""
+        wanted = set(scopes)
+        return _peak([a for a in self.allocations if a.scope in wanted], self.start_ns)[0]
+
     @property
     def total_at_peak(self) -> int:
         return self.peak_bytes + self.baseline_at_peak
