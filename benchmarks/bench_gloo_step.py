@@ -91,7 +91,7 @@ import time
 import traceback
 import warnings
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
