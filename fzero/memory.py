@@ -60,7 +60,7 @@ Imports: ``fzero.buckets``, ``fzero.comm``, ``fzero.layout``, ``fzero.optim``, `
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -259,6 +259,19 @@ class _Pool:
             self.heap.free(drop[0] * drop[1])
 
 
+class _Started(NamedTuple):
+    """A reduction under way in :func:`_replay_reductions`. ``wait``: what its wait does, in
+    order: bytes allocated (results), freed (what was sent), allocated (divided and cast
+    results), freed (receive buffers, results divided or cast away); ``result``: the bytes of
+    its result before any cut; ``keeps_input``: the communicator keeps what is sent until the
+    wait; ``sends_input``: what is sent is the caller's own tensor, not a copy."""
+
+    wait: tuple[list[int], list[int], list[int], list[int]]
+    result: int
+    keeps_input: bool
+    sends_input: bool
+
+
 def _replay_reductions(
     layout: Layout, precision: MixedPrecision, comm: Communicator, stage: int
 ) -> Optional[tuple[float, float, float]]:
@@ -276,10 +289,9 @@ def _replay_reductions(
     started: list[tuple[list[int], list[int], list[int], list[int]]] = []
 
     def collective(numel: int, in_dtype: torch.dtype, rdtype: torch.dtype,
-                   out_dtype: torch.dtype) -> Optional[tuple[list[int], list[int], list[int], list[int], int, int, bool]]:
+                   out_dtype: torch.dtype) -> Optional[_Started]:
         """Start one reduction of a ``[R, numel]`` flat gradient in ``in_dtype`` (its
-        allocations replayed now); its wait's four lists, the result's bytes, and the bytes
-        of the copy made to send it (freed when it starts unless the collective keeps it)."""
+        allocations replayed now): what its wait does (:class:`_Started`)."""
         low = rdtype in LOW_PRECISION
         fp = comm.reduction_footprint(numel, "sum" if low else "avg", via_all_reduce=stage == 1)
         if fp is None:
@@ -314,7 +326,7 @@ def _replay_reductions(
             result = shard * _size(out_dtype)
         # whether the collective keeps the caller's own tensor (not a copy) until the wait
         sends_input = fp.keeps_input and in_dtype == rdtype and not (low and pre > 1)
-        return results, [send], then, rest, result, int(fp.keeps_input), sends_input
+        return _Started((results, [send], then, rest), result, fp.keeps_input, sends_input)
 
     grads: list[tuple[list[tuple[int, int]], int]] = []  # per launch under way: pool buffers, a lone gradient
 
@@ -357,8 +369,8 @@ def _replay_reductions(
             one = collective(sum(g.padded_numel for g in groups), rdtype, rdtype, rdtype)
             if one is None:
                 return None
-            results, sent, then, rest, result, keeps_input, _ = one
-            if (rdtype in LOW_PRECISION and pre > 1) or not keeps_input:
+            results, sent, then, rest = one.wait
+            if (rdtype in LOW_PRECISION and pre > 1) or not one.keeps_input:
                 heap.free(joined)  # the divided copy travels instead, or nothing keeps it
             else:
                 sent.append(joined)
@@ -366,7 +378,7 @@ def _replay_reductions(
             cast = [rows * g.shard_numel * _size(g.master_dtype) for g in groups if g.master_dtype != rdtype]
             then += cast
             if len(cast) == len(groups):
-                rest.append(result)
+                rest.append(one.result)
             started.append((results, sent, then, rest))
             continue
         phases: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
@@ -375,9 +387,9 @@ def _replay_reductions(
                              precision.reduce_dtype or g.master_dtype, g.master_dtype)
             if one is None:
                 return None
-            for mine, theirs in zip(phases, one[:4]):
+            for mine, theirs in zip(phases, one.wait):
                 mine += theirs
-            if grads[-1][1] and not one[6]:
+            if grads[-1][1] and not one.sends_input:
                 # nothing keeps the lone parameter's gradient once its reduction has started
                 every.free(grads[-1][1])
                 grads[-1] = (grads[-1][0], 0)
