@@ -36,6 +36,7 @@ import torch.utils._pytree as tp
 from .comm import CollectiveError, Communicator
 from .buckets import BucketReduction, BucketWatcher, BufferPool, buckets_of, size_buckets
 from .layout import FlatGroup, flatten_one, group_views, named_leaves
+from .host_malloc import apply_host_malloc_policy
 from .materialize import Init, check_init, materialized_shard
 from .module import (
     ModuleLoss, ModuleSpec, adopt_parameters, broadcast_buffers as broadcast_module_buffers, check_loss,
@@ -195,6 +196,7 @@ def init_train_state(
         shard, made_buffers = init_shard(params, comm, **layout_kw), None
     else:
         shard, made_buffers = materialized_shard(params, comm, init, unit_names, **layout_kw)
+    apply_host_malloc_policy(shard.master[0].device.type if shard.master else "cpu")
     opt = init_opt_state(optimizer, shard.master)
     # per parameter, the steps it sat out (make_train_step(unused="skip")): none yet
     opt = replace(opt, missed=(torch.zeros(len(shard.layout.trainable_slots), dtype=torch.int64,
