@@ -75,7 +75,7 @@ class TorchOptimRule(Optimizer):
         return tuple(k for k, kind in self.state if kind == SCALAR)
 
     def manifest(self) -> dict[str, Any]:
-        return {"kind": self.name, "static": [[k, v] for k, v in self.static],
+        return {"kind": self.name, "static": [[k, v] for k, v in self.static], "tuples": [list(t) for t in self.tuples],
                 "state": [[k, kind] for k, kind in self.state], "scalar_dtype": str(self.scalar_dtype)}
 
     def check_hyper(self, name: str, value: float, where: str) -> None:
@@ -301,11 +301,20 @@ def from_torch_optim(optimizer_class: type, *, groups: Sequence[GroupSpec] = (),
 
 def torch_rule_from_manifest(section: Mapping[str, Any]) -> Optional[TorchOptimRule]:
     """The rule a checkpoint's manifest describes when it is one of ``torch.optim``'s own
-    classes (by name: nothing is imported), else None. Hyperparameter values are the
-    class's defaults: the checkpoint holds the saved ones."""
+    classes (found by name in ``torch.optim``: nothing is imported), else None. Its state
+    layout is the manifest's (the probe's at save time); hyperparameter values are zeros:
+    the checkpoint holds the saved ones."""
     kind = section.get("kind", "")
     module, _, qualname = kind.rpartition(".")
     cls = getattr(torch.optim, qualname, None)
     if not module.startswith("torch.optim") or not isinstance(cls, type) or cls.__module__ != module:
         return None
-    return from_torch_optim(cls, **{k: v for k, v in section.get("static", [])})
+    dtype = section.get("scalar_dtype", "None")
+    names = section.get("hyperparameters", [[]])[0]
+    return TorchOptimRule(
+        tuple((n, 0.0) for n in names), (), torch_cls=cls,
+        static=tuple((k, v) for k, v in section.get("static", [])),
+        tuples=tuple((k, n) for k, n in section.get("tuples", [])),
+        state=tuple((k, kind) for k, kind in section.get("state", [])),
+        scalar_dtype=None if dtype == "None" else getattr(torch, dtype.removeprefix("torch.")),
+    )

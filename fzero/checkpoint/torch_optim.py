@@ -8,7 +8,8 @@ exported tensor is a view of that buffer, so the result is the only full copy.
 The offline consolidation (:mod:`fzero.checkpoint.offline`) builds the same dicts
 from a checkpoint with the same helpers (:func:`torch_order`, :func:`torch_optim_dict`).
 
-Imports: :mod:`fzero.step` and below, :mod:`fzero.checkpoint.errors`.
+Imports: :mod:`fzero.step` and below (``fzero.torch_optim_rules`` for a manifest's torch.optim
+class), :mod:`fzero.checkpoint.errors`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 from ..comm import Communicator
 from ..layout import Layout, flat_shard, group_views
 from ..materialize import has_meta, to_empty_tied
-from ..optim import Optimizer
+from ..optim import Adam, Optimizer, SGD
+from ..torch_optim_rules import torch_rule_from_manifest
 from ..pytree import replace
 from ..sharding import check_world, gather_flat_params
 from ..module import ModuleSpec, restore_parameters
@@ -241,6 +243,27 @@ def torch_optim_dict(
         group["params"] = [index[i] for i in slots]
         groups.append(group)
     return {"state": dict(sorted(per_param.items())), "param_groups": groups}
+
+
+def rule_from_manifest(section: Mapping[str, Any]) -> Optimizer:
+    """The update rule a checkpoint's manifest names, rebuilt for its torch.optim state dict
+    (hyperparameter values come from the checkpoint): the built-ins, and ``torch.optim``'s own
+    classes run by :func:`fzero.from_torch_optim` (found by name in ``torch.optim``: nothing a
+    checkpoint names is imported). Others: ``CheckpointMismatchError`` naming the rule."""
+    kind = section.get("kind")
+    names = tuple((n, 0.0) for n in section["hyperparameters"][0])
+    if kind == "sgd":
+        return SGD(names, nesterov=bool(section.get("nesterov")), maximize=bool(section.get("maximize")),
+                   momentum_buffer=bool(section.get("momentum_buffer")))
+    if kind in ("adam", "adamw"):
+        return Adam(names, decoupled=kind == "adamw", maximize=bool(section.get("maximize")),
+                    amsgrad=bool(section.get("amsgrad")))
+    rule = torch_rule_from_manifest(section)
+    if rule is None:
+        raise CheckpointMismatchError(
+            f"optimizer {kind}: only fzero's built-in rules and torch.optim's own classes can be rebuilt from a "
+            "checkpoint; export_torch_optim_state_dict gives the state dict from a live state")
+    return rule
 
 
 def _fills_at_construction(optimizer: Optimizer, hyper: Mapping[str, torch.Tensor]) -> bool:
