@@ -200,6 +200,9 @@ def replica_items(
     items.append(("opt.step", state.opt.step, False))
     for m in getattr(state.opt, "missed", ()):  # each parameter's skipped steps: replicated too
         items.append(("opt.missed", m, False))
+    names = getattr(getattr(state.opt, "optimizer", None), "scalar_names", ())
+    for name, v in zip(names, getattr(state.opt, "scalars", ())):  # per-parameter rule state
+        items.append((f"opt.scalars[{name!r}]", v, False))
     for g, hyper in enumerate(state.opt.hyper):
         for k, v in hyper.items():
             items.append((f"opt.hyper[{g}][{k!r}]", v, False))

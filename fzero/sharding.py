@@ -617,7 +617,10 @@ def shard_step(
     pure form on fresh copies), so they give bitwise the same numbers; with ``used``,
     eagerly, when every parameter had a gradient and none ever missed a step (read on
     the host: a ``[T]`` vector), and otherwise the written-out update with per-element
-    step scalars and a mask. No collective.
+    step scalars and a mask. A rule that updates by piece (``Optimizer.by_piece``:
+    :func:`fzero.from_torch_optim`) runs eagerly on each parameter's piece instead, with its
+    per-parameter scalars (``OptState.scalars``); traced, it raises naming the rule.
+    No collective.
     """
     lay = shard.layout
     if len(grads) != len(lay.groups):

@@ -15,6 +15,7 @@ import fzero
 import unused_cases as uc
 import user_models as um
 from fzero.checkpoint import export_torch_optim_state_dict, import_torch_optim_state_dict
+from fzero.checkpoint.offline import consolidate_torch_optim_state_dict
 from helpers import batches, children, max_rel_err, mlp, reference_run
 
 STEPS = 5
@@ -31,9 +32,10 @@ CLASSES = {
     "Adagrad": (torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1, weight_decay=0.01)),
     "ASGD": (torch.optim.ASGD, dict(lr=0.05, lambd=0.01, alpha=0.7, t0=2.0, weight_decay=0.01)),
 }
-# (W, stage) pairs of the Llama runs: every W and every stage, two runs a class
-LLAMA_RUNS = {"Adamax": ((1, 3), (4, 1)), "NAdam": ((2, 1), (3, 3)), "RAdam": ((3, 2), (4, 3)),
-              "RMSprop": ((4, 2), (2, 3)), "Adagrad": ((2, 2), (3, 1)), "ASGD": ((1, 2), (4, 3))}
+# (W, stage) of the Llama run of each class: together every W and every stage (the MLP runs
+# every pair for every class)
+LLAMA_RUNS = {"Adamax": ((1, 3),), "NAdam": ((2, 1),), "RAdam": ((3, 2),), "RMSprop": ((4, 3),),
+              "Adagrad": ((2, 2),), "ASGD": ((3, 1),)}
 
 
 def _rule(name: str) -> fzero.TorchOptimRule:
@@ -50,12 +52,12 @@ def _units(stage: int, model: torch.nn.Module) -> dict:
     return {"units": children} if stage == 3 and isinstance(model, torch.nn.Sequential) else {}
 
 
-def _train(model, rule, data, world, stage, criterion=mse, state=None):  # noqa: ANN001
+def _train(model, rule, data, world, stage, criterion=mse, state=None, donate=False):  # noqa: ANN001
     """Train ``model`` (a stage-3 state takes over its parameters: give each run its own)."""
     comm = fzero.SimulatedWorld(world)
     if state is None:
         state = fzero.init_train_state(model, rule, comm, stage=stage, alignment=4, **_units(stage, model))
-    step = fzero.make_train_step(fzero.module_loss(model, criterion), comm, stage=stage)
+    step = fzero.make_train_step(fzero.module_loss(model, criterion), comm, stage=stage, donate=donate)
     for batch in data:
         state, metrics = step(state, comm.split_batch(batch))
         assert metrics["found_inf"].item() == 0.0
@@ -76,7 +78,9 @@ def test_mlp_equals_torch_optim_at_every_world_and_stage(name):
         data = batches(STEPS, world, 2, torch.float64, d_in=SIZES[0])
         ref = reference_run(mlp(torch.float64, sizes=SIZES), lambda m: _torch(name, m.parameters()), data, world)
         for stage in (1, 2, 3):
-            state, comm = _train(mlp(torch.float64, sizes=SIZES), _rule(name), data, world, stage)
+            # donating (the shards updated in place) at even W
+            state, comm = _train(mlp(torch.float64, sizes=SIZES), _rule(name), data, world, stage,
+                                 donate=world % 2 == 0)
             assert int(state.opt.step) == STEPS
             _assert_params(state, comm, ref, where=(world, stage))
 
@@ -156,6 +160,9 @@ def test_checkpoint_reshards_and_torch_state_dicts_continue(name, tmp_path):
     a, b = fzero.export_model_state_dict(whole, comm2), fzero.export_model_state_dict(resumed, comm3)
     for k in a:
         assert max_rel_err(b[k], a[k]) <= 1e-12, k
+
+    # offline, from the checkpoint alone: the rule rebuilt from its manifest gives the same dict
+    _assert_same_state_dict(consolidate_torch_optim_state_dict(tmp_path), export_torch_optim_state_dict(state, comm2))
 
     # fzero -> torch.optim: the export is the torch class's own state dict after the same steps,
     # and the class continues from it as from its own (torch's load_state_dict casts 0-d state
@@ -244,3 +251,18 @@ def test_compiled_step_and_other_checkpoints_are_refused_by_name(tmp_path):
                         (fzero.from_torch_optim(torch.optim.NAdam, maximize=True), "optimizer static")):
         with pytest.raises(fzero.CheckpointMismatchError, match=diff):
             fzero.load_checkpoint(tmp_path, fzero.init_train_state(model, other, comm), comm)
+
+
+def test_scalars_are_replica_checked_and_in_the_signature():
+    """The per-parameter scalars are replicated state: the replica check digests them; the
+    signature (replica check, manifest) carries the probed state layout and static settings."""
+    from fzero.replicas import replica_items
+
+    model = mlp(torch.float64, sizes=SIZES)
+    state = fzero.init_train_state(model, _rule("ASGD"), fzero.SimulatedWorld(2))
+    names = [name for name, _, _ in replica_items(state)]
+    assert "opt.scalars['eta']" in names and "opt.scalars['mu']" in names
+    assert state.opt.scalars[0].shape == (len(state.layout.trainable_slots),)
+    nadam = _rule("NAdam")
+    assert nadam.signature != fzero.from_torch_optim(torch.optim.NAdam, **CLASSES["NAdam"][1], maximize=True).signature
+    assert "mu_product" in nadam.signature and nadam.signature == _rule("NAdam").signature
