@@ -230,6 +230,17 @@ class Optimizer:
         The default: a rule that does not depend on the step count. No collective."""
         return torch.zeros(steps.shape[0], 0, dtype=torch.float64, device=steps.device)
 
+    def step_values(self, hyper: Mapping[str, torch.Tensor], step: torch.Tensor,
+                    per_element: Optional[Mapping[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """What :meth:`update` needs of the step count, ``{name: tensor}`` in ``dtype``:
+        ``per_element`` when given (each parameter's own count, spread over the shard),
+        else :meth:`step_scalars` of the 0-d ``step``. So a rule written once with
+        :meth:`step_scalars` is exact for parameters that sat out steps. No collective."""
+        if per_element is not None:
+            return {k: v.to(dtype) for k, v in per_element.items()}
+        row = self.step_scalars(hyper, step.reshape(1))[0].to(dtype)
+        return {k: row[j] for j, k in enumerate(self.step_scalar_names)}
+
     def update(
         self,
         param: torch.Tensor,
@@ -245,7 +256,7 @@ class Optimizer:
         dtype as torch.optim reads Python floats). ``step``: 0-d int64, updates applied before
         this one. ``per_element``: the step-dependent scalars of :meth:`step_scalars`, each
         broadcastable to ``param`` (one parameter's piece of a shard has its own step count),
-        replacing those of ``step``. Returns new ``(param, moments)`` (as many as
+        replacing those of ``step`` (:meth:`step_values` picks the one that applies). Returns new ``(param, moments)`` (as many as
         :attr:`moment_names`); inputs are not modified. No collective.
         """
         raise NotImplementedError(f"{type(self).__name__} does not define update()")

@@ -35,6 +35,27 @@ class Lion(fzero.Optimizer):
         return new_p, (torch.lerp(m, g, 1 - h["beta2"]),)
 
 
+@dataclasses.dataclass(frozen=True)
+class BiasCorrectedAdamW(fzero.Optimizer):
+    """AdamW written as a user would: what depends on the step count is in ``step_scalars``,
+    so parameters that sat out steps (their own, smaller count) are exact too."""
+
+    moment_names = ("m", "v")
+    step_scalar_names = ("c1", "c2")
+
+    def step_scalars(self, hyper, steps):  # noqa: ANN001, ANN201
+        t = (steps + 1).to(torch.float64)
+        return torch.stack([1 - hyper["beta1"] ** t, (1 - hyper["beta2"] ** t).sqrt()], dim=1)
+
+    def update(self, p, g, moments, hyper, step, per_element=None):  # noqa: ANN001, ANN201
+        h = fzero.hyper_scalars(hyper, p.dtype)
+        s = self.step_values(hyper, step, per_element, p.dtype)
+        m = torch.lerp(moments[0], g, 1 - h["beta1"])
+        v = moments[1] * h["beta2"] + (1 - h["beta2"]) * g * g
+        denom = v.sqrt() / s["c2"] + h["eps"]
+        return p * (1 - h["lr"] * h["weight_decay"]) - (h["lr"] / s["c1"]) * (m / denom), (m, v)
+
+
 def lion(**kw: float) -> Lion:
     return Lion.configure(**{**dict(lr=LR, beta1=BETA1, beta2=BETA2, weight_decay=WD), **kw})
 
@@ -139,3 +160,20 @@ def test_user_rule_checkpoint_reshards_and_names_another_optimizer(tmp_path):
         fzero.load_checkpoint(tmp_path, other, comm3)
     with pytest.raises(fzero.CheckpointMismatchError, match="lion has no torch.optim equivalent"):
         fzero.export_torch_optim_state_dict(state, comm2)
+
+
+def test_user_rule_with_step_scalars_is_exact_for_unused_parameters(monkeypatch):
+    """A parameter no rank had a gradient for sits the step out and keeps its own count: the
+    user's rule gets that count's scalars through ``step_scalars``, equal to torch.optim.AdamW
+    under DDP's semantics (a data-dependent branch sits out one step). The compiled form of
+    this path (one pass over the shard) is the built-ins' (``test_unused_params.py``)."""
+    import unused_cases as uc
+
+    mine = lambda: BiasCorrectedAdamW.configure(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,  # noqa: E731
+                                                weight_decay=0.1)
+    monkeypatch.setitem(uc.OPTIMIZERS, "mine", (mine, uc.OPTIMIZERS["adamw"][1]))
+    want = uc.run_oracle(2, "adamw")
+    got = uc.run_fzero(fzero.SimulatedWorld(2), "mine", 2)
+    for k, v in want.items():
+        assert max_rel_err(got["params"][k], v) <= 1e-10, k
+    assert got["steps"]["aux.weight"] == 0 and got["steps"]["branch.weight"] == uc.STEPS - 1
