@@ -254,13 +254,16 @@ def probe_state(cls: type, kwargs: Mapping[str, Any]) -> tuple[tuple[tuple[str, 
     except Exception as e:  # the class's own refusal (SparseAdam: dense gradients) says why
         raise ValueError(f"{name} cannot run on shards: one step on a dense 2x3 tensor raised "
                          f"{type(e).__name__}: {e}") from e
-    layout, dtype = [], None
+    layout, dtype, numbers = [], None, False
     for key, v in opt.state[param].items():
         if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(param.shape):
             kind = ELEMENT
         elif isinstance(v, torch.Tensor) and v.dim() == 0 or isinstance(v, (int, float)) and not isinstance(v, bool):
             kind = STEP if key == "step" and float(v) == 1.0 else SCALAR
-            dtype = v.dtype if isinstance(v, torch.Tensor) else None
+            if isinstance(v, torch.Tensor):
+                dtype = v.dtype
+            else:
+                numbers = True
         else:
             what = f"a tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
             raise ValueError(f"{name} cannot run on shards: its state {key!r} is {what}, neither per-element "
@@ -269,7 +272,9 @@ def probe_state(cls: type, kwargs: Mapping[str, Any]) -> tuple[tuple[tuple[str, 
         if kind == ELEMENT and key in _RESERVED:
             raise ValueError(f"{name}: its state {key!r} has the name of one of fzero's checkpoint entries")
         layout.append((key, kind))
-    return tuple(layout), (dtype if dtype is not None or not layout else torch.float32)
+    # 0-d state as Python numbers is injected as numbers (None); a class with none keeps torch's
+    # default scalar dtype for the record
+    return tuple(layout), (None if numbers and dtype is None else dtype or torch.float32)
 
 
 def from_torch_optim(optimizer_class: type, *, groups: Sequence[GroupSpec] = (), **kwargs: Any) -> TorchOptimRule:

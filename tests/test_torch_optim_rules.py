@@ -266,3 +266,69 @@ def test_scalars_are_replica_checked_and_in_the_signature():
     nadam = _rule("NAdam")
     assert nadam.signature != fzero.from_torch_optim(torch.optim.NAdam, **CLASSES["NAdam"][1], maximize=True).signature
     assert "mu_product" in nadam.signature and nadam.signature == _rule("NAdam").signature
+
+
+def _no_decay(path: str) -> bool:
+    return path.endswith("bias") or path.startswith("2.")  # biases and the LayerNorm
+
+
+def test_param_groups_and_changed_hyperparameters_follow_torch():
+    """Per-group overrides (the torch class's param groups) and a learning rate changed every
+    step (``set_hyperparams``, torch's ``param_group["lr"]``) give torch's numbers; a NaN
+    override is refused."""
+    cls, kw = CLASSES["RAdam"]
+    world, lrs = 3, [0.02 * 0.7**i for i in range(STEPS)]
+    data = batches(STEPS, world, 2, torch.float64, d_in=SIZES[0])
+    ref_model = mlp(torch.float64, sizes=SIZES)
+    named = list(ref_model.named_parameters())
+    ref = cls([{"params": [p for n, p in named if not _no_decay(n)]},
+               {"params": [p for n, p in named if _no_decay(n)], "weight_decay": 0.0, "lr": 0.01}], **kw)
+    rule = fzero.from_torch_optim(cls, groups=[(_no_decay, {"weight_decay": 0.0, "lr": 0.01})], **kw)
+    model = mlp(torch.float64, sizes=SIZES)
+    comm = fzero.SimulatedWorld(world)
+    state = fzero.init_train_state(model, rule, comm, alignment=4)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=2)
+    for lr, batch in zip(lrs, data):
+        ref.param_groups[0]["lr"] = lr
+        _torch_steps(ref_model, ref, [batch], world)
+        state = fzero.pytree.replace(state, opt=fzero.set_hyperparams(state.opt, group=0, lr=lr))
+        state, _ = step(state, comm.split_batch(batch))
+    _assert_params(state, comm, ref_model)
+    with pytest.raises(ValueError, match="param group 1: invalid lr nan"):
+        fzero.from_torch_optim(cls, groups=[(_no_decay, {"lr": float("nan")})], **kw)
+
+
+class CountedSGD(torch.optim.Optimizer):
+    """A user's class whose per-parameter scalar state is a Python number (``calls``)."""
+
+    def __init__(self, params, lr=0.1):  # noqa: ANN001
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                st["calls"] = st.get("calls", 0) + 1
+                st["avg"] = st.get("avg", torch.zeros_like(p)).lerp_(p.grad, 0.5)
+                p.sub_(group["lr"] / st["calls"] * st["avg"])
+
+
+def test_scalar_state_dtypes_follow_the_class():
+    """0-d state is injected as the class keeps it: Python numbers as numbers (a user's
+    class, equal to it when trained), tensors in the dtype torch gives them (float64 under a
+    float64 default dtype, as torch's ``_get_scalar_dtype``)."""
+    rule = fzero.from_torch_optim(CountedSGD, lr=0.1)
+    assert rule.scalar_names == ("calls",) and rule.scalar_dtype is None
+    world = 3
+    data = batches(STEPS, world, 2, torch.float64, d_in=SIZES[0])
+    ref = reference_run(mlp(torch.float64, sizes=SIZES), lambda m: CountedSGD(m.parameters(), lr=0.1), data, world)
+    state, comm = _train(mlp(torch.float64, sizes=SIZES), rule, data, world, 2)
+    _assert_params(state, comm, ref)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert fzero.from_torch_optim(torch.optim.NAdam).scalar_dtype == torch.float64
+    finally:
+        torch.set_default_dtype(default)
+    assert fzero.from_torch_optim(torch.optim.NAdam).scalar_dtype == torch.float32

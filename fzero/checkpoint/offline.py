@@ -7,7 +7,7 @@ bounded by the model: DCP reads one saved record at a time into the destination
 tensors, and a state dict holds each parameter once (the master, then cast to the
 parameter's dtype, the master freed parameter by parameter).
 
-Imports: :mod:`fzero.checkpoint.manifest`, ``.planners``, ``.checksums``, ``.torch_optim``.
+Imports: :mod:`fzero.checkpoint.manifest`, ``.planners``, ``.checksums``, ``.saveload`` (entry names), ``.torch_optim``.
 """
 
 from __future__ import annotations
