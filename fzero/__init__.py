@@ -4,7 +4,10 @@ States (immutable pytrees): :class:`ScalerState`, :class:`ShardState`,
 :class:`OptState`, :class:`TrainState`. Pure functions: :func:`scale`,
 :func:`unscale_and_check`, :func:`update_scale`, :func:`reduce_scatter_grads`,
 :func:`shard_step`, :func:`all_gather_params`, composed by
-:func:`make_train_step`. Collectives are methods of a communicator passed in
+:func:`make_train_step`. Update rules follow one protocol, :class:`Optimizer`
+(built-ins :func:`sgd`, :func:`adam`, :func:`adamw`; a user's rule is a subclass;
+:func:`from_torch_optim` runs any per-element ``torch.optim`` class on the shards).
+Collectives are methods of a communicator passed in
 explicitly: :class:`SimulatedWorld` (N ranks in one process) or
 :class:`fzero.dist.TorchCommunicator` (``torch.distributed``).
 """
@@ -20,17 +23,22 @@ from .comm import (
 from .layout import FlatGroup, Layout, ParamSlot, build_layout
 from .memory import MemoryReport, format_memory_table, memory_report, zero_paper_bytes
 from .optim import (
+    Adam,
     OptState,
     Optimizer,
     ParamGroup,
+    Piece,
+    SGD,
     adam,
     adamw,
     init_opt_state,
     no_weight_decay,
     no_weight_decay_for,
+    hyper_scalars,
     set_hyperparams,
     sgd,
 )
+from .torch_optim_rules import TorchOptimRule, from_torch_optim
 from .precision import MixedPrecision, native_bf16
 from .pytree import NAMESPACE, tree_map
 from .scaler import ScalerState, init_scaler, scale, static_scaler, unscale_and_check, update_scale
@@ -107,6 +115,12 @@ __all__ = [
     "ReplicaDivergenceError",
     "UnitCallError",
     "Optimizer",
+    "Adam",
+    "SGD",
+    "Piece",
+    "TorchOptimRule",
+    "from_torch_optim",
+    "hyper_scalars",
     "ParamGroup",
     "ParamSlot",
     "Pretrained",

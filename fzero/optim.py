@@ -1,15 +1,18 @@
-"""Optimizers as static specs plus pure update rules on flat fp32 shards.
+"""The update-rule protocol on flat fp32 shards, and the built-in rules.
 
-An :class:`Optimizer` is hashable static configuration (its kind, the flags
-that change the computation graph, default hyperparameters and parameter
-groups chosen by path predicate). :class:`OptState` holds what changes: the
-moments of every flat group (``[R, shard_numel]``, master dtype), the step
-count, and every hyperparameter of every group as a 0-d float64 tensor, so
-changing a learning rate never recompiles a step.
+An :class:`Optimizer` is the protocol: hashable static configuration (the flags
+that change the computation graph, default hyperparameters and parameter groups
+chosen by path predicate) plus pure update functions on a flat shard, in the
+spirit of optax's ``GradientTransformation``. :class:`OptState` holds what
+changes: the moments of every flat group (``[R, shard_numel]``, master dtype),
+the step count, every hyperparameter of every group as a 0-d float64 tensor (so
+changing a learning rate never recompiles a step), and per-parameter counts and
+scalars (``[T]`` vectors).
 
-The update rules follow ``torch.optim``'s single-tensor implementations
-operation by operation (SGD with momentum/dampening/nesterov/weight decay/
-maximize; Adam and AdamW with amsgrad/maximize), written out of place.
+The built-in rules (:class:`SGD`, :class:`Adam`; :func:`sgd`, :func:`adam`,
+:func:`adamw`) follow ``torch.optim``'s single-tensor implementations operation
+by operation, written out of place; eagerly Adam(W) runs torch's fused kernel.
+Rules call no collective.
 
 Imports: ``fzero.pytree``.
 """
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -27,11 +30,17 @@ from .pytree import pytree_dataclass, replace, static_field
 __all__ = [
     "ParamGroup",
     "Optimizer",
+    "SGD",
+    "Adam",
     "OptState",
+    "Piece",
+    "check_compilable",
+    "hyper_scalars",
     "sgd",
     "adam",
     "adamw",
     "init_opt_state",
+    "init_scalars",
     "set_hyperparams",
     "no_weight_decay",
     "no_weight_decay_for",
@@ -93,23 +102,90 @@ def no_weight_decay_for(module: torch.nn.Module) -> Predicate:
     return frozenset(names).__contains__
 
 
+class Piece(NamedTuple):
+    """One parameter's piece of one local rank's shard, for a rule that updates by piece
+    (:attr:`Optimizer.by_piece`): views into the state's shards, written in place."""
+
+    param: int  # the parameter's position in ``Layout.trainable_slots``
+    step: int  # its own step count: updates applied to it before this one
+    value: torch.Tensor  # [m] view of the master row (m = 0: the parameter lies on other ranks)
+    grad: torch.Tensor  # [m], the master dtype
+    moments: tuple[torch.Tensor, ...]  # [m] views, one per Optimizer.moment_names
+    scalars: tuple[float, ...]  # its scalar state, one per Optimizer.scalar_names
+
+
+def check_compilable(optimizer: "Optimizer") -> None:
+    """Raise ``ValueError`` naming the rule if it cannot run inside ``torch.compile``."""
+    if not optimizer.compilable:
+        raise ValueError(
+            f"optimizer {optimizer.name} cannot run in a compiled step: it updates each parameter's "
+            "piece eagerly (torch.optim's own step on views of the shards); use compile=False"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Optimizer:
-    """Static description of an optimizer (see :func:`sgd`, :func:`adam`, :func:`adamw`).
+    """The update-rule protocol: static, hashable configuration plus pure functions on a flat
+    shard. :func:`sgd`, :func:`adam` and :func:`adamw` are instances; a user's rule is a
+    frozen dataclass subclass overriding :meth:`update` (and what it needs of the rest).
 
-    ``defaults``: ``(name, value)`` hyperparameters of group 0; ``groups``:
-    further groups, the first matching predicate wins. Flags (``nesterov``,
-    ``maximize``, ``amsgrad``, ``momentum_buffer``) are static because they
-    change which tensors exist or which operations run.
+    ``defaults``: ``(name, value)`` hyperparameters of group 0; ``groups``: further groups,
+    the first matching predicate wins. Every hyperparameter lives in ``OptState.hyper`` as a
+    0-d float64 tensor, so changing one (a schedule) never recompiles a step. Every other
+    field of a subclass is static configuration: it may change which tensors exist or which
+    operations run, and it is part of :attr:`signature`.
+
+    What fzero reads through this protocol (never a ``kind`` branch): :attr:`name` and
+    :attr:`signature` (manifests, replica checks), :attr:`moment_names` (per-element state:
+    one ``[R, shard_numel]`` tensor each, in the master dtype, zero at init),
+    :attr:`scalar_names` (per-parameter scalar state, one ``[T]`` float64 vector each,
+    replicated), :meth:`step_scalars` (what of an update depends on the parameter's own step
+    count, for parameters that sat out steps), :meth:`update` (pure), :meth:`update_` (in
+    place; a fused kernel may go here), :attr:`compilable`. A rule must keep the padding
+    zero: zero parameter, gradient and moments give zero parameter and moments.
     """
 
-    kind: str
     defaults: tuple[tuple[str, float], ...]
     groups: tuple[ParamGroup, ...] = ()
-    nesterov: bool = False
-    maximize: bool = False
-    amsgrad: bool = False
-    momentum_buffer: bool = False
+
+    #: per-element state, one ``[R, shard_numel]`` tensor each (torch.optim's state names)
+    moment_names: ClassVar[tuple[str, ...]] = ()
+    #: per-parameter scalar state, one ``[T]`` float64 vector each (``OptState.scalars``)
+    scalar_names: ClassVar[tuple[str, ...]] = ()
+    #: what of an update depends on the step count (columns of :meth:`step_scalars`)
+    step_scalar_names: ClassVar[tuple[str, ...]] = ()
+    #: whether the rule runs inside ``torch.compile`` (``make_train_step(compile=True)``)
+    compilable: ClassVar[bool] = True
+
+    @property
+    def name(self) -> str:
+        """A stable name of the rule (manifests, messages): the class name in lower case."""
+        return type(self).__name__.lower()
+
+    @property
+    def kind(self) -> str:
+        """The rule's :attr:`name` (the word earlier versions used)."""
+        return self.name
+
+    def config(self) -> tuple[tuple[str, Any], ...]:
+        """The static configuration: every dataclass field but ``defaults`` and ``groups``."""
+        return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                     if f.name not in ("defaults", "groups"))
+
+    @property
+    def signature(self) -> str:
+        """Name and static configuration as one string: equal exactly when two ranks (or a
+        checkpoint and a state) run the same computation on the same state tensors."""
+        items = ",".join(f"{k}={v!r}" for k, v in self.config())
+        return f"{self.name}({items})|moments={self.moment_names}|scalars={self.scalar_names}"
+
+    def manifest(self) -> dict[str, Any]:
+        """The JSON description a checkpoint's manifest holds: ``kind`` (:attr:`name`) first,
+        then the static configuration (values as ``repr`` strings unless JSON scalars)."""
+        out: dict[str, Any] = {"kind": self.name}
+        for k, v in self.config():
+            out[k] = v if isinstance(v, (bool, int, float, str, type(None))) else repr(v)
+        return out
 
     @property
     def num_groups(self) -> int:
@@ -130,11 +206,40 @@ class Optimizer:
             h.update(self.groups[index - 1].overrides)
         return h
 
-    @property
-    def moment_names(self) -> tuple[str, ...]:
-        if self.kind == "sgd":
-            return ("momentum_buffer",) if self.momentum_buffer else ()
-        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
+    def check_hyper(self, name: str, value: float, where: str) -> None:
+        """Raise ``ValueError`` (``"{where}: invalid {name} {value}"``) for a value the rule
+        refuses; the default refuses NaN and a negative ``lr``."""
+        _check_hyper(name, value, where)
+
+    @classmethod
+    def configure(cls, *, groups: Sequence["GroupSpec"] = (), **values: Any) -> "Optimizer":
+        """An instance: float keyword arguments are the default hyperparameters (in the order
+        given), the others static fields of ``cls``; ``groups`` as for :func:`adamw`."""
+        fields = {f.name for f in dataclasses.fields(cls)} - {"defaults", "groups"}
+        static = {k: v for k, v in values.items() if k in fields}
+        hyper = tuple((k, float(v)) for k, v in values.items() if k not in fields)
+        probe = cls(hyper, (), **static)
+        for k, v in hyper:
+            probe.check_hyper(k, v, probe.name)
+        return cls(hyper, _groups(groups, [k for k, _ in hyper], probe), **static)
+
+    def step_scalars(self, hyper: Mapping[str, torch.Tensor], steps: torch.Tensor) -> torch.Tensor:
+        """``[k, len(step_scalar_names)]`` float64: for ``k`` parameters with step counts
+        ``steps`` (``[k]`` int64, updates applied before this one) the scalars of their update
+        that depend on the count, computed as :meth:`update` computes them for a 0-d step.
+        The default: a rule that does not depend on the step count. No collective."""
+        return torch.zeros(steps.shape[0], 0, dtype=torch.float64, device=steps.device)
+
+    def step_values(self, hyper: Mapping[str, torch.Tensor], step: torch.Tensor,
+                    per_element: Optional[Mapping[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """What :meth:`update` needs of the step count, ``{name: tensor}`` in ``dtype``:
+        ``per_element`` when given (each parameter's own count, spread over the shard),
+        else :meth:`step_scalars` of the 0-d ``step``. So a rule written once with
+        :meth:`step_scalars` is exact for parameters that sat out steps. No collective."""
+        if per_element is not None:
+            return {k: v.to(dtype) for k, v in per_element.items()}
+        row = self.step_scalars(hyper, step.reshape(1))[0].to(dtype)
+        return {k: row[j] for j, k in enumerate(self.step_scalar_names)}
 
     def update(
         self,
@@ -147,32 +252,14 @@ class Optimizer:
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """One update of a shard. ``param``, ``grad``, moments: ``[R, n]``, same dtype.
 
-        ``step``: 0-d int64, updates applied before this one. ``per_element``: the
-        step-dependent scalars of :meth:`step_scalars`, each broadcastable to ``param``
-        (0-d for one parameter's piece of a shard, which has its own step count), replacing
-        those of ``step``.
-        Returns new ``(param, moments)``; inputs are not modified. No collective.
+        ``hyper``: ``{name: 0-d float64}`` (:func:`hyper_scalars` casts them to the shard's
+        dtype as torch.optim reads Python floats). ``step``: 0-d int64, updates applied before
+        this one. ``per_element``: the step-dependent scalars of :meth:`step_scalars`, each
+        broadcastable to ``param`` (one parameter's piece of a shard has its own step count),
+        replacing those of ``step`` (:meth:`step_values` picks the one that applies). Returns new ``(param, moments)`` (as many as
+        :attr:`moment_names`); inputs are not modified. No collective.
         """
-        if self.kind == "sgd":
-            return _sgd_update(self, param, grad, moments, hyper, step, per_element)
-        return _adam_update(self, param, grad, moments, hyper, step, per_element)
-
-    @property
-    def step_scalar_names(self) -> tuple[str, ...]:
-        """What of an update depends on the step count (see :meth:`step_scalars`)."""
-        return ("first",) if self.kind == "sgd" else ("neg_step_size", "bias_correction2_sqrt")
-
-    def step_scalars(self, hyper: Mapping[str, torch.Tensor], steps: torch.Tensor) -> torch.Tensor:
-        """``[k, len(step_scalar_names)]`` float64: for ``k`` parameters with step counts
-        ``steps`` (``[k]`` int64, updates applied before this one) the scalars of their update
-        that depend on the count, computed as :meth:`update` computes them for a 0-d step.
-        SGD: ``first`` (1.0 where the momentum buffer starts as the gradient); Adam(W):
-        ``-lr / (1 - beta1^t)`` and ``sqrt(1 - beta2^t)``, ``t = steps + 1``. No collective."""
-        if self.kind == "sgd":
-            return (steps == 0).to(torch.float64).unsqueeze(1)
-        t = (steps + 1).to(torch.float64)
-        lr, beta1, beta2 = (hyper[k].to(torch.float64) for k in ("lr", "beta1", "beta2"))
-        return torch.stack([-(lr / (1 - beta1**t)), torch.sqrt(1 - beta2**t)], dim=1)
+        raise NotImplementedError(f"{type(self).__name__} does not define update()")
 
     def update_(
         self,
@@ -183,45 +270,58 @@ class Optimizer:
         step: torch.Tensor,
         found_inf: Optional[torch.Tensor] = None,
     ) -> None:
-        """:meth:`update` in place on ``param`` and ``moments``; a no-op where ``found_inf``.
-
-        Eagerly, Adam and AdamW run torch's fused kernel (``torch._fused_adam(w)_``),
-        which reads the hyperparameters as Python floats from their CPU tensors
-        (no device sync) and skips the update itself when ``found_inf`` is nonzero.
-        Under ``torch.compile`` (and for SGD) the update is written out and
-        copied back through ``torch.where``, which inductor fuses into one
-        read-modify-write pass, together with what produced the gradient (the
-        unscale and clip multiply of a step). torch's kernel as an opaque operator
-        in the graph measured the same on a bare 50M-element shard, but cannot
-        take that multiply in, so the unscaled gradient is materialised: 3.6x
-        slower (``benchmarks/bench_optimizer.py --unscale``).
-        """
-        if self.kind != "sgd" and not torch.compiler.is_compiling():
-            kernel = torch._fused_adamw_ if self.kind == "adamw" else torch._fused_adam_
-            # One tensor per local rank: the kernel splits each tensor into vector-width blocks
-            # and a scalar tail that can round differently, so a simulated rank must be its own
-            # tensor, exactly as on a real rank, for the worlds to agree bitwise.
-            rows = [list(t.unbind(0)) for t in (param, grad, *moments)]
-            kernel(
-                rows[0], rows[1], rows[2], rows[3], rows[4] if self.amsgrad else [],
-                [(step + 1).to(torch.float32)] * len(rows[0]),
-                lr=hyper["lr"].item(), beta1=hyper["beta1"].item(), beta2=hyper["beta2"].item(),
-                weight_decay=hyper["weight_decay"].item(), eps=hyper["eps"].item(),
-                amsgrad=self.amsgrad, maximize=self.maximize,
-                # the kernel skips only where found_inf == 1.0; the contract is nonzero (2.0, NaN, inf)
-                found_inf=None if found_inf is None else (found_inf != 0).to(param.device, torch.float32),
-            )
-            return
+        """:meth:`update` in place on ``param`` and ``moments``; a no-op where ``found_inf``
+        (0-d, nonzero: skip). The default writes the update out and copies it back through
+        ``torch.where``, which inductor fuses into one read-modify-write pass. No collective."""
         new_param, new_moments = self.update(param, grad, moments, hyper, step)
         skip = None if found_inf is None else found_inf.to(torch.bool)
         for old, new in zip((param, *moments), (new_param, *new_moments)):
             old.copy_(new if skip is None else torch.where(skip, old, new))
 
+    #: whether the rule runs on each parameter's piece of a shard (:meth:`update_pieces`,
+    #: eagerly) instead of on whole shards (:meth:`update`, :meth:`update_`)
+    by_piece: ClassVar[bool] = False
+
+    def update_pieces(self, pieces: Sequence["Piece"], hyper: Mapping[str, torch.Tensor]) -> list[tuple[float, ...]]:
+        """Update each :class:`Piece` in place (its ``value`` and ``moments`` views) for a rule
+        with :attr:`by_piece`; returns each piece's new scalar state (one value per
+        :attr:`scalar_names`). Every piece of one parameter must give the same scalars: they
+        are per-parameter state, replicated. No collective."""
+        raise NotImplementedError(f"{type(self).__name__} does not define update_pieces()")
+
+    # torch.optim interchange (fzero.checkpoint.torch_optim); a rule without a torch.optim
+    # equivalent keeps these defaults, and export/import name it.
+
+    def torch_class(self) -> Optional[type]:
+        """The ``torch.optim`` class with the same update, or None."""
+        return None
+
+    def torch_kwargs(self, hyper: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Constructor keyword arguments of :meth:`torch_class` for one group's ``hyper``."""
+        raise NotImplementedError
+
+    def torch_state(self, own_step: int, moments: Mapping[str, torch.Tensor], scalars: Mapping[str, float],
+                    shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any]:
+        """One parameter's ``torch.optim`` state at its own step count (``own_step``) from its
+        moments (``{name: tensor of shape, dtype}``; ``{}`` before any step) and scalar state;
+        ``{}``: torch keeps none for it."""
+        raise NotImplementedError
+
+    def from_torch_state(self, state: Mapping[str, Any]) -> tuple[int, dict[str, torch.Tensor], dict[str, float]]:
+        """Inverse of :meth:`torch_state`: ``(own step, moments present, scalars)``."""
+        raise NotImplementedError
+
+    def hyper_from_torch_group(self, group: Mapping[str, Any]) -> dict[str, float]:
+        """fzero's hyperparameters from a ``torch.optim`` param group, or ``ValueError`` naming
+        the static setting or kind that differs (a phrase: "belongs to adam, ...")."""
+        raise NotImplementedError
+
 
 GroupSpec = Union[ParamGroup, tuple[Predicate, Mapping[str, float]]]
 
 
-def _groups(groups: Sequence[GroupSpec], allowed: Sequence[str]) -> tuple[ParamGroup, ...]:
+def _groups(groups: Sequence[GroupSpec], allowed: Sequence[str],
+            rule: Optional[Optimizer] = None) -> tuple[ParamGroup, ...]:
     out = []
     for i, g in enumerate(groups):
         if not isinstance(g, ParamGroup):
@@ -232,21 +332,25 @@ def _groups(groups: Sequence[GroupSpec], allowed: Sequence[str]) -> tuple[ParamG
                 raise ValueError(
                     f"param group {i + 1}: unknown hyperparameter {k!r}; expected one of {sorted(allowed)}"
                 )
-            _check_hyper(k, v, f"param group {i + 1}")
+            (rule.check_hyper if rule is not None else _check_hyper)(k, v, f"param group {i + 1}")
         out.append(g)
     return tuple(out)
 
 
+_VALID = {
+    "lr": lambda v: v >= 0,
+    "momentum": lambda v: v >= 0,
+    "dampening": lambda v: True,
+    "weight_decay": lambda v: v >= 0,
+    "beta1": lambda v: 0 <= v < 1,
+    "beta2": lambda v: 0 <= v < 1,
+    "eps": lambda v: v >= 0,
+}
+
+
 def _check_hyper(name: str, value: float, where: str) -> None:
-    ok = {
-        "lr": value >= 0,
-        "momentum": value >= 0,
-        "dampening": True,
-        "weight_decay": value >= 0,
-        "beta1": 0 <= value < 1,
-        "beta2": 0 <= value < 1,
-        "eps": value >= 0,
-    }[name]
+    # names fzero knows are range-checked as torch.optim checks them; others only for NaN
+    ok = _VALID.get(name, lambda v: True)(value) and value == value
     if not ok:
         raise ValueError(f"{where}: invalid {name} {value}")
 
@@ -255,6 +359,173 @@ def _defaults(where: str, **values: float) -> tuple[tuple[str, float], ...]:
     for k, v in values.items():
         _check_hyper(k, float(v), where)
     return tuple((k, float(v)) for k, v in values.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class SGD(Optimizer):
+    """``torch.optim.SGD`` (see :func:`sgd`). ``momentum_buffer``: whether a buffer exists
+    (``momentum != 0`` at construction); static, since it decides which tensors exist."""
+
+    nesterov: bool = False
+    maximize: bool = False
+    momentum_buffer: bool = False
+    step_scalar_names: ClassVar[tuple[str, ...]] = ("first",)
+
+    @property
+    def name(self) -> str:
+        return "sgd"
+
+    @property
+    def moment_names(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("momentum_buffer",) if self.momentum_buffer else ()
+
+    @property
+    def amsgrad(self) -> bool:
+        return False
+
+    def manifest(self) -> dict[str, Any]:
+        # the manifest of fzero's first checkpoints, so that they keep loading
+        return {"kind": "sgd", "nesterov": self.nesterov, "maximize": self.maximize, "amsgrad": False,
+                "momentum_buffer": self.momentum_buffer}
+
+    def step_scalars(self, hyper: Mapping[str, torch.Tensor], steps: torch.Tensor) -> torch.Tensor:
+        """``first``: 1.0 where the momentum buffer starts as the gradient (own step 0)."""
+        return (steps == 0).to(torch.float64).unsqueeze(1)
+
+    def update(self, param, grad, moments, hyper, step, per_element=None):  # noqa: ANN001, ANN201
+        """The written-out ``torch.optim.SGD`` single-tensor rule (see :meth:`Optimizer.update`)."""
+        return _sgd_update(self, param, grad, moments, hyper, step, per_element)
+
+    def torch_class(self) -> Optional[type]:
+        return torch.optim.SGD
+
+    def torch_kwargs(self, hyper: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        h = {k: float(v) for k, v in hyper.items()}
+        return dict(lr=h["lr"], momentum=h["momentum"], dampening=h["dampening"],
+                    weight_decay=h["weight_decay"], nesterov=self.nesterov, maximize=self.maximize)
+
+    def torch_state(self, own_step, moments, scalars, shape, dtype):  # noqa: ANN001, ANN201
+        return dict(moments) if own_step > 0 else {}
+
+    def from_torch_state(self, state):  # noqa: ANN001, ANN201
+        # SGD keeps no step: 1 once it has a momentum buffer, which exists from the first step
+        buf = state.get("momentum_buffer")
+        return int(buf is not None), ({} if buf is None else {"momentum_buffer": buf}), {}
+
+    def hyper_from_torch_group(self, group: Mapping[str, Any]) -> dict[str, float]:
+        if "momentum" not in group or "betas" in group:
+            other = "adam or adamw" if "betas" in group else "another optimizer"
+            raise ValueError(f"belongs to {other} (no 'momentum'), this state's optimizer is sgd")
+        if (float(group["momentum"]) != 0) != self.momentum_buffer:
+            raise ValueError(f"has momentum {group['momentum']} but this state's SGD "
+                             f"{'has' if self.momentum_buffer else 'has no'} momentum buffer")
+        _same_flags(group, {"maximize": self.maximize, "nesterov": self.nesterov})
+        return {k: float(group[k]) for k, _ in self.defaults if k in group}
+
+
+@dataclasses.dataclass(frozen=True)
+class Adam(Optimizer):
+    """``torch.optim.Adam`` or, ``decoupled``, ``torch.optim.AdamW`` (see :func:`adam`)."""
+
+    decoupled: bool = False
+    maximize: bool = False
+    amsgrad: bool = False
+    step_scalar_names: ClassVar[tuple[str, ...]] = ("neg_step_size", "bias_correction2_sqrt")
+
+    @property
+    def name(self) -> str:
+        return "adamw" if self.decoupled else "adam"
+
+    @property
+    def moment_names(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
+
+    @property
+    def nesterov(self) -> bool:
+        return False
+
+    @property
+    def momentum_buffer(self) -> bool:
+        return False
+
+    def manifest(self) -> dict[str, Any]:
+        # the manifest of fzero's first checkpoints, so that they keep loading
+        return {"kind": self.name, "nesterov": False, "maximize": self.maximize, "amsgrad": self.amsgrad,
+                "momentum_buffer": False}
+
+    def step_scalars(self, hyper: Mapping[str, torch.Tensor], steps: torch.Tensor) -> torch.Tensor:
+        """``-lr / (1 - beta1^t)`` and ``sqrt(1 - beta2^t)``, ``t = steps + 1``."""
+        t = (steps + 1).to(torch.float64)
+        lr, beta1, beta2 = (hyper[k].to(torch.float64) for k in ("lr", "beta1", "beta2"))
+        return torch.stack([-(lr / (1 - beta1**t)), torch.sqrt(1 - beta2**t)], dim=1)
+
+    def update(self, param, grad, moments, hyper, step, per_element=None):  # noqa: ANN001, ANN201
+        """The written-out ``torch.optim.Adam(W)`` single-tensor rule (see :meth:`Optimizer.update`)."""
+        return _adam_update(self, param, grad, moments, hyper, step, per_element)
+
+    def update_(self, param, grad, moments, hyper, step, found_inf=None) -> None:  # noqa: ANN001
+        """:meth:`update` in place on ``param`` and ``moments``; a no-op where ``found_inf``.
+
+        Eagerly, torch's fused kernel (``torch._fused_adam(w)_``), which reads the
+        hyperparameters as Python floats from their CPU tensors (no device sync) and skips
+        the update itself when ``found_inf`` is nonzero. Under ``torch.compile`` the update
+        is written out and copied back through ``torch.where``, which inductor fuses into one
+        read-modify-write pass, together with what produced the gradient (the unscale and
+        clip multiply of a step). torch's kernel as an opaque operator in the graph measured
+        the same on a bare 50M-element shard, but cannot take that multiply in, so the
+        unscaled gradient is materialised: 3.6x slower (``benchmarks/bench_optimizer.py
+        --unscale``).
+        """
+        if torch.compiler.is_compiling():
+            return super().update_(param, grad, moments, hyper, step, found_inf)
+        kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+        # One tensor per local rank: the kernel splits each tensor into vector-width blocks
+        # and a scalar tail that can round differently, so a simulated rank must be its own
+        # tensor, exactly as on a real rank, for the worlds to agree bitwise.
+        rows = [list(t.unbind(0)) for t in (param, grad, *moments)]
+        kernel(
+            rows[0], rows[1], rows[2], rows[3], rows[4] if self.amsgrad else [],
+            [(step + 1).to(torch.float32)] * len(rows[0]),
+            lr=hyper["lr"].item(), beta1=hyper["beta1"].item(), beta2=hyper["beta2"].item(),
+            weight_decay=hyper["weight_decay"].item(), eps=hyper["eps"].item(),
+            amsgrad=self.amsgrad, maximize=self.maximize,
+            # the kernel skips only where found_inf == 1.0; the contract is nonzero (2.0, NaN, inf)
+            found_inf=None if found_inf is None else (found_inf != 0).to(param.device, torch.float32),
+        )
+
+    def torch_class(self) -> Optional[type]:
+        return torch.optim.AdamW if self.decoupled else torch.optim.Adam
+
+    def torch_kwargs(self, hyper: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        h = {k: float(v) for k, v in hyper.items()}
+        return dict(lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"], weight_decay=h["weight_decay"],
+                    amsgrad=self.amsgrad, maximize=self.maximize)
+
+    def torch_state(self, own_step, moments, scalars, shape, dtype):  # noqa: ANN001, ANN201
+        # torch's non-capturable default: a float32 0-d step; none before the first step
+        return {"step": torch.tensor(float(own_step), dtype=torch.float32), **moments} if own_step > 0 else {}
+
+    def from_torch_state(self, state):  # noqa: ANN001, ANN201
+        step = int(float(state["step"])) if "step" in state else 0
+        return step, {k: state[k] for k in self.moment_names if k in state}, {}
+
+    def hyper_from_torch_group(self, group: Mapping[str, Any]) -> dict[str, float]:
+        if "betas" not in group:
+            raise ValueError(f"belongs to {'sgd' if 'momentum' in group else 'another optimizer'}, "
+                             f"this state's optimizer is {self.name}")
+        # torch >= 2.6 tells Adam from AdamW by this key; without it either reads the other's state
+        if "decoupled_weight_decay" in group and bool(group["decoupled_weight_decay"]) != self.decoupled:
+            kind = "adamw" if group["decoupled_weight_decay"] else "adam"
+            raise ValueError(f"belongs to {kind}, this state's optimizer is {self.name}")
+        _same_flags(group, {"maximize": self.maximize, "amsgrad": self.amsgrad})
+        values = {**group, "beta1": group["betas"][0], "beta2": group["betas"][1]}
+        return {k: float(values[k]) for k, _ in self.defaults if k in values}
+
+
+def _same_flags(group: Mapping[str, Any], flags: Mapping[str, bool]) -> None:
+    for flag, mine in flags.items():
+        if bool(group.get(flag, False)) != mine:
+            raise ValueError(f"has {flag} {group.get(flag)}, here {mine}")
 
 
 def sgd(
@@ -266,15 +537,13 @@ def sgd(
     nesterov: bool = False,
     maximize: bool = False,
     groups: Sequence[GroupSpec] = (),
-) -> Optimizer:
+) -> SGD:
     """``torch.optim.SGD``. A momentum buffer exists iff ``momentum != 0`` here."""
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("nesterov momentum requires a momentum and zero dampening")
     d = _defaults("sgd", lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay)
-    return Optimizer(
-        "sgd", d, _groups(groups, [k for k, _ in d]),
-        nesterov=nesterov, maximize=maximize, momentum_buffer=momentum != 0,
-    )
+    return SGD(d, _groups(groups, [k for k, _ in d]), nesterov=nesterov, maximize=maximize,
+               momentum_buffer=momentum != 0)
 
 
 def adam(
@@ -286,10 +555,10 @@ def adam(
     amsgrad: bool = False,
     maximize: bool = False,
     groups: Sequence[GroupSpec] = (),
-) -> Optimizer:
+) -> Adam:
     """``torch.optim.Adam`` (L2 weight decay added to the gradient)."""
     d = _defaults("adam", lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
-    return Optimizer("adam", d, _groups(groups, [k for k, _ in d]), maximize=maximize, amsgrad=amsgrad)
+    return Adam(d, _groups(groups, [k for k, _ in d]), maximize=maximize, amsgrad=amsgrad)
 
 
 def adamw(
@@ -301,10 +570,10 @@ def adamw(
     amsgrad: bool = False,
     maximize: bool = False,
     groups: Sequence[GroupSpec] = (),
-) -> Optimizer:
+) -> Adam:
     """``torch.optim.AdamW`` (decoupled weight decay)."""
     d = _defaults("adamw", lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
-    return Optimizer("adamw", d, _groups(groups, [k for k, _ in d]), maximize=maximize, amsgrad=amsgrad)
+    return Adam(d, _groups(groups, [k for k, _ in d]), decoupled=True, maximize=maximize, amsgrad=amsgrad)
 
 
 @pytree_dataclass
@@ -315,7 +584,8 @@ class OptState:
     group, ``{name: 0-d float64}``); ``moments`` (per flat group, one
     ``[R, shard_numel]`` tensor per :attr:`Optimizer.moment_names`); ``missed``
     (``()`` or ``[T]`` int64: per trainable parameter, the applied steps it sat out
-    because it had no gradient on any rank, see :func:`fzero.make_train_step`'s ``unused``).
+    because it had no gradient on any rank, see :func:`fzero.make_train_step`'s ``unused``);
+    ``scalars`` (one ``[T]`` float64 per :attr:`Optimizer.scalar_names`).
     Static: the :class:`Optimizer`.
     """
 
@@ -328,6 +598,10 @@ class OptState:
     # had a gradient for it. Its own step count (torch.optim's per-parameter ``step``) is
     # ``step - missed``. ``()``: every parameter took every applied step.
     missed: tuple[torch.Tensor, ...] = ()
+    # One ``[T]`` float64 CPU tensor per ``Optimizer.scalar_names`` (replicated): per-parameter
+    # scalar state such as NAdam's ``mu_product``, as torch.optim keeps it per parameter, so a
+    # parameter that sat out steps keeps its own. ``()`` for rules without any.
+    scalars: tuple[torch.Tensor, ...] = ()
 
 
 # CPU moments of at least this size start as pages the OS has not committed (below it, a mapping
@@ -350,8 +624,12 @@ def zeros_on_demand(like: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=like.dtype).view(like.shape)
 
 
-def init_opt_state(optimizer: Optimizer, master: Sequence[torch.Tensor]) -> OptState:
-    """Zero moments shaped like each master shard ``[R, shard_numel]``; hyperparameters as tensors.
+def init_opt_state(optimizer: Optimizer, master: Sequence[torch.Tensor],
+                   num_params: Optional[int] = None) -> OptState:
+    """Zero moments shaped like each master shard ``[R, shard_numel]``; hyperparameters as tensors;
+    with ``num_params`` (T, the trainable parameters), the per-parameter scalars ``[T]`` (zeros:
+    a parameter's scalar state is the rule's own from its first step; without ``num_params``
+    :func:`fzero.shard_step` creates them at the first step).
 
     Hyperparameters live on the CPU whatever the device of the shards: a 0-d
     CPU tensor combines with device tensors, and reading one (for torch's fused
@@ -362,7 +640,15 @@ def init_opt_state(optimizer: Optimizer, master: Sequence[torch.Tensor]) -> OptS
         for i in range(optimizer.num_groups)
     )
     moments = tuple(tuple(zeros_on_demand(m) for _ in optimizer.moment_names) for m in master)
-    return OptState(torch.zeros((), dtype=torch.int64, device=master[0].device), hyper, moments, optimizer)
+    scalars = () if num_params is None else init_scalars(optimizer, num_params)
+    return OptState(torch.zeros((), dtype=torch.int64, device=master[0].device), hyper, moments, optimizer,
+                    scalars=scalars)
+
+
+def init_scalars(optimizer: Optimizer, num_params: int) -> tuple[torch.Tensor, ...]:
+    """``OptState.scalars`` before any step: one ``[num_params]`` float64 CPU zero vector per
+    :attr:`Optimizer.scalar_names` (CPU: the host reads them without a device sync)."""
+    return tuple(torch.zeros(num_params, dtype=torch.float64) for _ in optimizer.scalar_names)
 
 
 def set_hyperparams(
@@ -381,7 +667,7 @@ def set_hyperparams(
         for k, v in values.items():
             if k not in hyper[g]:
                 raise ValueError(
-                    f"set_hyperparams: {state.optimizer.kind} has no hyperparameter {k!r}; "
+                    f"set_hyperparams: {state.optimizer.name} has no hyperparameter {k!r}; "
                     f"expected one of {sorted(hyper[g])}"
                 )
             old = hyper[g][k]
@@ -389,8 +675,9 @@ def set_hyperparams(
     return replace(state, hyper=tuple(hyper))
 
 
-def _scalars(h: Mapping[str, torch.Tensor], dtype: torch.dtype, **extra: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Hyperparameters (and derived scalars, computed in float64) cast to the shard's dtype.
+def hyper_scalars(h: Mapping[str, torch.Tensor], dtype: torch.dtype, **extra: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Hyperparameters (and derived scalars, computed in float64) cast to the shard's dtype:
+    ``{name: 0-d tensor of dtype}``, what an update rule multiplies its shards by.
 
     torch.optim passes Python floats, which kernels read in the tensor's own
     (opmath) dtype; casting here does the same, and keeps a compiled update
@@ -401,6 +688,9 @@ def _scalars(h: Mapping[str, torch.Tensor], dtype: torch.dtype, **extra: torch.T
     # kernel, instead of being re-derived (pow, sqrt...) inside the kernel's loop.
     packed = torch.stack([v.reshape(()).to(torch.float64) for v in items.values()]).to(dtype)
     return {k: packed[i] for i, k in enumerate(items)}
+
+
+_scalars = hyper_scalars
 
 
 def _sgd_update(
@@ -451,7 +741,7 @@ def _adam_update(
     )
     if per_element is not None:
         c = {**c, **per_element}
-    if opt.kind == "adamw":
+    if opt.decoupled:
         p = p * c["decay"]
     else:
         g = g + c["weight_decay"] * p

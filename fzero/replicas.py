@@ -165,10 +165,7 @@ def _signature_of(layout: Any, optimizer: Any, scaler_static: tuple, precision: 
         parts.append(f"layout={layout.fingerprint}")
     if optimizer is not None:
         groups = [(g.name, tuple(g.overrides)) for g in optimizer.groups]
-        parts.append(
-            f"optimizer={optimizer.kind}|{tuple(optimizer.defaults)}|{groups}|{optimizer.nesterov}|"
-            f"{optimizer.maximize}|{optimizer.amsgrad}|{optimizer.momentum_buffer}"
-        )
+        parts.append(f"optimizer={optimizer.signature}|{tuple(optimizer.defaults)}|{groups}")
     parts.append("scaler=" + "|".join(map(repr, scaler_static)))
     if precision is not None:
         parts.append(f"precision={getattr(precision, 'param_dtype', None)}|{getattr(precision, 'reduce_dtype', None)}")
@@ -177,8 +174,8 @@ def _signature_of(layout: Any, optimizer: Any, scaler_static: tuple, precision: 
 
 
 def _static_signature(state: Any) -> int:
-    """Hash of what every rank must share statically: layout fingerprint, optimizer kind,
-    defaults, group overrides and flags, the scaler's rule, the precision policy."""
+    """Hash of what every rank must share statically: layout fingerprint, optimizer signature
+    (name and static configuration), defaults, group overrides, the scaler's rule, the precision policy."""
     return _signature_of(
         getattr(state.shard, "layout", None),
         getattr(state.opt, "optimizer", None),
@@ -203,6 +200,9 @@ def replica_items(
     items.append(("opt.step", state.opt.step, False))
     for m in getattr(state.opt, "missed", ()):  # each parameter's skipped steps: replicated too
         items.append(("opt.missed", m, False))
+    names = getattr(getattr(state.opt, "optimizer", None), "scalar_names", ())
+    for name, v in zip(names, getattr(state.opt, "scalars", ())):  # per-parameter rule state
+        items.append((f"opt.scalars[{name!r}]", v, False))
     for g, hyper in enumerate(state.opt.hyper):
         for k, v in hyper.items():
             items.append((f"opt.hyper[{g}][{k!r}]", v, False))

@@ -22,7 +22,7 @@ from .layout import (
     group_views,
     named_leaves,
 )
-from .optim import OptState, Optimizer
+from .optim import OptState, Optimizer, Piece, check_compilable, init_scalars
 from .pytree import pytree_dataclass, replace, static_field
 
 __all__ = [
@@ -547,6 +547,38 @@ def _update_by_element(opt: Optimizer, layout: Layout, group: FlatGroup, p: torc
     return p, moments
 
 
+def _piece_views(layout: Layout, group: FlatGroup, row: int, rank: int, where: Mapping[int, int],
+                 tensors: Sequence[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
+    """``{parameter: [view of each of tensors[j][row] on its piece]}`` for every parameter of
+    ``group``; a parameter with no piece on ``rank`` gets empty views (it still updates its
+    per-parameter scalar state, which every rank holds)."""
+    pieces = {k: (lo, hi) for k, lo, hi in shard_pieces(layout, group, rank, where) if k is not None}
+    out = {}
+    for i in group.slots:
+        lo, hi = pieces.get(where[i], (0, 0))
+        out[where[i]] = [t[row, lo:hi] for t in tensors]
+    return out
+
+
+def _update_by_piece(opt: Optimizer, layout: Layout, group: FlatGroup, p: torch.Tensor, grad: torch.Tensor,
+                     moments: tuple[torch.Tensor, ...], hyper: Mapping[str, torch.Tensor], own: Sequence[int],
+                     take: Sequence[bool], scalars: list[list[float]], ranks: Sequence[int],
+                     where: Mapping[int, int]) -> None:
+    """In place: each parameter of ``group`` that takes the step (``take``, by trainable
+    index) updates its piece of every row of ``p`` and ``moments`` (``[R, n]``) by the rule's
+    :meth:`~fzero.optim.Optimizer.update_pieces`, at its own step count ``own``; ``scalars``
+    (per scalar name, per parameter) gets its new scalar state. Padding is not touched."""
+    pieces = []
+    for row, rank in enumerate(ranks):
+        for k, views in _piece_views(layout, group, row, rank, where, (p, grad, *moments)).items():
+            if take[k]:
+                pieces.append(Piece(k, own[k], views[0], views[1], tuple(views[2:]),
+                                    tuple(s[k] for s in scalars)))
+    for piece, new in zip(pieces, opt.update_pieces(pieces, hyper)):
+        for s, v in zip(scalars, new):
+            s[piece.param] = v  # every piece of a parameter gives the same values
+
+
 def shard_step(
     shard: ShardState,
     opt_state: OptState,
@@ -585,7 +617,10 @@ def shard_step(
     pure form on fresh copies), so they give bitwise the same numbers; with ``used``,
     eagerly, when every parameter had a gradient and none ever missed a step (read on
     the host: a ``[T]`` vector), and otherwise the written-out update with per-element
-    step scalars and a mask. No collective.
+    step scalars and a mask. A rule that updates by piece (``Optimizer.by_piece``:
+    :func:`fzero.from_torch_optim`) runs eagerly on each parameter's piece instead, with its
+    per-parameter scalars (``OptState.scalars``); traced, it raises naming the rule.
+    No collective.
     """
     lay = shard.layout
     if len(grads) != len(lay.groups):
@@ -596,6 +631,8 @@ def shard_step(
             f"{len(lay.groups)}: the optimizer state belongs to another layout"
         )
     opt = opt_state.optimizer
+    if opt.by_piece:
+        return _shard_step_by_piece(shard, opt_state, grads, found_inf, donate=donate, used=used, ranks=ranks)
     skip = None if found_inf is None else found_inf.to(torch.bool)
     applied = torch.ones((), dtype=torch.bool) if skip is None else ~skip
     missed = opt_state.missed
@@ -643,3 +680,64 @@ def shard_step(
         replace(shard, master=tuple(new_master)),
         replace(opt_state, step=step, moments=tuple(new_moments), missed=missed),
     )
+
+
+def _shard_step_by_piece(
+    shard: ShardState,
+    opt_state: OptState,
+    grads: Sequence[torch.Tensor],
+    found_inf: Optional[torch.Tensor],
+    *,
+    donate: bool,
+    used: Optional[torch.Tensor],
+    ranks: Optional[Sequence[int]],
+) -> tuple[ShardState, OptState]:
+    """:func:`shard_step` for a rule that updates each parameter's piece
+    (:attr:`~fzero.optim.Optimizer.by_piece`): eagerly only. ``found_inf`` and ``used`` are
+    read on the host (torch.optim's own loop reads its ``found_inf`` the same way), and
+    only the parameters that take the step are updated, at their own step counts
+    (``step - missed``), with their own scalar state (``OptState.scalars``)."""
+    if torch.compiler.is_compiling():
+        check_compilable(opt_state.optimizer)
+    opt, lay = opt_state.optimizer, shard.layout
+    n = len(lay.trainable_slots)
+    if ranks is None:
+        if used is not None:
+            raise ValueError("shard_step: used needs the rows' ranks (ranks=comm.ranks)")
+        ranks = _rows_as_ranks(lay, shard.master)
+    missed = opt_state.missed[0] if opt_state.missed else torch.zeros(n, dtype=torch.int64)
+    applied = found_inf is None or not bool(found_inf)
+    take = [applied] * n if used is None else [applied and bool(u) for u in used.tolist()]
+    step = int(opt_state.step)
+    own = [step - int(m) for m in missed.tolist()]
+    scalars = [s.tolist() for s in (opt_state.scalars or init_scalars(opt, n))]
+    where = trainable_index(lay)
+    new_master, new_moments = [], []
+    for g, p, grad, moments in zip(lay.groups, shard.master, grads, opt_state.moments):
+        if tuple(grad.shape) != tuple(p.shape):
+            raise ValueError(f"shard_step: gradient shard of flat group {g.index} has shape "
+                             f"{tuple(grad.shape)}, the master shard {tuple(p.shape)}")
+        p2, m2 = (p, moments) if donate else (p.clone(), tuple(m.clone() for m in moments))
+        if applied:
+            _update_by_piece(opt, lay, g, p2, grad.to(p.dtype), m2, opt_state.hyper[g.opt_group], own, take,
+                             scalars, ranks, where)
+        new_master.append(p2)
+        new_moments.append(tuple(m2))
+    sat_out = [applied and not t for t in take]
+    new_missed = missed + torch.tensor(sat_out, dtype=torch.int64, device=missed.device)
+    new_scalars = tuple(torch.tensor(s, dtype=torch.float64) for s in scalars)
+    return (
+        replace(shard, master=tuple(new_master)),
+        replace(opt_state, step=opt_state.step + int(applied), moments=tuple(new_moments),
+                missed=(new_missed,) if (opt_state.missed or used is not None) else (), scalars=new_scalars),
+    )
+
+
+def _rows_as_ranks(layout: Layout, master: Sequence[torch.Tensor]) -> list[int]:
+    """The rows' ranks when the caller gave none: a simulated world's rows are ranks 0..R-1;
+    one row of a larger world cannot be placed without them."""
+    rows = master[0].shape[0] if master else 0
+    if rows != layout.world_size:
+        raise ValueError("shard_step: a rule that updates by piece needs the rows' ranks (ranks=comm.ranks) "
+                         "on a real rank")
+    return list(range(rows))

@@ -42,7 +42,7 @@ from .module import (
     ModuleLoss, ModuleSpec, adopt_parameters, broadcast_buffers as broadcast_module_buffers, check_loss,
     check_materialized, init_buffers, module_loss, module_spec, release_parameters, row_of,
 )
-from .optim import OptState, Optimizer, init_opt_state
+from .optim import OptState, Optimizer, check_compilable, init_opt_state
 from .precision import MixedPrecision
 from .pytree import pytree_dataclass, replace, static_field
 from .scaler import ScalerState, init_scaler, scale, static_scaler, update_scale
@@ -197,7 +197,7 @@ def init_train_state(
     else:
         shard, made_buffers = materialized_shard(params, comm, init, unit_names, **layout_kw)
     apply_host_malloc_policy(shard.master[0].device.type if shard.master else "cpu")
-    opt = init_opt_state(optimizer, shard.master)
+    opt = init_opt_state(optimizer, shard.master, len(shard.layout.trainable_slots))
     # per parameter, the steps it sat out (make_train_step(unused="skip")): none yet
     opt = replace(opt, missed=(torch.zeros(len(shard.layout.trainable_slots), dtype=torch.int64,
                                            device=opt.step.device),))
@@ -400,7 +400,7 @@ def apply_schedules(state: TrainState, schedules: Mapping[str, Schedule]) -> Tra
     for name, schedule in schedules.items():
         if name not in hyper[0]:
             raise ValueError(
-                f"schedules: {opt.optimizer.kind} has no hyperparameter {name!r}; expected one of {sorted(hyper[0])}"
+                f"schedules: {opt.optimizer.name} has no hyperparameter {name!r}; expected one of {sorted(hyper[0])}"
             )
         value = schedule(opt.step).to(torch.float64).reshape(())
         base0 = opt.optimizer.hyperparams(0)[name]
@@ -669,6 +669,7 @@ def make_train_step(
         def core(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
             # before the graph: a bad shape raises our error, not a recompile that fails inside
             check_batch(batch, comm.local_ranks, accum_steps)
+            check_compilable(state.opt.optimizer)
             hint["no_missed"] = no_missed_steps(state.opt)
             if regather is None or stage != 3:
                 return compiled(state, batch)
@@ -956,8 +957,9 @@ def finish_step(
         "found_inf": found_inf,
         "scale": scaler.scale,
         "grad_norm": norm64.float(),
-        "lr": state.opt.hyper[0]["lr"].float(),
     }
+    if "lr" in state.opt.hyper[0]:  # a user's rule may have no learning rate
+        metrics["lr"] = state.opt.hyper[0]["lr"].float()
     if replica_parts is not None:
         metrics["replicas_differ"] = parts_differ(sums[2 + n_used:], comm.world_size).float()
     return new_state, metrics

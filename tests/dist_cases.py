@@ -52,6 +52,11 @@ def train(
     return state, history, changed
 
 
+def torch_nadam() -> fzero.Optimizer:
+    """A torch.optim class run by piece, with per-parameter scalar state (``mu_product``)."""
+    return fzero.from_torch_optim(torch.optim.NAdam, lr=1e-2, weight_decay=0.1)
+
+
 def masters(state: fzero.TrainState) -> list[torch.Tensor]:
     return [m.detach().clone() for m in state.shard.master]
 

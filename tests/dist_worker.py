@@ -138,6 +138,10 @@ def case_eager_s2(comm):
     return _sim_compare(comm, stage=2)
 
 
+def case_torch_nadam(comm):
+    return _sim_compare(comm, stage=2, optimizer=cases.torch_nadam())
+
+
 def case_eager_s1(comm):
     return _sim_compare(comm, stage=1)
 

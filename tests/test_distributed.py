@@ -22,7 +22,7 @@ pytestmark = pytest.mark.distributed
 W2_CASES = [
     "eager_s2", "eager_s1", "compiled_s2", "eager_s3", "compiled_s3", "fsdp_full_vs_stage3", "ddp_adamw", "zero_sgd", "zero_adam", "fsdp",
     "inf_even", "volume", "mismatch", "padding_only", "fp16_40000", "overlap", "branchy",
-    "live_tensors", "reduce_scatter_ways", "batched", "stage3_calls", "reduction_buffers",
+    "live_tensors", "reduce_scatter_ways", "batched", "stage3_calls", "reduction_buffers", "torch_nadam",
 ]
 W4_CASES = ["eager_s2", "compiled_s2", "inf_even", "volume", "padding_only", "fp16_40000", "ddp_adamw",
             "reduce_scatter_ways", "batched", "reduction_buffers"]
@@ -83,6 +83,13 @@ def _compare(per_rank, sim_masters, exact, tol=1e-6):
 def test_gloo_equals_simulated_world_w2_bitwise(w2, case, stage, compiled):
     sim, _, _ = _sim(2, stage=stage, compiled=compiled)
     _compare(_case(w2, case), sim, exact=True)
+
+
+def test_gloo_torch_optim_class_equals_simulated_world_w2_bitwise(w2):
+    """``fzero.from_torch_optim(torch.optim.NAdam)``: each rank steps its own pieces with the
+    class's own ``step()``; a real rank's pieces round as the simulated world's rows do."""
+    sim, _, _ = _sim(2, stage=2, optimizer=cases.torch_nadam())
+    _compare(_case(w2, "torch_nadam"), sim, exact=True)
 
 
 @pytest.mark.parametrize("case,compiled", [("eager_s2", False), ("compiled_s2", True)])

@@ -63,6 +63,11 @@ OPTIMIZERS: dict[str, tuple[Callable[[], fzero.Optimizer], Callable[[Any], torch
               lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
     "sgd": (lambda: fzero.sgd(lr=0.1, momentum=0.9, weight_decay=0.01),
             lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01)),
+    # torch.optim classes run by piece, with per-parameter scalar state (mu_product; eta, mu)
+    "nadam": (lambda: fzero.from_torch_optim(torch.optim.NAdam, lr=1e-2, weight_decay=0.1),
+              lambda ps: torch.optim.NAdam(ps, lr=1e-2, weight_decay=0.1)),
+    "asgd": (lambda: fzero.from_torch_optim(torch.optim.ASGD, lr=1e-2, t0=2.0, weight_decay=0.1),
+             lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=2.0, weight_decay=0.1)),
 }
 # stage 3: the head no rank runs is a shard unit, and so is b; the branch stays in the root (held
 # for the whole step): a unit some ranks skip would leave their gathers unmatched on real ranks

@@ -53,7 +53,9 @@ EQUIVALENT_FILE = ROOT / "tools" / "mutation_equivalent.txt"
 # module -> the test files that pin its behaviour, fastest first (pytest stops at the first failure).
 TEST_MAP = {
     "fzero/scaler.py": ["tests/test_errors.py", "tests/test_mutation_gaps.py", "tests/test_scaler.py"],
-    "fzero/optim.py": ["tests/test_errors.py", "tests/test_mutation_gaps.py", "tests/test_optim_compiled.py"],
+    "fzero/optim.py": ["tests/test_errors.py", "tests/test_mutation_gaps.py", "tests/test_optim_protocol.py",
+                       "tests/test_optim_compiled.py"],
+    "fzero/torch_optim_rules.py": ["tests/test_torch_optim_rules.py"],
     "fzero/layout.py": ["tests/test_errors.py", "tests/test_mutation_gaps.py", "tests/test_layout.py"],
     "fzero/sharding.py": ["tests/test_errors.py", "tests/test_mutation_gaps.py", "tests/test_layout.py",
                           "tests/test_zero3.py", "tests/test_optim_compiled.py"],

@@ -2,7 +2,7 @@
 checks of a checkpoint directory before any data are read.
 
 ``fzero/manifest`` is a JSON object entry: per parameter (tree order) path, shape, dtype
-and optimizer group; the optimizer's kind, flags, moments and groups; the scaler's
+and optimizer group; the optimizer's name, static configuration, moments and groups; the scaler's
 configuration; the precision policy; and, for information only, the world size, the
 stage kind and the tree structure. Loading compares it with the template state before
 reading anything else and names the first difference (:class:`CheckpointMismatchError`).
@@ -53,7 +53,8 @@ def _manifest(state: TrainState, comm: Communicator) -> dict[str, Any]:
     Per parameter (tree order): path, shape, dtype, optimizer group (-1: frozen).
     Not the flat groups, buckets, alignment or world size: they only decide where
     the data sit in the buffers, and checkpoints are keyed by parameter. Then the
-    optimizer's kind, flags, moments and groups; the scaler's configuration; the
+    optimizer's description (:meth:`~fzero.optim.Optimizer.manifest`: its name and static
+    configuration), moments, per-parameter scalars and groups; the scaler's configuration; the
     precision policy. ``saved_world_size`` and ``structure`` are information only.
     """
     lay, opt, sc, prec = state.layout, state.opt.optimizer, state.scaler, state.precision
@@ -65,12 +66,9 @@ def _manifest(state: TrainState, comm: Communicator) -> dict[str, Any]:
             for s in lay.slots
         ],
         "optimizer": {
-            "kind": opt.kind,
-            "nesterov": opt.nesterov,
-            "maximize": opt.maximize,
-            "amsgrad": opt.amsgrad,
-            "momentum_buffer": opt.momentum_buffer,
+            **opt.manifest(),  # kind (the rule's name) first, then its static configuration
             "moment_names": list(opt.moment_names),
+            **({"scalar_names": list(opt.scalar_names)} if opt.scalar_names else {}),
             "num_groups": opt.num_groups,
             "hyperparameters": [sorted(h) for h in state.opt.hyper],
         },

@@ -7,7 +7,7 @@ bounded by the model: DCP reads one saved record at a time into the destination
 tensors, and a state dict holds each parameter once (the master, then cast to the
 parameter's dtype, the master freed parameter by parameter).
 
-Imports: :mod:`fzero.checkpoint.manifest`, ``.planners``, ``.checksums``, ``.torch_optim``.
+Imports: :mod:`fzero.checkpoint.manifest`, ``.planners``, ``.checksums``, ``.saveload`` (entry names), ``.torch_optim``.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from .manifest import PathLike, _read_manifest, checked_metadata
 from .metadata import DTYPES
 from .planners import dcp_load
 from ..module import ModuleSpec
-from .saveload import BUFFER_PREFIX, MISSED_KEY
-from .torch_optim import module_state_dict, torch_optim_dict, torch_order
+from .saveload import BUFFER_PREFIX, MISSED_KEY, SCALAR_PREFIX
+from .torch_optim import module_state_dict, rule_from_manifest, torch_optim_dict, torch_order
 
 __all__ = ["checkpoint_info", "consolidate_model_state_dict", "consolidate_torch_optim_state_dict",
            "consolidate_checkpoint", "verify_checkpoint"]
@@ -159,7 +159,9 @@ def consolidate_torch_optim_state_dict(path: PathLike) -> dict[str, Any]:
 
 
 def _optim(checked: CheckedDir, man: dict[str, Any]) -> dict[str, Any]:
-    opt = types.SimpleNamespace(**man["optimizer"])
+    section = man["optimizer"]
+    opt = types.SimpleNamespace(**section)
+    rule = rule_from_manifest(section)
     params = man["params"]
     order = torch_order([p[3] for p in params], opt.num_groups)
     hyper_keys = [f"fzero/hyper/{k}/{n}" for k, names in enumerate(opt.hyperparameters) for n in names]
@@ -177,11 +179,15 @@ def _optim(checked: CheckedDir, man: dict[str, Any]) -> dict[str, Any]:
                 t = flat.pop(key) if _numel(shape) else torch.empty(0)
                 moments.setdefault(i, {})[name] = t.reshape(shape).to(_dtype(dtype))
     own = None
+    trainable = [i for i, p in enumerate(params) if p[3] >= 0]
     if MISSED_KEY in checked.metadata.state_dict_metadata:  # each parameter's own step count
-        trainable = [i for i, p in enumerate(params) if p[3] >= 0]
         missed = _read(checked, [MISSED_KEY], [len(trainable)])[MISSED_KEY].tolist()
         own = {i: step - int(m) for i, m in zip(trainable, missed)}
-    return torch_optim_dict(opt, order, step, hyper, moments, own)
+    keys = [f"{SCALAR_PREFIX}{n}" for n in rule.scalar_names]  # per-parameter scalar state
+    vectors = _read(checked, keys, [len(trainable)] * len(keys))
+    scalars = {i: {n: vectors[k][j].item() for n, k in zip(rule.scalar_names, keys)} for j, i in enumerate(trainable)}
+    shapes = {i: (tuple(p[1]), _dtype(p[2])) for i, p in enumerate(params)}
+    return torch_optim_dict(rule, order, step, hyper, moments, own, scalars, shapes=shapes)
 
 
 def consolidate_checkpoint(path: PathLike, out: PathLike, *, optim: Optional[PathLike] = None) -> Path:

@@ -3,7 +3,8 @@
 Keys: ``fzero/master/{path}`` and ``fzero/{moment}/{path}`` (each trainable parameter's
 master and moments as a logical 1-D tensor of its ``numel``; each rank writes the pieces
 inside the flat range it owns, never padding); the replicated tensors listed by
-:func:`_replicated` (step, hyperparameters, scaler leaves, frozen parameters), written
+:func:`_replicated` (step, hyperparameters, per-parameter step counts and scalars
+``fzero/scalar/{name}``, scaler leaves, frozen parameters), written
 once; ``fzero/rng/{rank}`` (each rank's generator state, written by its process);
 ``extra/...`` (the caller's); ``fzero/manifest``.
 
@@ -54,6 +55,7 @@ _HYPER_PREFIX = "fzero/hyper/"
 
 
 MISSED_KEY = "fzero/missed"  # OptState.missed: [T] int64, replicated
+SCALAR_PREFIX = "fzero/scalar/"  # OptState.scalars: [T] float64 each, replicated
 
 def _sharded(state: TrainState, comm: Communicator, master: Sequence[torch.Tensor],
              moments: Sequence[Sequence[torch.Tensor]]) -> dict[str, _Pieces]:
@@ -178,6 +180,8 @@ def _replicated(state: TrainState) -> dict[str, torch.Tensor]:
     sd = {"fzero/step": state.opt.step}
     if state.opt.missed:  # each parameter's steps sat out without a gradient (its own count)
         sd[MISSED_KEY] = state.opt.missed[0]
+    for name, v in zip(state.opt.optimizer.scalar_names, state.opt.scalars):  # per-parameter [T]
+        sd[f"{SCALAR_PREFIX}{name}"] = v
     for k, h in enumerate(state.opt.hyper):
         for name, v in h.items():
             sd[f"{_HYPER_PREFIX}{k}/{name}"] = v
@@ -399,7 +403,9 @@ def _assemble(
         template,
         shard=shard,
         opt=replace(opt, step=replicated["fzero/step"], hyper=hyper, moments=moments,
-                    missed=(replicated[MISSED_KEY],) if MISSED_KEY in replicated else opt.missed),
+                    missed=(replicated[MISSED_KEY],) if MISSED_KEY in replicated else opt.missed,
+                    scalars=tuple(replicated[f"{SCALAR_PREFIX}{n}"] for n in opt.optimizer.scalar_names)
+                    if opt.scalars else opt.scalars),
         scaler=scaler,
         params=params,
         buffers=buffers,

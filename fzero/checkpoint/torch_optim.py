@@ -1,12 +1,15 @@
-"""Interchange with ``torch.optim``: the full model state dict and a ``torch.optim`` (SGD, Adam,
-AdamW) state dict from a live state, and a state from them.
+"""Interchange with ``torch.optim``: the full model state dict and a ``torch.optim`` state dict
+from a live state, and a state from them, for any rule with a ``torch.optim`` equivalent (SGD,
+Adam, AdamW, and every class run by :func:`fzero.from_torch_optim`): the rule's own
+``torch_state``/``from_torch_state``/``hyper_from_torch_group`` translate each parameter's state.
 
 Memory: the exports gather one flat buffer at a time (one ``all_gather``); each
 exported tensor is a view of that buffer, so the result is the only full copy.
 The offline consolidation (:mod:`fzero.checkpoint.offline`) builds the same dicts
 from a checkpoint with the same helpers (:func:`torch_order`, :func:`torch_optim_dict`).
 
-Imports: :mod:`fzero.step` and below, :mod:`fzero.checkpoint.errors`.
+Imports: :mod:`fzero.step` and below (``fzero.torch_optim_rules`` for a manifest's torch.optim
+class), :mod:`fzero.checkpoint.errors`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import torch
 from ..comm import Communicator
 from ..layout import Layout, flat_shard, group_views
 from ..materialize import has_meta, to_empty_tied
-from ..optim import Optimizer
+from ..optim import Adam, Optimizer, SGD
+from ..torch_optim_rules import torch_rule_from_manifest
 from ..pytree import replace
 from ..sharding import check_world, gather_flat_params
 from ..module import ModuleSpec, restore_parameters
@@ -55,27 +59,20 @@ def torch_order(opt_groups: Sequence[int], num_groups: int) -> list[list[int]]:
     return order
 
 
-_TORCH_CLASSES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-
-
-def _torch_kwargs(optimizer: Any, hyper: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    h = {k: float(v) for k, v in hyper.items()}
-    if optimizer.kind == "sgd":
-        return dict(
-            lr=h["lr"], momentum=h["momentum"], dampening=h["dampening"], weight_decay=h["weight_decay"],
-            nesterov=optimizer.nesterov, maximize=optimizer.maximize,
-        )
-    return dict(
-        lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"], weight_decay=h["weight_decay"],
-        amsgrad=optimizer.amsgrad, maximize=optimizer.maximize,
-    )
+def _torch_class(optimizer: Optimizer) -> type:
+    """The ``torch.optim`` class of ``optimizer`` (:meth:`~fzero.optim.Optimizer.torch_class`),
+    or ``CheckpointMismatchError`` for a rule without one."""
+    cls = optimizer.torch_class()
+    if cls is None:
+        raise CheckpointMismatchError(f"optimizer {optimizer.name} has no torch.optim equivalent: there is "
+                                      "no torch.optim state dict to exchange")
+    return cls
 
 
 def _torch_param_group(optimizer: Any, hyper: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """The param group (without ``params``) torch's optimizer class keeps for these
     hyperparameters: the class itself fills in every key of this torch version."""
-    cls = _TORCH_CLASSES[optimizer.kind]
-    probe = cls([torch.zeros(1, requires_grad=True)], **_torch_kwargs(optimizer, hyper))
+    probe = _torch_class(optimizer)([torch.zeros(1, requires_grad=True)], **optimizer.torch_kwargs(hyper))
     group = dict(probe.param_groups[0])
     del group["params"]
     return group
@@ -175,6 +172,7 @@ def export_torch_optim_state_dict(state: TrainState, comm: Communicator) -> dict
     ensure_live(state)
     check_world(state.shard, comm)
     lay, opt = state.layout, state.opt.optimizer
+    _torch_class(opt)
     step = int(state.opt.step)
     own = own_steps(lay, step, state.opt.missed)
     moments: dict[int, dict[str, torch.Tensor]] = {}
@@ -184,7 +182,16 @@ def export_torch_optim_state_dict(state: TrainState, comm: Communicator) -> dict
                 full = _full_flat(rows, comm)
                 for i, v in zip(g.slots, group_views(lay, g, full)):
                     moments.setdefault(i, {})[name] = v.to(lay.slots[i].dtype)
-    return torch_optim_dict(opt, _torch_order(lay, opt), step, state.opt.hyper, moments, own)
+    return torch_optim_dict(opt, _torch_order(lay, opt), step, state.opt.hyper, moments, own,
+                            slot_scalars(lay, opt, state.opt.scalars), lay)
+
+
+def slot_scalars(layout: Layout, optimizer: Optimizer,
+                 scalars: Sequence[torch.Tensor]) -> dict[int, dict[str, float]]:
+    """``{slot index: {scalar name: value}}`` from ``OptState.scalars`` (``[T]`` vectors)."""
+    slots = [i for i, s in enumerate(layout.slots) if s.group >= 0]
+    values = [v.tolist() for v in scalars] if scalars else [[0.0] * len(slots) for _ in optimizer.scalar_names]
+    return {i: {n: vs[k] for n, vs in zip(optimizer.scalar_names, values)} for k, i in enumerate(slots)}
 
 
 def own_steps(layout: Layout, step: int, missed: Sequence[torch.Tensor]) -> dict[int, int]:
@@ -202,23 +209,34 @@ def torch_optim_dict(
     hyper: Sequence[Mapping[str, torch.Tensor]],
     moments: Mapping[int, Mapping[str, torch.Tensor]],
     own: Optional[Mapping[int, int]] = None,
+    scalars: Optional[Mapping[int, Mapping[str, float]]] = None,
+    layout: Optional[Any] = None,
+    shapes: Optional[Mapping[int, tuple[tuple[int, ...], torch.dtype]]] = None,
 ) -> dict[str, Any]:
-    """A ``torch.optim`` state dict. ``optimizer``: anything with fzero's ``kind``, ``nesterov``,
-    ``maximize``, ``amsgrad`` and ``moment_names`` (an :class:`Optimizer`, or a manifest's
-    ``optimizer`` section); ``order``: :func:`torch_order`; ``moments``: ``{slot: {name: tensor}}``
-    in the parameter's shape and dtype (used only when ``step > 0``); ``own``: each slot's own
-    step count (:func:`own_steps`; default ``step``): a parameter that never took a step has no
-    state, as in torch."""
+    """A ``torch.optim`` state dict. ``optimizer``: an :class:`~fzero.optim.Optimizer` (its
+    ``torch_state`` builds each parameter's state); ``order``: :func:`torch_order`;
+    ``moments``: ``{slot: {name: tensor}}`` in the parameter's shape and dtype (used only when
+    ``step > 0``); ``own``: each slot's own step count (:func:`own_steps`; default ``step``);
+    ``scalars``: each slot's scalar state (:func:`slot_scalars`); ``layout`` or ``shapes``
+    (``{slot: (shape, dtype)}``): the parameters' shapes. A parameter that never took a step
+    has the state torch gives it before its first step (none for most classes)."""
     index = {slot: n for n, slot in enumerate(i for group in order for i in group)}
+    if shapes is None:
+        shapes = {i: (tuple(layout.slots[i].shape), layout.slots[i].dtype) for i in index} if layout else {}
     per_param: dict[int, dict[str, Any]] = {}
-    if step > 0 and optimizer.moment_names:
-        for slot, n in index.items():
+    for k, slots in enumerate(order):
+        fills = _fills_at_construction(optimizer, hyper[k])
+        for slot in slots:
             mine = step if own is None else own.get(slot, step)
-            if mine <= 0:
-                continue
-            per_param[n] = {} if optimizer.kind == "sgd" else {"step": torch.tensor(float(mine), dtype=torch.float32)}
-            for name in optimizer.moment_names:
-                per_param[n][name] = moments[slot][name]
+            if mine > 0:
+                st = optimizer.torch_state(mine, moments[slot] if optimizer.moment_names else {},
+                                           (scalars or {}).get(slot, {}), *shapes.get(slot, ((), torch.float32)))
+            elif fills:
+                st = _initial_torch_state(optimizer, hyper[k], *shapes[slot])
+            else:
+                st = {}
+            if st:
+                per_param[index[slot]] = st
     groups = []
     for k, slots in enumerate(order):
         group = _torch_param_group(optimizer, hyper[k])
@@ -227,41 +245,50 @@ def torch_optim_dict(
     return {"state": dict(sorted(per_param.items())), "param_groups": groups}
 
 
+def rule_from_manifest(section: Mapping[str, Any]) -> Optimizer:
+    """The update rule a checkpoint's manifest names, rebuilt for its torch.optim state dict
+    (hyperparameter values come from the checkpoint): the built-ins, and ``torch.optim``'s own
+    classes run by :func:`fzero.from_torch_optim` (found by name in ``torch.optim``: nothing a
+    checkpoint names is imported). Others: ``CheckpointMismatchError`` naming the rule."""
+    kind = section.get("kind")
+    names = tuple((n, 0.0) for n in section["hyperparameters"][0])
+    if kind == "sgd":
+        return SGD(names, nesterov=bool(section.get("nesterov")), maximize=bool(section.get("maximize")),
+                   momentum_buffer=bool(section.get("momentum_buffer")))
+    if kind in ("adam", "adamw"):
+        return Adam(names, decoupled=kind == "adamw", maximize=bool(section.get("maximize")),
+                    amsgrad=bool(section.get("amsgrad")))
+    rule = torch_rule_from_manifest(section)
+    if rule is None:
+        raise CheckpointMismatchError(
+            f"optimizer {kind}: only fzero's built-in rules and torch.optim's own classes can be rebuilt from a "
+            "checkpoint; export_torch_optim_state_dict gives the state dict from a live state")
+    return rule
+
+
+def _fills_at_construction(optimizer: Optimizer, hyper: Mapping[str, torch.Tensor]) -> bool:
+    """Whether the torch class gives a parameter state when it is constructed (Adagrad)."""
+    return bool(_torch_class(optimizer)([torch.zeros(1)], **optimizer.torch_kwargs(hyper)).state)
+
+
+def _initial_torch_state(optimizer: Optimizer, hyper: Mapping[str, torch.Tensor], shape: tuple[int, ...],
+                         dtype: torch.dtype) -> dict[str, Any]:
+    """A never-stepped parameter's state in a torch class that fills it at construction: what
+    the class itself gives a parameter of this shape and dtype."""
+    param = torch.zeros(shape, dtype=dtype)
+    return dict(_torch_class(optimizer)([param], **optimizer.torch_kwargs(hyper)).state.get(param, {}))
+
+
 def _torch_group_hyper(
     optimizer: Optimizer, k: int, group: Mapping[str, Any], template: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """fzero's hyperparameters of optimizer group ``k`` from a torch param group;
-    ``CheckpointMismatchError`` naming what differs when it belongs to another kind
-    of optimizer or to other static flags."""
-    if "betas" in group:
-        # torch >= 2.6 tells Adam from AdamW by this key; without it either reads the other's state.
-        known = "decoupled_weight_decay" in group
-        kind = "adamw" if group.get("decoupled_weight_decay") else "adam"
-    elif "momentum" in group:
-        known, kind = True, "sgd"
-    else:
-        raise CheckpointMismatchError(f"torch param group {k}: neither SGD's 'momentum' nor Adam's 'betas'")
-    is_sgd = kind == "sgd"
-    if kind != optimizer.kind and (known or is_sgd or optimizer.kind == "sgd"):
-        raise CheckpointMismatchError(
-            f"torch param group {k} belongs to {kind}, this state's optimizer is {optimizer.kind}"
-        )
-    flags = {"maximize": optimizer.maximize}
-    if is_sgd:
-        flags["nesterov"] = optimizer.nesterov
-        if (float(group["momentum"]) != 0) != optimizer.momentum_buffer:
-            raise CheckpointMismatchError(
-                f"torch param group {k}: momentum {group['momentum']} but this state's SGD "
-                f"{'has' if optimizer.momentum_buffer else 'has no'} momentum buffer"
-            )
-    else:
-        flags["amsgrad"] = optimizer.amsgrad
-    for flag, mine in flags.items():
-        if bool(group.get(flag, False)) != mine:
-            raise CheckpointMismatchError(f"torch param group {k}: {flag} {group.get(flag)}, here {mine}")
-    values = dict(group)
-    if not is_sgd:
-        values["beta1"], values["beta2"] = group["betas"]
+    """fzero's hyperparameters of optimizer group ``k`` from a torch param group
+    (:meth:`~fzero.optim.Optimizer.hyper_from_torch_group`); ``CheckpointMismatchError`` naming
+    what differs when it belongs to another optimizer or to other static settings."""
+    try:
+        values = optimizer.hyper_from_torch_group(group)
+    except ValueError as e:
+        raise CheckpointMismatchError(f"torch param group {k} {e}") from None
     out = {}
     for name, t in template.items():
         if name not in values:
@@ -270,22 +297,14 @@ def _torch_group_hyper(
     return out
 
 
-def _own_torch_step(optimizer: Optimizer, state: Mapping[str, Any]) -> int:
-    """One parameter's step count in torch's state (SGD keeps none: 1 once it has a momentum
-    buffer, which exists from the parameter's first step)."""
-    if optimizer.kind == "sgd":
-        return int(state.get("momentum_buffer") is not None)
-    return int(float(state["step"])) if "step" in state else 0
-
-
-def _torch_steps(optimizer: Optimizer, layout: Layout,
-                 per_slot: Mapping[int, Mapping[str, Any]]) -> tuple[int, list[int]]:
-    """fzero's step count from torch's per-parameter state (the largest, the optimizer's), and
-    per trainable slot the steps it sat out (``OptState.missed``)."""
+def _torch_steps(optimizer: Optimizer, layout: Layout, per_slot: Mapping[int, Mapping[str, Any]]
+                 ) -> tuple[int, list[int], list[dict[str, torch.Tensor]], list[dict[str, float]]]:
+    """fzero's step count from torch's per-parameter state (the largest, the optimizer's); per
+    trainable slot the steps it sat out (``OptState.missed``), its moments and scalars."""
     slots = [i for i, s in enumerate(layout.slots) if s.group >= 0]
-    own = [_own_torch_step(optimizer, per_slot.get(i, {})) for i in slots]
-    step = max(own, default=0)
-    return step, [step - k for k in own]
+    read = [optimizer.from_torch_state(per_slot.get(i, {})) for i in slots]
+    step = max((r[0] for r in read), default=0)
+    return step, [step - r[0] for r in read], [r[1] for r in read], [r[2] for r in read]
 
 
 def import_torch_optim_state_dict(
@@ -318,7 +337,7 @@ def import_torch_optim_state_dict(
     for name in opt.moment_names:
         leaves: list[Optional[torch.Tensor]] = [None] * len(lay.slots)
         for i, st in per_slot.items():
-            leaves[i] = _moment_or_zeros(st, name, lay.slots[i].shape)
+            leaves[i] = _moment_or_zeros(opt.from_torch_state(st)[1], name, lay.slots[i].shape)
         per_moment.append(_own_rows(lay, leaves, comm, dev))
     moments = tuple(tuple(m[g.index] for m in per_moment) for g in lay.groups)
     frozen_slots = [i for i, s in enumerate(lay.slots) if s.group < 0]
@@ -326,10 +345,12 @@ def import_torch_optim_state_dict(
         params[i].to(device=f.device, dtype=lay.slots[i].dtype).clone()
         for i, f in zip(frozen_slots, template.shard.frozen)
     )
-    count, missed = _torch_steps(opt, lay, per_slot)
+    count, missed, _, read_scalars = _torch_steps(opt, lay, per_slot)
     step = template.opt.step.new_tensor(count)
     shard = replace(template.shard, master=master, frozen=frozen)
-    new_opt = replace(template.opt, step=step, hyper=hyper, moments=moments)
+    scalars = tuple(torch.tensor([s.get(name, 0.0) for s in read_scalars], dtype=torch.float64)
+                    for name in opt.scalar_names)
+    new_opt = replace(template.opt, step=step, hyper=hyper, moments=moments, scalars=scalars)
     if template.opt.missed or any(missed):
         new_opt = replace(new_opt, missed=(torch.tensor(missed, dtype=torch.int64, device=step.device),))
     gathered = gather_flat_params(shard, comm, template.precision.param_dtype) if len(template.params) else ()
