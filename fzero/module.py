@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import weakref
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -376,6 +377,16 @@ def release_parameters(module: torch.nn.Module, names: Sequence[str]) -> None:
     ``RuntimeError`` that says to call ``fzero.write_back`` (a meta parameter would
     otherwise compute meta outputs without complaint). Stage 3."""
     named = dict(module.named_parameters())
+    # checked for every parameter before any is released, so a refusal leaves the module whole
+    for name in names:
+        if not named[name].is_meta and weakref.getweakrefcount(named[name]):
+            raise RuntimeError(
+                f"stage 3 cannot take parameter {name!r} of this {type(module).__name__}: something "
+                "holds a weak reference to it (torch.compile keeps them for a module a compiled "
+                "function ran, e.g. an earlier compiled step), and the parameter cannot be swapped "
+                "for its meta stand-in: build the state from a fresh module, or drop that function "
+                "and call torch._dynamo.reset() first"
+            )
     for name in names:
         p = named[name]
         if not p.is_meta:

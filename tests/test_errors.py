@@ -345,3 +345,17 @@ def test_collectives_check_rank_axis():
         comm.all_gather(torch.zeros(4, 2))
     with pytest.raises(ValueError, match=r"all_reduce"):
         comm.all_reduce(torch.zeros(()))
+
+
+def test_stage3_names_a_parameter_it_cannot_take_because_of_a_weak_reference():
+    """torch.compile keeps weak references to the parameters of a module a compiled function
+    ran; stage 3 cannot swap such a parameter for its meta stand-in, and says which and why."""
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    held = weakref.ref(model[1].weight)  # what a compiled step's guards would hold
+    with pytest.raises(RuntimeError, match=r"'1\.weight'.*weak reference.*torch\._dynamo\.reset"):
+        fzero.init_train_state(model, fzero.sgd(lr=0.1), fzero.SimulatedWorld(2), stage=3,
+                               units=lambda name, m: name in ("0", "1"))
+    assert held() is not None
+    assert not any(p.is_meta for p in model.parameters())  # refused before any was taken

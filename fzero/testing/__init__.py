@@ -78,13 +78,49 @@ def run_torchrun(
             rc = None
         finally:
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                # torchrun starts every rank in a session of its own, so killing torchrun's
+                # group alone leaves the ranks running: find them (and what they started)
+                # while torchrun is still their parent, then kill all of them
+                ranks = _descendants(proc.pid)
+                for pid in [proc.pid, *ranks]:
+                    _kill_group_and_process(pid)
                 proc.wait()
         log.seek(0)
         return rc, log.read() if capture else ""
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` in the process tree (Linux ``/proc``; elsewhere none)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_group_and_process(pid: int) -> None:
+    """SIGKILL ``pid``'s process group, when ``pid`` leads it, and ``pid`` itself."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 class GatherTracker(Communicator):

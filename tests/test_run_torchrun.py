@@ -1,0 +1,44 @@
+"""``fzero.testing.run_torchrun`` bounds a launch: on timeout torchrun and every rank it started
+are killed. torchrun starts each rank in a session of its own, so killing torchrun's process
+group alone left the ranks running (found when a timed-out benchmark launch kept its two ranks
+busy for twenty minutes after its row said "killed")."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from fzero.testing import run_torchrun
+
+# Each rank writes its pid and sleeps far longer than the launch's timeout.
+_RANK = """
+import os, sys, time
+with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.pid"), "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
+def test_a_timed_out_launch_kills_every_rank(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text(_RANK)
+    deadline = 30.0  # torchrun imports torch and starts two ranks: seconds, on a shared machine
+    rc, _ = run_torchrun(2, str(script), [str(tmp_path)], timeout=deadline)
+    assert rc is None  # timed out
+    pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in range(2) if (tmp_path / f"rank{r}.pid").exists()]
+    assert len(pids) == 2, "the ranks did not start within the launch's timeout"
+    end = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], "ranks survived their launch's timeout"
