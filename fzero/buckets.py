@@ -55,7 +55,9 @@ __all__ = [
 # block under the threshold stays in the process as free heap. A bucket of 2^24 fp32 elements
 # and its reduced half at W=2 are above that ceiling, so they return to the system when freed.
 # Measured at 162M parameters, W=2 gloo, eager stage 2: held RSS 1871 MiB with 2^23 (the
-# buckets' freed heap), 1781 with 2^24, for 4.21 s -> 4.36 s a step (median of 8).
+# buckets' freed heap), 1781 with 2^24, for 4.21 s -> 4.36 s a step (median of 8). Those runs
+# had glibc's dynamic threshold; a CPU state now pins it at 4 MiB (fzero.host_malloc), under
+# which every bucket is a mapping of its own: 2^23 has not been measured again since.
 DEFAULT_BUCKET_NUMEL = 1 << 24
 
 # Reductions a rank keeps under way before it waits for the oldest. Each holds its bucket's
