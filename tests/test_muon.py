@@ -1,0 +1,179 @@
+"""``fzero.muon``: torch.optim.Muon on the matrices and torch.optim.AdamW on the rest, on flat
+shards, equal to the two torch.optim classes on the unsharded model (float64, 1e-10) at every
+W and stage, with matrices straddling shard boundaries; each matrix orthogonalized once in
+the world; its state checkpoints and reshards; clear errors. The gloo run equal to the
+simulated world is in ``test_distributed.py`` (``muon``)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+import fzero
+import fzero.muon_rules as muon_rules
+import user_models as um
+from helpers import batches, children, max_rel_err, mlp, reference_run
+
+STEPS = 5
+TOL = 1e-10
+SIZES = (7, 9, 5, 3)  # odd: the matrices straddle shard boundaries at every W
+MUON_KW = dict(lr=0.02, weight_decay=0.1, momentum=0.9, eps=1e-7, adjust_lr_fn="match_rms_adamw")
+ADAMW_KW = dict(lr=0.01, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.01)
+mse = torch.nn.functional.mse_loss
+
+
+def is_matrix_of(model: torch.nn.Module):  # noqa: ANN201
+    """The MLP's matrices: every 2-D parameter (weights of the three Linear layers)."""
+    return frozenset(n for n, p in model.named_parameters() if p.dim() == 2).__contains__
+
+
+class MuonAdamW:
+    """The oracle: torch.optim.Muon on the matrices, torch.optim.AdamW on the rest, as users run them."""
+
+    def __init__(self, model: torch.nn.Module, matrices, nesterov: bool = True):  # noqa: ANN001
+        named = list(model.named_parameters())
+        self.muon = torch.optim.Muon([p for n, p in named if matrices(n)], nesterov=nesterov, **MUON_KW)
+        self.adamw = torch.optim.AdamW([p for n, p in named if not matrices(n)], **ADAMW_KW)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none)
+        self.adamw.zero_grad(set_to_none)
+
+    def step(self) -> None:
+        self.muon.step()
+        self.adamw.step()
+
+
+def rule(matrices, nesterov: bool = True) -> fzero.Muon:  # noqa: ANN001
+    return fzero.muon(matrices=matrices, nesterov=nesterov, adamw=ADAMW_KW, **MUON_KW)
+
+
+def _train(model, opt, data, world, stage, criterion=mse, state=None, comm=None):  # noqa: ANN001
+    comm = comm or fzero.SimulatedWorld(world)
+    units = {"units": children} if stage == 3 and isinstance(model, torch.nn.Sequential) else {}
+    if state is None:
+        state = fzero.init_train_state(model, opt, comm, stage=stage, alignment=4, **units)
+    step = fzero.make_train_step(fzero.module_loss(model, criterion), comm, stage=stage)
+    for batch in data:
+        state, metrics = step(state, comm.split_batch(batch))
+        assert metrics["found_inf"].item() == 0.0
+    return state, comm
+
+
+def _assert_params(state, comm, ref: torch.nn.Module, where=()) -> None:  # noqa: ANN001
+    full = fzero.all_gather_params(state.shard, comm)
+    for n, p in ref.named_parameters():
+        for r in range(comm.world_size):
+            err = max_rel_err(full[n][r], p.detach())
+            assert err <= TOL, (*where, n, r, err)
+
+
+def _straddles(state) -> bool:  # noqa: ANN001
+    """Whether some matrix of the layout lies on more than one rank's shard."""
+    lay = state.shard.layout
+    for g in lay.groups:
+        for i in g.slots:
+            s = lay.slots[i]
+            if len(s.shape) == 2 and s.offset // g.shard_numel != (s.offset + s.numel - 1) // g.shard_numel:
+                return True
+    return False
+
+
+def test_mlp_equals_torch_muon_and_adamw_at_every_world_and_stage():
+    for world in (1, 2, 3, 4):
+        data = batches(STEPS, world, 2, torch.float64, d_in=SIZES[0])
+        model = mlp(torch.float64, sizes=SIZES)
+        matrices = is_matrix_of(model)
+        ref = reference_run(model, lambda m: MuonAdamW(m, matrices), data, world)
+        moved = max(max_rel_err(p.detach(), q.detach()) for p, q in zip(ref.parameters(), model.parameters()))
+        assert moved > 1e-3  # the oracle trained
+        for stage in (1, 2, 3):
+            state, comm = _train(mlp(torch.float64, sizes=SIZES), rule(matrices), data, world, stage)
+            assert world == 1 or _straddles(state)
+            assert int(state.opt.step) == STEPS
+            _assert_params(state, comm, ref, where=(world, stage))
+
+
+def test_without_nesterov():
+    world = 3
+    data = batches(STEPS, world, 2, torch.float64, d_in=SIZES[0])
+    model = mlp(torch.float64, sizes=SIZES)
+    matrices = is_matrix_of(model)
+    ref = reference_run(model, lambda m: MuonAdamW(m, matrices, nesterov=False), data, world)
+    state, comm = _train(mlp(torch.float64, sizes=SIZES), rule(matrices, nesterov=False), data, world, 2)
+    _assert_params(state, comm, ref)
+
+
+@pytest.mark.parametrize("world,stage", [(2, 1), (3, 3), (4, 2)])
+def test_llama_equals_torch_muon_and_adamw(world, stage):
+    pytest.importorskip("transformers")
+    data = um.token_batches(STEPS, world * 2)
+    model = um.llama().double()
+    matrices = fzero.hidden_matrices(model)
+    assert any(matrices(n) for n, _ in model.named_parameters())
+    assert not matrices("model.embed_tokens.weight") and not matrices("lm_head.weight")
+    ref, _, _ = um.oracle_run(model, lambda m: MuonAdamW(m, matrices), data, world, um.oracle_loss("lm"))
+    state, comm = _train(um.llama().double(), rule(matrices), data, world, stage, um.lm_criterion)
+    _assert_params(state, comm, ref, where=(world, stage))
+
+
+def test_each_matrix_is_orthogonalized_once_in_the_world(monkeypatch):
+    """Counted calls of Newton-Schulz: one per matrix per step in the whole (simulated) world,
+    each by its owner row, and the owners spread the work over the ranks."""
+    world = 4
+    model = um.llama().double() if _has_transformers() else mlp(torch.float64, sizes=SIZES)
+    matrices = fzero.hidden_matrices(model) if _has_transformers() else is_matrix_of(model)
+    n_matrices = sum(1 for n, _ in model.named_parameters() if matrices(n))
+    calls: collections.Counter = collections.Counter()
+    by_rank: collections.Counter = collections.Counter()
+    inner_ns, inner_owned = muon_rules.newton_schulz, muon_rules.Muon._orthogonalize_owned
+
+    def counting_ns(matrix, *args):  # noqa: ANN001, ANN202
+        calls[tuple(matrix.shape)] += 1
+        return inner_ns(matrix, *args)
+
+    def counting_owned(self, layout, groups, gathered, results, owners, rank, take, where, w, hyper):  # noqa: ANN001, ANN202
+        before = sum(calls.values())
+        inner_owned(self, layout, groups, gathered, results, owners, rank, take, where, w, hyper)
+        by_rank[rank] += sum(calls.values()) - before
+
+    monkeypatch.setattr(muon_rules, "newton_schulz", counting_ns)
+    monkeypatch.setattr(muon_rules.Muon, "_orthogonalize_owned", counting_owned)
+    if _has_transformers():
+        data, crit = um.token_batches(2, world * 2), um.lm_criterion
+    else:
+        data, crit = batches(2, world, 2, torch.float64, d_in=SIZES[0]), mse
+    state, _ = _train(model, rule(matrices), data, world, 2, crit)
+    assert sum(calls.values()) == 2 * n_matrices
+    assert sorted(by_rank) == list(range(world))
+    owners = fzero.muon_owners(state.shard.layout, world)
+    assert len(owners) == n_matrices
+    per_rank = collections.Counter(owners.values())
+    for r in range(world):
+        assert by_rank[r] == 2 * per_rank[r] > 0
+    # the NS cost is balanced: no rank does more than its share plus one largest matrix
+    cost = collections.Counter()
+    lay = state.shard.layout
+    for slot_index, k in fzero.sharding.trainable_index(lay).items():
+        if k in owners:
+            cost[owners[k]] += muon_rules._ns_cost(lay.slots[slot_index].shape)
+    largest = max(muon_rules._ns_cost(lay.slots[i].shape) for i, k in fzero.sharding.trainable_index(lay).items()
+                  if k in owners)
+    assert max(cost.values()) <= sum(cost.values()) / world + largest
+
+
+def _has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_owners_are_deterministic_and_balanced():
+    lay = fzero.init_train_state(mlp(torch.float64, sizes=(8, 64, 64, 64, 64, 8)), fzero.muon(matrices=lambda n: n.endswith("weight") and not n.startswith("2.")),
+                                 fzero.SimulatedWorld(2), alignment=4).shard.layout
+    a, b = fzero.muon_owners(lay, 3), fzero.muon_owners(lay, 3)
+    assert a == b and set(a.values()) == {0, 1, 2}
