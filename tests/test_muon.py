@@ -22,6 +22,9 @@ SIZES = (7, 9, 5, 3)  # odd: the matrices straddle shard boundaries at every W
 MUON_KW = dict(lr=0.02, weight_decay=0.1, momentum=0.9, eps=1e-7, adjust_lr_fn="match_rms_adamw")
 ADAMW_KW = dict(lr=0.01, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.01)
 mse = torch.nn.functional.mse_loss
+# one intra-op thread: Newton-Schulz's tiny bfloat16 products are 40x slower with two
+# contending threads on a shared 2-core machine
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def is_matrix_of(model: torch.nn.Module):  # noqa: ANN201
@@ -106,7 +109,7 @@ def test_without_nesterov():
     _assert_params(state, comm, ref)
 
 
-@pytest.mark.parametrize("world,stage", [(2, 1), (3, 3), (4, 2)])
+@pytest.mark.parametrize("world,stage", [(2, 1), (3, 2), (4, 3)])
 def test_llama_equals_torch_muon_and_adamw(world, stage):
     pytest.importorskip("transformers")
     data = um.token_batches(STEPS, world * 2)
