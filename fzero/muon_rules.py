@@ -128,6 +128,7 @@ class Muon(Optimizer):
         when the layout has Muon groups."""
         where = trainable_index(layout)
         muon_groups = [g for g in layout.groups if self.is_muon_group(g.opt_group)]
+        check_matrices(layout, muon_groups)  # before anything is written (a donated state is updated in place)
         for g in layout.groups:
             if not self.is_muon_group(g.opt_group):
                 h = hyper[g.opt_group]
@@ -135,7 +136,6 @@ class Muon(Optimizer):
                                  moments[g.index][1:], {k: h[k] for k in _ADAMW_KEYS}, own, take, [], ranks, where)
         if not muon_groups:
             return
-        check_matrices(layout, muon_groups)
         blended = [self._momentum(layout, g, grads[g.index].to(master[g.index].dtype), moments[g.index][0],
                                   hyper[g.opt_group], take, ranks, where) for g in muon_groups]
         gathered = comm.all_gather(torch.cat([b.to(TRANSPORT) for b in blended], dim=1))

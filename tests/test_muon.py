@@ -180,3 +180,48 @@ def test_owners_are_deterministic_and_balanced():
                                  fzero.SimulatedWorld(2), alignment=4).shard.layout
     a, b = fzero.muon_owners(lay, 3), fzero.muon_owners(lay, 3)
     assert a == b and set(a.values()) == {0, 1, 2}
+
+
+def test_checkpoint_reshards_to_another_world_and_stage(tmp_path):
+    """Saved at W=2 stage 2 after two steps, loaded at W=3 stage 3: the momentum buffers and
+    AdamW's moments reshard as flat moments, and the resumed run equals torch.optim's
+    uninterrupted one."""
+    model = mlp(torch.float64, sizes=SIZES)
+    matrices = is_matrix_of(model)
+    data = batches(4, 6, 1, torch.float64, d_in=SIZES[0])
+    ref = reference_run(model, lambda m: MuonAdamW(m, matrices), data, 6)
+    state, comm2 = _train(mlp(torch.float64, sizes=SIZES), rule(matrices), data[:2], 6, 2,
+                          comm=fzero.SimulatedWorld(2))
+    assert all(m.shape == (2, g.shard_numel) for g, ms in zip(state.shard.layout.groups, state.opt.moments)
+               for m in ms)
+    fzero.save_checkpoint(state, tmp_path, comm2)
+    comm3 = fzero.SimulatedWorld(3)
+    model3 = mlp(torch.float64, sizes=SIZES)
+    template = fzero.init_train_state(model3, rule(matrices), comm3, stage=3, units=children, alignment=4)
+    loaded, _ = fzero.load_checkpoint(tmp_path, template, comm3)
+    resumed, _ = _train(model3, None, data[2:], 3, 3, state=loaded, comm=comm3)
+    _assert_params(resumed, comm3, ref)
+    with pytest.raises(fzero.CheckpointMismatchError, match="optimizer nesterov: True vs False"):
+        fzero.load_checkpoint(tmp_path, fzero.init_train_state(mlp(torch.float64, sizes=SIZES),
+                                                               rule(matrices, nesterov=False), comm3), comm3)
+
+
+def test_errors_name_the_parameter_and_the_rule():
+    model = mlp(torch.float64, sizes=SIZES)
+    comm = fzero.SimulatedWorld(2)
+    batch = comm.split_batch(batches(1, 2, 2, torch.float64, d_in=SIZES[0])[0])
+    # a bias among the matrices: named at the first step, before any collective
+    state = fzero.init_train_state(model, rule(lambda n: n in ("0.weight", "0.bias")), comm)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm)
+    with pytest.raises(ValueError, match=r"muon: parameter 0\.bias has shape \(9,\); Muon updates 2-D"):
+        step(state, batch)
+    state = fzero.init_train_state(model, rule(is_matrix_of(model)), comm)
+    compiled = fzero.make_train_step(fzero.module_loss(model, mse), comm, compile=True)
+    with pytest.raises(ValueError, match=r"optimizer muon cannot run in a compiled step: its Newton-Schulz"):
+        compiled(state, batch)
+    with pytest.raises(ValueError, match="adjust_lr_fn"):
+        fzero.muon(matrices=is_matrix_of(model), adjust_lr_fn="other")
+    with pytest.raises(ValueError, match=r"adamw takes .*\['betas2'\]"):
+        fzero.muon(matrices=is_matrix_of(model), adamw=dict(betas2=0.9))
+    with pytest.raises(ValueError, match="pass comm="):
+        fzero.shard_step(state.shard, state.opt, tuple(torch.zeros_like(m) for m in state.shard.master))
