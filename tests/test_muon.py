@@ -13,6 +13,7 @@ import torch
 
 import fzero
 import fzero.muon_rules as muon_rules
+import unused_cases as uc
 import user_models as um
 from helpers import batches, children, max_rel_err, mlp, reference_run
 
@@ -225,3 +226,26 @@ def test_errors_name_the_parameter_and_the_rule():
         fzero.muon(matrices=is_matrix_of(model), adamw=dict(betas2=0.9))
     with pytest.raises(ValueError, match="pass comm="):
         fzero.shard_step(state.shard, state.opt, tuple(torch.zeros_like(m) for m in state.shard.master))
+
+
+class _SplitByDim(MuonAdamW):
+    """The oracle given a parameter list (``unused_cases``): Muon on the 2-D ones."""
+
+    def __init__(self, params) -> None:  # noqa: ANN001
+        params = list(params)
+        self.muon = torch.optim.Muon([p for p in params if p.dim() == 2], **MUON_KW)
+        self.adamw = torch.optim.AdamW([p for p in params if p.dim() != 2], **ADAMW_KW)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_unused_parameters_are_skipped_as_torch_skips_them(stage, monkeypatch):
+    """A matrix (``branch``) no rank used in a step is not orthogonalized and keeps its momentum,
+    as torch.optim.Muon skips a parameter whose gradient is None; ``aux`` never steps; AdamW's
+    parameters keep their own step counts."""
+    monkeypatch.setitem(uc.OPTIMIZERS, "muon", (lambda: rule(lambda n: n.endswith("weight")), _SplitByDim))
+    want = uc.run_oracle(2, "muon")
+    got = uc.run_fzero(fzero.SimulatedWorld(2), "muon", stage)
+    for k, v in want.items():
+        assert max_rel_err(got["params"][k], v) <= 1e-12, (k, stage)
+    assert got["steps"]["branch.weight"] == 4 and got["steps"]["aux.weight"] == 0
+    assert not torch.equal(want["branch.weight"], uc.Gated().branch.weight.detach())
