@@ -12,7 +12,8 @@ scalars (``[T]`` vectors).
 The built-in rules (:class:`SGD`, :class:`Adam`; :func:`sgd`, :func:`adam`,
 :func:`adamw`) follow ``torch.optim``'s single-tensor implementations operation
 by operation, written out of place; eagerly Adam(W) runs torch's fused kernel.
-Rules call no collective.
+Rules call no collective, except one with :attr:`Optimizer.needs_comm`
+(:meth:`Optimizer.update_with_comm`: :func:`fzero.muon`).
 
 Imports: ``fzero.pytree``.
 """

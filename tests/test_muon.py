@@ -224,6 +224,9 @@ def test_errors_name_the_parameter_and_the_rule():
         fzero.muon(matrices=is_matrix_of(model), adjust_lr_fn="other")
     with pytest.raises(ValueError, match=r"adamw takes .*\['betas2'\]"):
         fzero.muon(matrices=is_matrix_of(model), adamw=dict(betas2=0.9))
+    from fzero.checkpoint import export_torch_optim_state_dict
+    with pytest.raises(fzero.CheckpointMismatchError, match="optimizer muon has no torch.optim equivalent"):
+        export_torch_optim_state_dict(state, comm)
     with pytest.raises(ValueError, match="pass comm="):
         fzero.shard_step(state.shard, state.opt, tuple(torch.zeros_like(m) for m in state.shard.master))
 
@@ -249,3 +252,20 @@ def test_unused_parameters_are_skipped_as_torch_skips_them(stage, monkeypatch):
         assert max_rel_err(got["params"][k], v) <= 1e-12, (k, stage)
     assert got["steps"]["branch.weight"] == 4 and got["steps"]["aux.weight"] == 0
     assert not torch.equal(want["branch.weight"], uc.Gated().branch.weight.detach())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_traffic_is_one_bf16_all_gather_and_reduce_scatter_of_the_matrices(world):
+    """What Muon adds to a step, as design.md states it: one all-gather and one
+    reduce-scatter(sum) in bfloat16 of the Muon groups' padded elements, and nothing else."""
+    model = mlp(torch.float64, sizes=SIZES)
+    counting = fzero.CountingCommunicator(fzero.SimulatedWorld(world))
+    state = fzero.init_train_state(model, rule(is_matrix_of(model)), counting, stage=2, alignment=4)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), counting, stage=2)
+    batch = counting.split_batch(batches(1, world, 2, torch.float64, d_in=SIZES[0])[0])
+    counting.reset()
+    step(state, batch)
+    extra = [(r.op, r.elements) for r in counting.records if r.dtype == torch.bfloat16]
+    muon_numel = sum(g.padded_numel for g in state.shard.layout.groups if g.opt_group != 1)
+    assert extra == [("all_gather", muon_numel), ("reduce_scatter", muon_numel)]
+    assert all(r.dtype == torch.float64 for r in counting.records if r.dtype != torch.bfloat16)
