@@ -32,6 +32,7 @@ Imports: ``fzero.optim``, ``fzero.torch_optim_rules``, ``fzero.layout``, ``fzero
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
@@ -64,11 +65,13 @@ def newton_schulz(matrix: torch.Tensor, coefficients: tuple[float, float, float]
     return torch_muon._zeropower_via_newtonschulz(matrix, coefficients, steps, eps)
 
 
-def hidden_matrices(module: torch.nn.Module, exclude: Sequence[str] = ("embed", "lm_head", "head", "wte",
-                                                                            "wpe", "output")) -> Predicate:
+def hidden_matrices(module: torch.nn.Module, exclude: Sequence[str] = ("embed", "lm_head", "wte", "wpe")
+                    ) -> Predicate:
     """Path predicate for Muon's usual parameters: 2-D parameters of ``module`` whose path
     contains none of ``exclude`` (embeddings and the output head go to AdamW, as Muon's
-    authors run it). Biases, norms and other non-2-D parameters are never matrices."""
+    authors run it; the defaults name them in transformers' Llama and GPT-2 families, pass
+    your model's names otherwise). Biases, norms and other non-2-D parameters are never
+    matrices."""
     names = frozenset(n for n, p in module.named_parameters()
                       if p.dim() == 2 and not any(word in n for word in exclude))
     return names.__contains__
@@ -110,12 +113,9 @@ class Muon(Optimizer):
         """Whether optimizer group ``index`` runs Muon (every group but 1, AdamW's)."""
         return index != 1
 
-    def check_hyper(self, name: str, value: float, where: str) -> None:
-        _check_hyper(name, value, where)
-
     def _adamw(self) -> TorchOptimRule:
         """``torch.optim.AdamW`` as a by-piece rule (its hyperparameters come per step)."""
-        return _ADAMW_RULE
+        return _adamw_rule()
 
     def update_with_comm(self, layout: Layout, master: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                          moments: Sequence[tuple[torch.Tensor, ...]], hyper: Sequence[Mapping[str, torch.Tensor]],
@@ -254,7 +254,9 @@ def muon_owners(layout: Layout, world_size: int, is_muon_group: Callable[[int], 
 
 # torch.optim.AdamW is Adam with decoupled weight decay (torch >= 2.6); AdamW itself cannot be
 # rebuilt from its own ``defaults`` (they hold ``decoupled_weight_decay``, its __init__ refuses it)
-_ADAMW_RULE = from_torch_optim(torch.optim.Adam, decoupled_weight_decay=True)
+@functools.lru_cache(maxsize=None)
+def _adamw_rule() -> TorchOptimRule:
+    return from_torch_optim(torch.optim.Adam, decoupled_weight_decay=True)
 
 
 def muon(

@@ -13,6 +13,7 @@ import torch
 
 import fzero
 import fzero.muon_rules as muon_rules
+import dist_cases as cases
 import unused_cases as uc
 import user_models as um
 from helpers import batches, children, max_rel_err, mlp, reference_run
@@ -54,12 +55,12 @@ def rule(matrices, nesterov: bool = True) -> fzero.Muon:  # noqa: ANN001
     return fzero.muon(matrices=matrices, nesterov=nesterov, adamw=ADAMW_KW, **MUON_KW)
 
 
-def _train(model, opt, data, world, stage, criterion=mse, state=None, comm=None):  # noqa: ANN001
+def _train(model, opt, data, world, stage, criterion=mse, state=None, comm=None, donate=False):  # noqa: ANN001
     comm = comm or fzero.SimulatedWorld(world)
     units = {"units": children} if stage == 3 and isinstance(model, torch.nn.Sequential) else {}
     if state is None:
         state = fzero.init_train_state(model, opt, comm, stage=stage, alignment=4, **units)
-    step = fzero.make_train_step(fzero.module_loss(model, criterion), comm, stage=stage)
+    step = fzero.make_train_step(fzero.module_loss(model, criterion), comm, stage=stage, donate=donate)
     for batch in data:
         state, metrics = step(state, comm.split_batch(batch))
         assert metrics["found_inf"].item() == 0.0
@@ -94,7 +95,9 @@ def test_mlp_equals_torch_muon_and_adamw_at_every_world_and_stage():
         moved = max(max_rel_err(p.detach(), q.detach()) for p, q in zip(ref.parameters(), model.parameters()))
         assert moved > 1e-3  # the oracle trained
         for stage in (1, 2, 3):
-            state, comm = _train(mlp(torch.float64, sizes=SIZES), rule(matrices), data, world, stage)
+            # donating (the shards updated in place) at even W
+            state, comm = _train(mlp(torch.float64, sizes=SIZES), rule(matrices), data, world, stage,
+                                 donate=world % 2 == 0)
             assert world == 1 or _straddles(state)
             assert int(state.opt.step) == STEPS
             _assert_params(state, comm, ref, where=(world, stage))
@@ -269,3 +272,14 @@ def test_traffic_is_one_bf16_all_gather_and_reduce_scatter_of_the_matrices(world
     muon_numel = sum(g.padded_numel for g in state.shard.layout.groups if g.opt_group != 1)
     assert extra == [("all_gather", muon_numel), ("reduce_scatter", muon_numel)]
     assert all(r.dtype == torch.float64 for r in counting.records if r.dtype != torch.bfloat16)
+
+
+def test_an_overflowing_step_is_skipped_on_every_rank_alike():
+    """A non-finite gradient on one rank: no rank updates or calls Muon's collectives, the
+    state stays bitwise, and training goes on."""
+    comm = fzero.CountingCommunicator(fzero.SimulatedWorld(2))
+    state, history, changed = cases.train(comm, steps=3, optimizer=cases.muon(), poison=lambda s, r: s == 1 and r == 1)
+    assert changed == [True, False, True]
+    assert [h["found_inf"] for h in history] == [0.0, 1.0, 0.0]
+    assert int(state.opt.step) == 2
+    assert sum(r.dtype == torch.bfloat16 for r in comm.records) == 4  # two applied steps, two collectives each
