@@ -7,12 +7,14 @@ simulated world is in ``test_distributed.py`` (``muon``)."""
 from __future__ import annotations
 
 import collections
+import copy
 
 import pytest
 import torch
 
 import fzero
 import fzero.muon_rules as muon_rules
+from fzero.pytree import replace
 import dist_cases as cases
 import unused_cases as uc
 import user_models as um
@@ -283,3 +285,39 @@ def test_an_overflowing_step_is_skipped_on_every_rank_alike():
     assert [h["found_inf"] for h in history] == [0.0, 1.0, 0.0]
     assert int(state.opt.step) == 2
     assert sum(r.dtype == torch.bfloat16 for r in comm.records) == 4  # two applied steps, two collectives each
+
+
+def test_a_further_muon_group_and_the_adamw_group_follow_torch_param_groups():
+    """``groups`` are further Muon groups among the matrices (torch: a second Muon param
+    group); the AdamW group's learning rate is changed between steps as torch's would be."""
+    world = 3
+    data = batches(4, world, 2, torch.float64, d_in=SIZES[0])
+    model = mlp(torch.float64, sizes=SIZES)
+    matrices = is_matrix_of(model)
+    special = "3.weight"
+
+    def torch_pair(m):  # noqa: ANN001, ANN202
+        pair = MuonAdamW(m, matrices)
+        named = dict(m.named_parameters())
+        pair.muon = torch.optim.Muon([{"params": [p for n, p in named.items() if matrices(n) and n != special]},
+                                      {"params": [named[special]], "lr": 0.05, "momentum": 0.5}], **MUON_KW)
+        return pair
+
+    ref = copy.deepcopy(model)
+    opt = torch_pair(ref)
+    comm = fzero.SimulatedWorld(world)
+    fz = fzero.muon(matrices=matrices, adamw=ADAMW_KW, groups=[(lambda n: n == special, {"lr": 0.05, "momentum": 0.5})],
+                    **MUON_KW)
+    m2 = mlp(torch.float64, sizes=SIZES)
+    state = fzero.init_train_state(m2, fz, comm, alignment=4)
+    assert state.shard.layout.groups and {g.opt_group for g in state.shard.layout.groups} == {0, 1, 2}
+    step = fzero.make_train_step(fzero.module_loss(m2, mse), comm)
+    for i, (x, y) in enumerate(data):
+        if i == 2:
+            opt.adamw.param_groups[0]["lr"] = 0.002
+            state = replace(state, opt=fzero.set_hyperparams(state.opt, group=1, lr=0.002))
+        opt.zero_grad()
+        (sum(mse(ref(xr), yr) for xr, yr in zip(x.chunk(world), y.chunk(world))) / world).backward()
+        opt.step()
+        state, _ = step(state, comm.split_batch((x, y)))
+    _assert_params(state, comm, ref)
