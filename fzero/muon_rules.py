@@ -41,7 +41,7 @@ from torch.optim import _muon as torch_muon
 
 from .comm import Communicator
 from .layout import FlatGroup, Layout
-from .optim import GroupSpec, Optimizer, Piece, _check_hyper, _groups
+from .optim import GroupSpec, Optimizer, _check_hyper, _groups
 from .sharding import _update_by_piece, shard_pieces, trainable_index
 from .torch_optim_rules import TorchOptimRule, from_torch_optim
 
@@ -90,8 +90,8 @@ class _NotMatrix:
 @dataclasses.dataclass(frozen=True)
 class Muon(Optimizer):
     """``torch.optim.Muon`` on the matrices (groups 0 and 2...), ``torch.optim.AdamW`` on the
-    rest (group 1); see :func:`muon`. Static: ``nesterov``, ``ns_coefficients``, ``ns_steps``,
-    ``adjust_lr_fn`` (Muon's), ``amsgrad`` is AdamW's (False)."""
+    rest (group 1, the one :func:`muon` builds from ``matrices``); build it with :func:`muon`.
+    Static: Muon's ``nesterov``, ``ns_coefficients``, ``ns_steps``, ``adjust_lr_fn``."""
 
     nesterov: bool = True
     ns_coefficients: tuple[float, float, float] = (torch_muon.DEFAULT_A, torch_muon.DEFAULT_B, torch_muon.DEFAULT_C)
@@ -110,8 +110,8 @@ class Muon(Optimizer):
         return "muon"
 
     def is_muon_group(self, index: int) -> bool:
-        """Whether optimizer group ``index`` runs Muon (every group but 1, AdamW's)."""
-        return index != 1
+        """Whether optimizer group ``index`` runs Muon (every group but AdamW's, 1)."""
+        return not (index == 1 and isinstance(self.groups[0].match, _NotMatrix))
 
     def _adamw(self) -> TorchOptimRule:
         """``torch.optim.AdamW`` as a by-piece rule (its hyperparameters come per step)."""
