@@ -6,7 +6,8 @@ States (immutable pytrees): :class:`ScalerState`, :class:`ShardState`,
 :func:`shard_step`, :func:`all_gather_params`, composed by
 :func:`make_train_step`. Update rules follow one protocol, :class:`Optimizer`
 (built-ins :func:`sgd`, :func:`adam`, :func:`adamw`; a user's rule is a subclass;
-:func:`from_torch_optim` runs any per-element ``torch.optim`` class on the shards).
+:func:`from_torch_optim` runs any per-element ``torch.optim`` class on the shards;
+:func:`muon` runs ``torch.optim.Muon`` on the matrices and AdamW on the rest).
 Collectives are methods of a communicator passed in
 explicitly: :class:`SimulatedWorld` (N ranks in one process) or
 :class:`fzero.dist.TorchCommunicator` (``torch.distributed``).
@@ -39,6 +40,7 @@ from .optim import (
     sgd,
 )
 from .torch_optim_rules import TorchOptimRule, from_torch_optim
+from .muon_rules import Muon, hidden_matrices, muon, muon_owners
 from .precision import MixedPrecision, native_bf16
 from .pytree import NAMESPACE, tree_map
 from .scaler import ScalerState, init_scaler, scale, static_scaler, unscale_and_check, update_scale
@@ -120,6 +122,10 @@ __all__ = [
     "Piece",
     "TorchOptimRule",
     "from_torch_optim",
+    "Muon",
+    "muon",
+    "muon_owners",
+    "hidden_matrices",
     "hyper_scalars",
     "ParamGroup",
     "ParamSlot",

@@ -12,7 +12,8 @@ scalars (``[T]`` vectors).
 The built-in rules (:class:`SGD`, :class:`Adam`; :func:`sgd`, :func:`adam`,
 :func:`adamw`) follow ``torch.optim``'s single-tensor implementations operation
 by operation, written out of place; eagerly Adam(W) runs torch's fused kernel.
-Rules call no collective.
+Rules call no collective, except one with :attr:`Optimizer.needs_comm`
+(:meth:`Optimizer.update_with_comm`: :func:`fzero.muon`).
 
 Imports: ``fzero.pytree``.
 """
@@ -117,10 +118,8 @@ class Piece(NamedTuple):
 def check_compilable(optimizer: "Optimizer") -> None:
     """Raise ``ValueError`` naming the rule if it cannot run inside ``torch.compile``."""
     if not optimizer.compilable:
-        raise ValueError(
-            f"optimizer {optimizer.name} cannot run in a compiled step: it updates each parameter's "
-            "piece eagerly (torch.optim's own step on views of the shards); use compile=False"
-        )
+        raise ValueError(f"optimizer {optimizer.name} cannot run in a compiled step: {optimizer.not_compilable}; "
+                         "use compile=False")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +155,11 @@ class Optimizer:
     step_scalar_names: ClassVar[tuple[str, ...]] = ()
     #: whether the rule runs inside ``torch.compile`` (``make_train_step(compile=True)``)
     compilable: ClassVar[bool] = True
+    #: why not, when not (:func:`check_compilable`'s message)
+    not_compilable: ClassVar[str] = ("it updates each parameter's piece eagerly (torch.optim's own step on views "
+                                     "of the shards)")
+    #: whether the step calls collectives (:meth:`update_with_comm`, eagerly, with :attr:`by_piece`)
+    needs_comm: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
@@ -288,6 +292,16 @@ class Optimizer:
         :attr:`scalar_names`). Every piece of one parameter must give the same scalars: they
         are per-parameter state, replicated. No collective."""
         raise NotImplementedError(f"{type(self).__name__} does not define update_pieces()")
+
+    def update_with_comm(self, layout: Any, master: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                         moments: Sequence[tuple[torch.Tensor, ...]], hyper: Sequence[Mapping[str, torch.Tensor]],
+                         own: Sequence[int], take: Sequence[bool], ranks: Sequence[int], comm: Any) -> None:
+        """For a rule with :attr:`needs_comm` (and :attr:`by_piece`): one step of every flat
+        group at once, in place on ``master`` and ``moments`` (per flat group ``[R, shard_numel]``)
+        from unscaled ``grads``; ``hyper`` per optimizer group; ``own``/``take`` per trainable
+        parameter (its own step count, whether it takes the step). It may call ``comm``'s
+        collectives: every rank calls this with the same layout and flags."""
+        raise NotImplementedError(f"{type(self).__name__} does not define update_with_comm()")
 
     # torch.optim interchange (fzero.checkpoint.torch_optim); a rule without a torch.optim
     # equivalent keeps these defaults, and export/import name it.

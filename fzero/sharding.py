@@ -589,6 +589,7 @@ def shard_step(
     used: Optional[torch.Tensor] = None,
     ranks: Optional[Sequence[int]] = None,
     uniform: bool = False,
+    comm: Optional[Communicator] = None,
 ) -> tuple[ShardState, OptState]:
     """Apply the optimizer to every flat group's master shard.
 
@@ -620,7 +621,8 @@ def shard_step(
     step scalars and a mask. A rule that updates by piece (``Optimizer.by_piece``:
     :func:`fzero.from_torch_optim`) runs eagerly on each parameter's piece instead, with its
     per-parameter scalars (``OptState.scalars``); traced, it raises naming the rule.
-    No collective.
+    No collective, except for a rule with ``Optimizer.needs_comm`` (:func:`fzero.muon`): it
+    calls the collectives of ``comm`` (required for it, and its ``ranks`` are the rows').
     """
     lay = shard.layout
     if len(grads) != len(lay.groups):
@@ -632,7 +634,8 @@ def shard_step(
         )
     opt = opt_state.optimizer
     if opt.by_piece:
-        return _shard_step_by_piece(shard, opt_state, grads, found_inf, donate=donate, used=used, ranks=ranks)
+        return _shard_step_by_piece(shard, opt_state, grads, found_inf, donate=donate, used=used, ranks=ranks,
+                                    comm=comm)
     skip = None if found_inf is None else found_inf.to(torch.bool)
     applied = torch.ones((), dtype=torch.bool) if skip is None else ~skip
     missed = opt_state.missed
@@ -691,6 +694,7 @@ def _shard_step_by_piece(
     donate: bool,
     used: Optional[torch.Tensor],
     ranks: Optional[Sequence[int]],
+    comm: Optional[Communicator] = None,
 ) -> tuple[ShardState, OptState]:
     """:func:`shard_step` for a rule that updates each parameter's piece
     (:attr:`~fzero.optim.Optimizer.by_piece`): eagerly only. ``found_inf`` and ``used`` are
@@ -701,6 +705,10 @@ def _shard_step_by_piece(
         check_compilable(opt_state.optimizer)
     opt, lay = opt_state.optimizer, shard.layout
     n = len(lay.trainable_slots)
+    if opt.needs_comm and comm is None:
+        raise ValueError(f"shard_step: optimizer {opt.name} calls collectives in its step: pass comm=")
+    if ranks is None and comm is not None:
+        ranks = comm.ranks
     if ranks is None:
         if used is not None:
             raise ValueError("shard_step: used needs the rows' ranks (ranks=comm.ranks)")
@@ -718,11 +726,13 @@ def _shard_step_by_piece(
             raise ValueError(f"shard_step: gradient shard of flat group {g.index} has shape "
                              f"{tuple(grad.shape)}, the master shard {tuple(p.shape)}")
         p2, m2 = (p, moments) if donate else (p.clone(), tuple(m.clone() for m in moments))
-        if applied:
+        if applied and not opt.needs_comm:
             _update_by_piece(opt, lay, g, p2, grad.to(p.dtype), m2, opt_state.hyper[g.opt_group], own, take,
                              scalars, ranks, where)
         new_master.append(p2)
         new_moments.append(tuple(m2))
+    if applied and opt.needs_comm:  # found_inf is agreed: every rank calls the collectives, or none
+        opt.update_with_comm(lay, new_master, grads, new_moments, opt_state.hyper, own, take, ranks, comm)
     sat_out = [applied and not t for t in take]
     new_missed = missed + torch.tensor(sat_out, dtype=torch.int64, device=missed.device)
     new_scalars = tuple(torch.tensor(s, dtype=torch.float64) for s in scalars)

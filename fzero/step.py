@@ -937,7 +937,7 @@ def finish_step(
         shards = tuple(s * factor.to(s.dtype) for s in shards)
     new_shard, new_opt = shard_step(state.shard, state.opt, shards, found_inf, donate=donate,
                                     used=used_any, ranks=comm.ranks,
-                                    uniform=uniform)
+                                    uniform=uniform, comm=comm)
     # A donating step gathers into the parameters it was given: the next forward reads the
     # buffers it read, which the module's parameters view (eagerly nothing of the parameters'
     # size is allocated; compiled, the functional gather's result is copied in, so the module

@@ -57,6 +57,28 @@ def torch_nadam() -> fzero.Optimizer:
     return fzero.from_torch_optim(torch.optim.NAdam, lr=1e-2, weight_decay=0.1)
 
 
+def muon() -> fzero.Optimizer:
+    """Muon on the test MLP's three matrices, AdamW on its biases and LayerNorm (collectives in
+    the optimizer step: each matrix orthogonalized by its owner rank)."""
+    return fzero.muon(lr=2e-2, matrices=frozenset({"0.weight", "3.weight", "5.weight"}).__contains__,
+                      adamw=dict(lr=1e-2))
+
+
+def counting_newton_schulz() -> dict[str, int]:
+    """Count this process's Newton-Schulz calls from now on: ``{"calls": n}`` (live)."""
+    import fzero.muon_rules as muon_rules
+
+    counts = {"calls": 0}
+    inner = muon_rules.newton_schulz
+
+    def counted(*args: Any) -> torch.Tensor:
+        counts["calls"] += 1
+        return inner(*args)
+
+    muon_rules.newton_schulz = counted
+    return counts
+
+
 def masters(state: fzero.TrainState) -> list[torch.Tensor]:
     return [m.detach().clone() for m in state.shard.master]
 

@@ -142,6 +142,13 @@ def case_torch_nadam(comm):
     return _sim_compare(comm, stage=2, optimizer=cases.torch_nadam())
 
 
+def case_muon(comm):
+    """Muon at stage 2; and how many matrices this rank orthogonalized (its owned ones)."""
+    counts = cases.counting_newton_schulz()
+    out = _sim_compare(comm, stage=2, optimizer=cases.muon())
+    return {**out, "ns_calls": counts["calls"]}
+
+
 def case_eager_s1(comm):
     return _sim_compare(comm, stage=1)
 

@@ -23,6 +23,7 @@ W2_CASES = [
     "eager_s2", "eager_s1", "compiled_s2", "eager_s3", "compiled_s3", "fsdp_full_vs_stage3", "ddp_adamw", "zero_sgd", "zero_adam", "fsdp",
     "inf_even", "volume", "mismatch", "padding_only", "fp16_40000", "overlap", "branchy",
     "live_tensors", "reduce_scatter_ways", "batched", "stage3_calls", "reduction_buffers", "torch_nadam",
+    "muon",
 ]
 W4_CASES = ["eager_s2", "compiled_s2", "inf_even", "volume", "padding_only", "fp16_40000", "ddp_adamw",
             "reduce_scatter_ways", "batched", "reduction_buffers"]
@@ -90,6 +91,17 @@ def test_gloo_torch_optim_class_equals_simulated_world_w2_bitwise(w2):
     class's own ``step()``; a real rank's pieces round as the simulated world's rows do."""
     sim, _, _ = _sim(2, stage=2, optimizer=cases.torch_nadam())
     _compare(_case(w2, "torch_nadam"), sim, exact=True)
+
+
+def test_gloo_muon_equals_simulated_world_w2_bitwise_each_matrix_once(w2):
+    """``fzero.muon``: the owner ranks' Newton-Schulz results travel by all_gather and
+    reduce_scatter on gloo as in the simulated world, bit for bit; each rank orthogonalized
+    only the matrices it owns (10 steps, 3 matrices: 30 calls in the world)."""
+    sim, _, _ = _sim(2, stage=2, optimizer=cases.muon())
+    results = _case(w2, "muon")
+    _compare(results, sim, exact=True)
+    calls = [res["ns_calls"] for res in results]
+    assert sum(calls) == 30 and min(calls) > 0, calls
 
 
 @pytest.mark.parametrize("case,compiled", [("eager_s2", False), ("compiled_s2", True)])

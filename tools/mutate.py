@@ -56,6 +56,7 @@ TEST_MAP = {
     "fzero/optim.py": ["tests/test_errors.py", "tests/test_mutation_gaps.py", "tests/test_optim_protocol.py",
                        "tests/test_optim_compiled.py"],
     "fzero/torch_optim_rules.py": ["tests/test_torch_optim_rules.py"],
+    "fzero/muon_rules.py": ["tests/test_muon.py"],
     "fzero/layout.py": ["tests/test_errors.py", "tests/test_mutation_gaps.py", "tests/test_layout.py"],
     "fzero/sharding.py": ["tests/test_errors.py", "tests/test_mutation_gaps.py", "tests/test_layout.py",
                           "tests/test_zero3.py", "tests/test_optim_compiled.py"],
