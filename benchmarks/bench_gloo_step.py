@@ -218,6 +218,8 @@ class Runner:
     note: str = ""
     step_buffers: dict = {}  # fzero eager: memory_report's prediction of the step's own buffers
     step_peak: Optional[float] = None  # fzero eager stages 1-2: ... of them together, at their peak
+    # the optimizer's state tensors on this rank (bench_muon.py)
+    optimizer_tensors: Callable[[], list[torch.Tensor]] = staticmethod(lambda: [])
 
 
 def _optimizer_tensors(opt) -> list[torch.Tensor]:
@@ -236,6 +238,56 @@ def _torch_state(module: torch.nn.Module, opt) -> Callable[[], dict[str, list[to
 
 def _torch_adamw(params, **extra):
     return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, **extra)
+
+
+def muon_matrices(model: torch.nn.Module):
+    """The benchmark models' Muon parameters: the blocks' 2-D matrices (embeddings and the
+    output head go to AdamW, as Muon is run)."""
+    import fzero
+
+    return fzero.hidden_matrices(model, exclude=("emb", "head", "wte", "wpe", "lm_head"))
+
+
+class ChainedOptimizers:
+    """torch.optim.Muon on the matrices and torch.optim.AdamW on the rest, stepped as one."""
+
+    def __init__(self, *opts: torch.optim.Optimizer):
+        self.opts = opts
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+    @property
+    def state(self) -> dict:
+        return {k: v for o in self.opts for k, v in o.state.items()}
+
+    @property
+    def defaults(self) -> dict:
+        return self.opts[-1].defaults
+
+
+def torch_muon(model: torch.nn.Module) -> ChainedOptimizers:
+    """``torch.optim.Muon`` (lr ``LR``, weight decay ``WEIGHT_DECAY``, torch's other defaults)
+    on :func:`muon_matrices`, AdamW on the other parameters."""
+    is_matrix = muon_matrices(model)
+    named = list(model.named_parameters())
+    return ChainedOptimizers(
+        torch.optim.Muon([p for n, p in named if is_matrix(n)], lr=LR, weight_decay=WEIGHT_DECAY),
+        _torch_adamw([p for n, p in named if not is_matrix(n)]),
+    )
+
+
+def fzero_muon(model: torch.nn.Module):
+    """:func:`torch_muon`'s configuration as ``fzero.muon``."""
+    import fzero
+
+    return fzero.muon(lr=LR, weight_decay=WEIGHT_DECAY, matrices=muon_matrices(model),
+                      adamw=dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY))
 
 
 def _mean_over_ranks(x: torch.Tensor) -> float:
@@ -259,6 +311,11 @@ def make_torch_runner(kind: str, ctx: dict) -> Runner:
         opt = _torch_adamw(net.parameters())
         r.note = "floor: fwd+bwd+AdamW on the local micro-batch, no communication; not data-parallel"
         params_of = lambda: {n: p.detach().clone() for n, p in net.named_parameters()}  # noqa: E731
+    elif kind == "ddp" and ctx.get("optimizer") == "muon":
+        net = DDP(model)
+        opt = torch_muon(model)
+        r.note = "torch.optim.Muon on the blocks' matrices, AdamW on the rest"
+        params_of = lambda: {n: p.detach().clone() for n, p in net.module.named_parameters()}  # noqa: E731
     elif kind in ("ddp", "ddp-fused"):
         net = DDP(model)
         opt = _torch_adamw(net.parameters(), **({"fused": True} if kind == "ddp-fused" else {}))
@@ -289,7 +346,10 @@ def make_torch_runner(kind: str, ctx: dict) -> Runner:
         params_of = lambda: {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()}  # noqa: E731
     else:
         raise ValueError(kind)
+    if ctx.get("optimizer", "adamw") != "adamw" and not isinstance(opt, ChainedOptimizers):
+        raise ValueError(f"{kind}: only AdamW here")
     r.tensors = _torch_state(net, opt)
+    r.optimizer_tensors = lambda: _optimizer_tensors(opt)
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
@@ -379,15 +439,33 @@ def make_deepspeed_runner(stage: int, ctx: dict) -> Runner:
 
     cfg, micro = ctx["cfg"], ctx["micro"]
     model = build(ctx["model"], cfg, ctx["seed"])
+    config = _ds_config(stage, micro[0][0].shape[0])
+    if ctx.get("optimizer", "adamw") == "muon":
+        # DeepSpeed's own Muon (its MuonWithAuxAdam, torch's AdamW for the rest). DeepSpeed tags
+        # the Muon parameters by name (2-D, not "embed"/"lm_head"), which would put this
+        # model's embeddings and head under Muon; the benchmark tags the same matrices as the
+        # other systems instead (`muon_matrices`).
+        config["optimizer"] = {"type": "muon", "params": {
+            "lr": LR, "momentum": 0.95, "weight_decay": WEIGHT_DECAY, "betas": list(BETAS), "eps": EPS,
+            "torch_adam": True}}
+        is_matrix = muon_matrices(model)
+
+        def tag(config_class, module):  # noqa: ANN001, ANN202
+            for name, p in module.named_parameters():
+                p.use_muon = is_matrix(name)
+
+        deepspeed.set_optimizer_flags, optimizer = tag, None
+    else:
+        optimizer = _torch_adamw(model.parameters())
     engine, opt, _, _ = deepspeed.initialize(
-        model=model, optimizer=_torch_adamw(model.parameters()),
-        config=_ds_config(stage, micro[0][0].shape[0]), dist_init_required=False,
+        model=model, optimizer=optimizer, config=config, dist_init_required=False,
     )
     if engine.zero_optimization_stage() != stage:
         raise RuntimeError(f"DeepSpeed runs ZeRO stage {engine.zero_optimization_stage()}, asked for {stage}")
     r = Runner()
-    r.note = (f"deepspeed {deepspeed.__version__}, stage {stage} ({type(opt).__name__} over torch AdamW), "
-              f"buckets {DS_BUCKET / 1e6:.2f}M el.")
+    r.note = (f"deepspeed {deepspeed.__version__}, stage {stage} ({type(opt).__name__} over "
+              f"{type(opt.optimizer).__name__}), buckets {DS_BUCKET / 1e6:.2f}M el.")
+    r.optimizer_tensors = lambda: _optimizer_tensors(opt.optimizer)
     r.tensors = lambda: {"state": [*_reachable_tensors(opt), *_torch_state(engine.module, opt.optimizer)()["state"]]}
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -408,7 +486,10 @@ def make_fzero_runner(stage: int, compiled: bool, donate: bool, ctx: dict, bucke
     cfg = ctx["cfg"]
     comm = TorchCommunicator()
     model = build(ctx["model"], cfg, ctx["seed"])
-    opt = fzero.adamw(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    if ctx.get("optimizer", "adamw") == "muon":
+        opt = fzero_muon(model)
+    else:
+        opt = fzero.adamw(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     units = (type(model.blocks[0]),) if stage == 3 else None  # as FSDP2: one unit per block
     holder = {"state": fzero.init_train_state(model, opt, comm, stage=stage, units=units, bucket_numel=bucket_numel)}
     step_fn = fzero.make_train_step(
@@ -429,6 +510,7 @@ def make_fzero_runner(stage: int, compiled: bool, donate: bool, ctx: dict, bucke
 
     r.tensors = lambda: {"state": torch.utils._pytree.tree_leaves(holder["state"]),
                          "module": list(model.parameters())}
+    r.optimizer_tensors = lambda: _fzero_state_in_use(holder["state"])
 
     def finish():
         # .item() only here, after the timed loop; metric "loss" is already the mean over ranks.
@@ -438,6 +520,19 @@ def make_fzero_runner(stage: int, compiled: bool, donate: bool, ctx: dict, bucke
 
     r.step, r.finish = step, finish
     return r
+
+
+def _fzero_state_in_use(state) -> list[torch.Tensor]:  # noqa: ANN001
+    """The optimizer moments of a fzero state that its groups use: ``fzero.muon`` keeps every
+    moment for every flat group (Muon's momentum, AdamW's two) and writes only its own group's
+    (the others stay zero and, from 1 MiB on, uncommitted pages on the CPU)."""
+    opt = state.opt.optimizer
+    if not hasattr(opt, "is_muon_group"):
+        return [t for m in state.opt.moments for t in m]
+    out = []
+    for g, moments in zip(state.layout.groups, state.opt.moments):
+        out += list(moments[:1] if opt.is_muon_group(g.opt_group) else moments[1:])
+    return out
 
 
 def build_runner(key: str, ctx: dict) -> Runner:

@@ -232,6 +232,16 @@ def _split(cls: type, values: Mapping[str, Any]
     return hyper, tuples, sorted(static)
 
 
+def _constructor_arguments(cls: type, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of a constructed class's ``defaults`` that its constructor takes: a class
+    may record more than it accepts (AdamW records ``decoupled_weight_decay=True``, which
+    only Adam's constructor takes), and the rule rebuilds the class from these every step."""
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in params}
+
+
 def _needs_closure(cls: type) -> bool:
     closure = inspect.signature(cls.step).parameters.get("closure")
     return closure is not None and closure.default is inspect.Parameter.empty
@@ -297,7 +307,7 @@ def from_torch_optim(optimizer_class: type, *, groups: Sequence[GroupSpec] = (),
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"from_torch_optim: {optimizer_class!r} is not a torch.optim.Optimizer subclass")
     state, dtype = probe_state(optimizer_class, kwargs)
-    constructed = optimizer_class([torch.zeros(1)], **kwargs).defaults
+    constructed = _constructor_arguments(optimizer_class, optimizer_class([torch.zeros(1)], **kwargs).defaults)
     hyper, tuples, static = _split(optimizer_class, constructed)
     rule = TorchOptimRule(tuple(hyper), (), torch_cls=optimizer_class, static=tuple(static),
                           tuples=tuple(tuples), state=state, scalar_dtype=dtype)

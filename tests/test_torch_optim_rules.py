@@ -332,3 +332,15 @@ def test_scalar_state_dtypes_follow_the_class():
     finally:
         torch.set_default_dtype(default)
     assert fzero.from_torch_optim(torch.optim.NAdam).scalar_dtype == torch.float32
+
+
+def test_a_class_recording_more_defaults_than_it_takes_runs():
+    """AdamW records ``decoupled_weight_decay=True`` in its defaults, an argument only Adam's
+    constructor takes; the rule rebuilds the class every step from what its constructor takes."""
+    kw = dict(lr=0.02, betas=(0.8, 0.99), weight_decay=0.05)
+    rule = fzero.from_torch_optim(torch.optim.AdamW, **kw)
+    assert "decoupled_weight_decay" not in dict(rule.static)
+    data = batches(STEPS, 2, 2, torch.float64, d_in=SIZES[0])
+    ref = reference_run(mlp(torch.float64, sizes=SIZES), lambda m: torch.optim.AdamW(m.parameters(), **kw), data, 2)
+    state, comm = _train(mlp(torch.float64, sizes=SIZES), rule, data, 2, 2)
+    _assert_params(state, comm, ref)
