@@ -30,8 +30,12 @@ max over the 2 ranks unless said):
 * ``init peak``: peak RSS while building the system, minus the baseline;
 * ``step peak``: peak RSS during the timed steps (peak reset after warm-up), minus
   the baseline: held state plus what a step needs on top;
-* ``held``: RSS after the timed steps minus the baseline: what stays between steps
-  (including memory the allocator keeps after frees; glibc returns little of it);
+* ``held``: RSS after the timed steps minus the baseline, read once every rank has
+  finished them and a second has passed (``SETTLE``): what stays between steps (including
+  memory the allocator keeps after frees). Why the pause: a backend may let go of a
+  collective's buffers a moment after the step returns (measured on a compiled fzero stage-2
+  step at 162M: 1950 MiB and a live heap of 1131 right after the step, 1773 and 984 one
+  second later, with nothing run in between);
 * ``heap``: malloc's live bytes after the timed steps minus the baseline (glibc's
   ``mallinfo2``: ``uordblks + hblkhd``, every arena): what is really allocated between
   steps, tensors, Python objects and gloo alike; ``held - heap`` is freed memory the
@@ -103,6 +107,7 @@ FZERO_KEYS = ("fzero-s1", "fzero-s2", "fzero-s3", "fzero-s1c", "fzero-s2c", "fze
               "fzero-s1d", "fzero-s2d", "fzero-s3d", "fzero-s2cd", "fzero-s3cd")
 ALL_KEYS = (*TORCH_KEYS, *DS_KEYS, *FZERO_KEYS)
 RESULT = "BENCH_MEMORY_RESULT "  # the line rank 0 prints for the launcher
+SETTLE = 1.0  # seconds between the timed steps and the held readings (module doc: ``held``)
 
 
 # ----------------------------------------------------------------------------- RSS
@@ -272,6 +277,8 @@ def measure(key: str, ctx: dict, args: argparse.Namespace) -> dict:
         runner.step(i)
         times.append(time.perf_counter() - t)
     out["step_peak"] = peak_rss_bytes() - base
+    dist.barrier()
+    time.sleep(SETTLE)
     out["held"] = rss_bytes() - base
     heap = malloc_in_use()
     out["heap"] = heap - heap0 if heap is not None and heap0 is not None else None
