@@ -64,8 +64,10 @@ def test_a_threshold_chosen_in_the_environment_is_left_alone():
     out = subprocess.run([sys.executable, "-c", _PROBE, "init"], capture_output=True, text=True, timeout=120,
                          env=env, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
+    # fzero did not call mallopt: what the freed block does is then glibc's business under the
+    # environment's setting (with a fixed threshold glibc also trims the heap's top at 128 KiB,
+    # so whether the block stays depends on where the heap put it)
     assert got["decided"] == "environment"
-    assert got["kept_mib"] > 16, got  # 32 MiB chosen: the 20 MiB block came from the heap
 
 
 def test_pin_rejects_a_threshold_glibc_cannot_take():
