@@ -252,8 +252,9 @@ def muon_owners(layout: Layout, world_size: int, is_muon_group: Callable[[int], 
     return owners
 
 
-# torch.optim.AdamW is Adam with decoupled weight decay (torch >= 2.6); AdamW itself cannot be
-# rebuilt from its own ``defaults`` (they hold ``decoupled_weight_decay``, its __init__ refuses it)
+# torch.optim.AdamW is Adam with decoupled weight decay (torch >= 2.6): the AdamW group runs
+# torch.optim.Adam(decoupled_weight_decay=True), the same update. (from_torch_optim builds
+# torch.optim.AdamW itself too now; this one stays so that Muon checkpoints keep their rule.)
 @functools.lru_cache(maxsize=None)
 def _adamw_rule() -> TorchOptimRule:
     return from_torch_optim(torch.optim.Adam, decoupled_weight_decay=True)
