@@ -42,3 +42,25 @@ def test_a_timed_out_launch_kills_every_rank(tmp_path):
     while any(_alive(p) for p in pids) and time.monotonic() < end:
         time.sleep(0.1)
     assert not [p for p in pids if _alive(p)], "ranks survived their launch's timeout"
+
+
+_ABORTING_RANK = """
+import os
+
+
+def crash_inside_c_code():
+    os.abort()  # as glibc aborts on a corrupted heap
+
+
+crash_inside_c_code()
+"""
+
+
+def test_a_rank_killed_by_a_signal_prints_its_python_stack(tmp_path):
+    """torchrun reports only "Signal 6 (SIGABRT)"; the rank's Python stack says where it was."""
+    script = tmp_path / "aborter.py"
+    script.write_text(_ABORTING_RANK)
+    rc, text = run_torchrun(1, str(script), [], timeout=60)
+    assert rc not in (None, 0), text
+    assert "Fatal Python error: Aborted" in text, text
+    assert "crash_inside_c_code" in text, text

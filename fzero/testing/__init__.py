@@ -57,7 +57,9 @@ def run_torchrun(
     Returns ``(exit code or None on timeout, output)``; the output is empty
     when ``capture=False`` (it goes to this process's stdout). Ranks get
     ``OMP_NUM_THREADS=1`` unless set, ``pythonpath`` prepended to
-    ``PYTHONPATH``, and a shared inductor cache.
+    ``PYTHONPATH``, a shared inductor cache, and ``PYTHONFAULTHANDLER=1`` unless
+    set (a rank killed by a signal, a crash inside C code, prints every thread's
+    Python stack: torchrun alone reports only the signal).
     """
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
@@ -67,6 +69,7 @@ def run_torchrun(
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = os.pathsep.join([*pythonpath, env.get("PYTHONPATH", "")])
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fzero-inductor"))
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     with tempfile.TemporaryFile("w+") as log:
         out = log if capture else None
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if capture else None,
