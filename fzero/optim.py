@@ -6,14 +6,14 @@ chosen by path predicate) plus pure update functions on a flat shard, in the
 spirit of optax's ``GradientTransformation``. :class:`OptState` holds what
 changes: the moments of every flat group (``[R, shard_numel]``, master dtype),
 the step count, every hyperparameter of every group as a 0-d float64 tensor (so
-changing a learning rate never recompiles a step), and per-parameter counts and
-scalars (``[T]`` vectors).
+changing a learning rate never recompiles a step), per-parameter counts and
+scalars (``[T]`` vectors), and per-parameter vector state (``OptState.vectors``).
 
 The built-in rules (:class:`SGD`, :class:`Adam`; :func:`sgd`, :func:`adam`,
 :func:`adamw`) follow ``torch.optim``'s single-tensor implementations operation
 by operation, written out of place; eagerly Adam(W) runs torch's fused kernel.
 Rules call no collective, except one with :attr:`Optimizer.needs_comm`
-(:meth:`Optimizer.update_with_comm`: :func:`fzero.muon`).
+(:meth:`Optimizer.update_with_comm`: :func:`fzero.muon`, :func:`fzero.adafactor`).
 
 Imports: ``fzero.pytree``.
 """
@@ -140,7 +140,8 @@ class Optimizer:
     :attr:`signature` (manifests, replica checks), :attr:`moment_names` (per-element state:
     one ``[R, shard_numel]`` tensor each, in the master dtype, zero at init),
     :attr:`scalar_names` (per-parameter scalar state, one ``[T]`` float64 vector each,
-    replicated), :meth:`step_scalars` (what of an update depends on the parameter's own step
+    replicated), :attr:`vector_names` and :meth:`vector_lengths` (per-parameter vector state,
+    replicated, ``OptState.vectors``), :meth:`step_scalars` (what of an update depends on the parameter's own step
     count, for parameters that sat out steps), :meth:`update` (pure), :meth:`update_` (in
     place; a fused kernel may go here), :attr:`compilable`. A rule must keep the padding
     zero: zero parameter, gradient and moments give zero parameter and moments.
@@ -619,7 +620,8 @@ class OptState:
     ``[R, shard_numel]`` tensor per :attr:`Optimizer.moment_names`); ``missed``
     (``()`` or ``[T]`` int64: per trainable parameter, the applied steps it sat out
     because it had no gradient on any rank, see :func:`fzero.make_train_step`'s ``unused``);
-    ``scalars`` (one ``[T]`` float64 per :attr:`Optimizer.scalar_names`).
+    ``scalars`` (one ``[T]`` float64 per :attr:`Optimizer.scalar_names`); ``vectors`` (one
+    1-D tensor per :attr:`Optimizer.vector_names`, replicated, see :func:`vector_spans`).
     Static: the :class:`Optimizer`.
     """
 
