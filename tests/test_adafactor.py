@@ -13,6 +13,7 @@ import torch
 
 import fzero
 import fzero.adafactor_rules as ada
+import fzero.replicas
 from fzero.checkpoint import export_torch_optim_state_dict, import_torch_optim_state_dict
 from fzero.checkpoint.offline import consolidate_torch_optim_state_dict
 from fzero.pytree import replace
@@ -157,6 +158,9 @@ def test_vector_state_is_replicated_and_world_size_independent():
         for got, want in zip(state.opt.vectors, expect):
             assert got.shape == want.shape and got.dtype == torch.float64
             assert max_rel_err(got, want) <= TOL
+        # digested by the replica checks, as every replicated leaf
+        names = [n for n, _, _ in fzero.replicas.replica_items(state)]
+        assert "opt.vectors['row_var']" in names and "opt.vectors['col_var']" in names
     plain = fzero.init_train_state(mlp(torch.float64, sizes=SIZES), fzero.adamw(), fzero.SimulatedWorld(2))
     assert plain.opt.vectors == ()
 
