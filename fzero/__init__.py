@@ -7,7 +7,8 @@ States (immutable pytrees): :class:`ScalerState`, :class:`ShardState`,
 :func:`make_train_step`. Update rules follow one protocol, :class:`Optimizer`
 (built-ins :func:`sgd`, :func:`adam`, :func:`adamw`; a user's rule is a subclass;
 :func:`from_torch_optim` runs any per-element ``torch.optim`` class on the shards;
-:func:`muon` runs ``torch.optim.Muon`` on the matrices and AdamW on the rest).
+:func:`muon` runs ``torch.optim.Muon`` on the matrices and AdamW on the rest;
+:func:`adafactor` runs ``torch.optim.Adafactor``).
 Collectives are methods of a communicator passed in
 explicitly: :class:`SimulatedWorld` (N ranks in one process) or
 :class:`fzero.dist.TorchCommunicator` (``torch.distributed``).
@@ -41,6 +42,7 @@ from .optim import (
 )
 from .torch_optim_rules import TorchOptimRule, from_torch_optim
 from .muon_rules import Muon, hidden_matrices, muon, muon_owners
+from .adafactor_rules import Adafactor, adafactor
 from .precision import MixedPrecision, native_bf16
 from .pytree import NAMESPACE, tree_map
 from .scaler import ScalerState, init_scaler, scale, static_scaler, unscale_and_check, update_scale
@@ -122,6 +124,8 @@ __all__ = [
     "Piece",
     "TorchOptimRule",
     "from_torch_optim",
+    "Adafactor",
+    "adafactor",
     "Muon",
     "muon",
     "muon_owners",

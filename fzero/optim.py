@@ -6,14 +6,14 @@ chosen by path predicate) plus pure update functions on a flat shard, in the
 spirit of optax's ``GradientTransformation``. :class:`OptState` holds what
 changes: the moments of every flat group (``[R, shard_numel]``, master dtype),
 the step count, every hyperparameter of every group as a 0-d float64 tensor (so
-changing a learning rate never recompiles a step), and per-parameter counts and
-scalars (``[T]`` vectors).
+changing a learning rate never recompiles a step), per-parameter counts and
+scalars (``[T]`` vectors), and per-parameter vector state (``OptState.vectors``).
 
 The built-in rules (:class:`SGD`, :class:`Adam`; :func:`sgd`, :func:`adam`,
 :func:`adamw`) follow ``torch.optim``'s single-tensor implementations operation
 by operation, written out of place; eagerly Adam(W) runs torch's fused kernel.
 Rules call no collective, except one with :attr:`Optimizer.needs_comm`
-(:meth:`Optimizer.update_with_comm`: :func:`fzero.muon`).
+(:meth:`Optimizer.update_with_comm`: :func:`fzero.muon`, :func:`fzero.adafactor`).
 
 Imports: ``fzero.pytree``.
 """
@@ -42,6 +42,8 @@ __all__ = [
     "adamw",
     "init_opt_state",
     "init_scalars",
+    "init_vectors",
+    "vector_spans",
     "set_hyperparams",
     "no_weight_decay",
     "no_weight_decay_for",
@@ -138,7 +140,8 @@ class Optimizer:
     :attr:`signature` (manifests, replica checks), :attr:`moment_names` (per-element state:
     one ``[R, shard_numel]`` tensor each, in the master dtype, zero at init),
     :attr:`scalar_names` (per-parameter scalar state, one ``[T]`` float64 vector each,
-    replicated), :meth:`step_scalars` (what of an update depends on the parameter's own step
+    replicated), :attr:`vector_names` and :meth:`vector_lengths` (per-parameter vector state,
+    replicated, ``OptState.vectors``), :meth:`step_scalars` (what of an update depends on the parameter's own step
     count, for parameters that sat out steps), :meth:`update` (pure), :meth:`update_` (in
     place; a fused kernel may go here), :attr:`compilable`. A rule must keep the padding
     zero: zero parameter, gradient and moments give zero parameter and moments.
@@ -151,6 +154,10 @@ class Optimizer:
     moment_names: ClassVar[tuple[str, ...]] = ()
     #: per-parameter scalar state, one ``[T]`` float64 vector each (``OptState.scalars``)
     scalar_names: ClassVar[tuple[str, ...]] = ()
+    #: per-parameter vector state, replicated and independent of the world size (``OptState.vectors``):
+    #: one 1-D tensor per name, each parameter's vector of :meth:`vector_lengths` elements, joined
+    #: in ``Layout.trainable_slots`` order (Adafactor's factored ``row_var``/``col_var``)
+    vector_names: ClassVar[tuple[str, ...]] = ()
     #: what of an update depends on the step count (columns of :meth:`step_scalars`)
     step_scalar_names: ClassVar[tuple[str, ...]] = ()
     #: whether the rule runs inside ``torch.compile`` (``make_train_step(compile=True)``)
@@ -181,7 +188,13 @@ class Optimizer:
         """Name and static configuration as one string: equal exactly when two ranks (or a
         checkpoint and a state) run the same computation on the same state tensors."""
         items = ",".join(f"{k}={v!r}" for k, v in self.config())
-        return f"{self.name}({items})|moments={self.moment_names}|scalars={self.scalar_names}"
+        vectors = f"|vectors={self.vector_names}" if self.vector_names else ""
+        return f"{self.name}({items})|moments={self.moment_names}|scalars={self.scalar_names}{vectors}"
+
+    def vector_lengths(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The length of a parameter's vector of each of :attr:`vector_names`, from its shape
+        (0: the parameter has none). The default: no vector state."""
+        return (0,) * len(self.vector_names)
 
     def manifest(self) -> dict[str, Any]:
         """The JSON description a checkpoint's manifest holds: ``kind`` (:attr:`name`) first,
@@ -300,7 +313,9 @@ class Optimizer:
         group at once, in place on ``master`` and ``moments`` (per flat group ``[R, shard_numel]``)
         from unscaled ``grads``; ``hyper`` per optimizer group; ``own``/``take`` per trainable
         parameter (its own step count, whether it takes the step). It may call ``comm``'s
-        collectives: every rank calls this with the same layout and flags."""
+        collectives: every rank calls this with the same layout and flags. A rule with
+        :attr:`vector_names` is also given ``vectors=`` (``OptState.vectors``, a list of
+        tensors to update in place; every rank must compute the same values)."""
         raise NotImplementedError(f"{type(self).__name__} does not define update_with_comm()")
 
     # torch.optim interchange (fzero.checkpoint.torch_optim); a rule without a torch.optim
@@ -324,6 +339,12 @@ class Optimizer:
     def from_torch_state(self, state: Mapping[str, Any]) -> tuple[int, dict[str, torch.Tensor], dict[str, float]]:
         """Inverse of :meth:`torch_state`: ``(own step, moments present, scalars)``."""
         raise NotImplementedError
+
+    def vectors_from_torch_state(self, state: Mapping[str, Any], shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """A parameter's vector state (``{name: 1-D tensor}``, the names present) from its
+        ``torch.optim`` state; a rule with :attr:`vector_names` gets them in :meth:`torch_state`
+        as ``vectors=``. The default: none."""
+        return {}
 
     def hyper_from_torch_group(self, group: Mapping[str, Any]) -> dict[str, float]:
         """fzero's hyperparameters from a ``torch.optim`` param group, or ``ValueError`` naming
@@ -599,7 +620,8 @@ class OptState:
     ``[R, shard_numel]`` tensor per :attr:`Optimizer.moment_names`); ``missed``
     (``()`` or ``[T]`` int64: per trainable parameter, the applied steps it sat out
     because it had no gradient on any rank, see :func:`fzero.make_train_step`'s ``unused``);
-    ``scalars`` (one ``[T]`` float64 per :attr:`Optimizer.scalar_names`).
+    ``scalars`` (one ``[T]`` float64 per :attr:`Optimizer.scalar_names`); ``vectors`` (one
+    1-D tensor per :attr:`Optimizer.vector_names`, replicated, see :func:`vector_spans`).
     Static: the :class:`Optimizer`.
     """
 
@@ -616,6 +638,10 @@ class OptState:
     # scalar state such as NAdam's ``mu_product``, as torch.optim keeps it per parameter, so a
     # parameter that sat out steps keeps its own. ``()`` for rules without any.
     scalars: tuple[torch.Tensor, ...] = ()
+    # One 1-D tensor per ``Optimizer.vector_names`` (replicated, master dtype, with the shards):
+    # each trainable parameter's vector (``Optimizer.vector_lengths`` of its shape) joined in
+    # ``Layout.trainable_slots`` order (:func:`vector_spans`). ``()`` for rules without any.
+    vectors: tuple[torch.Tensor, ...] = ()
 
 
 # CPU moments of at least this size start as pages the OS has not committed (below it, a mapping
@@ -639,11 +665,13 @@ def zeros_on_demand(like: torch.Tensor) -> torch.Tensor:
 
 
 def init_opt_state(optimizer: Optimizer, master: Sequence[torch.Tensor],
-                   num_params: Optional[int] = None) -> OptState:
+                   num_params: Optional[int] = None, shapes: Optional[Sequence[tuple[int, ...]]] = None) -> OptState:
     """Zero moments shaped like each master shard ``[R, shard_numel]``; hyperparameters as tensors;
     with ``num_params`` (T, the trainable parameters), the per-parameter scalars ``[T]`` (zeros:
     a parameter's scalar state is the rule's own from its first step; without ``num_params``
-    :func:`fzero.shard_step` creates them at the first step).
+    :func:`fzero.shard_step` creates them at the first step); with ``shapes`` (the trainable
+    parameters' shapes, ``Layout.trainable_slots`` order), the per-parameter vectors (zeros;
+    without, the first step of a rule that has them creates them).
 
     Hyperparameters live on the CPU whatever the device of the shards: a 0-d
     CPU tensor combines with device tensors, and reading one (for torch's fused
@@ -655,8 +683,37 @@ def init_opt_state(optimizer: Optimizer, master: Sequence[torch.Tensor],
     )
     moments = tuple(tuple(zeros_on_demand(m) for _ in optimizer.moment_names) for m in master)
     scalars = () if num_params is None else init_scalars(optimizer, num_params)
+    vectors = () if shapes is None else init_vectors(optimizer, shapes, _vector_dtype(master), master[0].device)
     return OptState(torch.zeros((), dtype=torch.int64, device=master[0].device), hyper, moments, optimizer,
-                    scalars=scalars)
+                    scalars=scalars, vectors=vectors)
+
+
+def _vector_dtype(master: Sequence[torch.Tensor]) -> torch.dtype:
+    """The dtype of ``OptState.vectors``: the master dtype (the widest, if flat groups differ)."""
+    dtype = master[0].dtype if master else torch.float32
+    for m in master[1:]:
+        dtype = torch.promote_types(dtype, m.dtype)
+    return dtype
+
+
+def vector_spans(optimizer: Optimizer, shapes: Sequence[tuple[int, ...]]) -> tuple[list[tuple[int, int]], ...]:
+    """Per :attr:`Optimizer.vector_names`, each trainable parameter's ``(begin, end)`` in the
+    joined vector (``shapes``: ``Layout.trainable_slots`` order). Static. No collective."""
+    out: tuple[list[tuple[int, int]], ...] = tuple([] for _ in optimizer.vector_names)
+    ends = [0] * len(optimizer.vector_names)
+    for shape in shapes:
+        for j, n in enumerate(optimizer.vector_lengths(tuple(shape))):
+            out[j].append((ends[j], ends[j] + n))
+            ends[j] += n
+    return out
+
+
+def init_vectors(optimizer: Optimizer, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None) -> tuple[torch.Tensor, ...]:
+    """``OptState.vectors`` before any step: one zero vector per :attr:`Optimizer.vector_names`,
+    as long as the parameters' vectors joined (``()`` for a rule without vector state)."""
+    spans = vector_spans(optimizer, shapes)
+    return tuple(torch.zeros(s[-1][1] if s else 0, dtype=dtype, device=device) for s in spans)
 
 
 def init_scalars(optimizer: Optimizer, num_params: int) -> tuple[torch.Tensor, ...]:

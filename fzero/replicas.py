@@ -203,6 +203,10 @@ def replica_items(
     names = getattr(getattr(state.opt, "optimizer", None), "scalar_names", ())
     for name, v in zip(names, getattr(state.opt, "scalars", ())):  # per-parameter rule state
         items.append((f"opt.scalars[{name!r}]", v, False))
+    vnames = getattr(getattr(state.opt, "optimizer", None), "vector_names", ())
+    for name, v in zip(vnames, getattr(state.opt, "vectors", ())):  # per-parameter vector state
+        if v.numel():  # empty when no parameter has one
+            items.append((f"opt.vectors[{name!r}]", v, False))
     for g, hyper in enumerate(state.opt.hyper):
         for k, v in hyper.items():
             items.append((f"opt.hyper[{g}][{k!r}]", v, False))

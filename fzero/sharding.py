@@ -22,7 +22,7 @@ from .layout import (
     group_views,
     named_leaves,
 )
-from .optim import OptState, Optimizer, Piece, check_compilable, init_scalars
+from .optim import OptState, Optimizer, Piece, _vector_dtype, check_compilable, init_scalars, init_vectors
 from .pytree import pytree_dataclass, replace, static_field
 
 __all__ = [
@@ -731,15 +731,23 @@ def _shard_step_by_piece(
                              scalars, ranks, where)
         new_master.append(p2)
         new_moments.append(tuple(m2))
+    vectors: list[torch.Tensor] = []
+    if opt.vector_names:  # per-parameter vector state (replicated): created at the first step if absent
+        vectors = list(opt_state.vectors) or list(init_vectors(
+            opt, [s.shape for s in lay.trainable_slots], _vector_dtype(shard.master), shard.master[0].device))
+        if not donate:
+            vectors = [v.clone() for v in vectors]
     if applied and opt.needs_comm:  # found_inf is agreed: every rank calls the collectives, or none
-        opt.update_with_comm(lay, new_master, grads, new_moments, opt_state.hyper, own, take, ranks, comm)
+        kw = {"vectors": vectors} if opt.vector_names else {}
+        opt.update_with_comm(lay, new_master, grads, new_moments, opt_state.hyper, own, take, ranks, comm, **kw)
     sat_out = [applied and not t for t in take]
     new_missed = missed + torch.tensor(sat_out, dtype=torch.int64, device=missed.device)
     new_scalars = tuple(torch.tensor(s, dtype=torch.float64) for s in scalars)
     return (
         replace(shard, master=tuple(new_master)),
         replace(opt_state, step=opt_state.step + int(applied), moments=tuple(new_moments),
-                missed=(new_missed,) if (opt_state.missed or used is not None) else (), scalars=new_scalars),
+                missed=(new_missed,) if (opt_state.missed or used is not None) else (), scalars=new_scalars,
+                vectors=tuple(vectors)),
     )
 
 

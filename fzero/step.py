@@ -197,7 +197,8 @@ def init_train_state(
     else:
         shard, made_buffers = materialized_shard(params, comm, init, unit_names, **layout_kw)
     apply_host_malloc_policy(shard.master[0].device.type if shard.master else "cpu")
-    opt = init_opt_state(optimizer, shard.master, len(shard.layout.trainable_slots))
+    opt = init_opt_state(optimizer, shard.master, len(shard.layout.trainable_slots),
+                         [s.shape for s in shard.layout.trainable_slots])
     # per parameter, the steps it sat out (make_train_step(unused="skip")): none yet
     opt = replace(opt, missed=(torch.zeros(len(shard.layout.trainable_slots), dtype=torch.int64,
                                            device=opt.step.device),))

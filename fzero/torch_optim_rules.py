@@ -36,7 +36,7 @@ __all__ = ["TorchOptimRule", "from_torch_optim", "torch_rule_from_manifest"]
 ELEMENT, SCALAR, STEP = "element", "scalar", "step"
 
 # fzero's own checkpoint entries under "fzero/": a moment of one of these names would collide
-_RESERVED = frozenset({"master", "hyper", "scalar", "frozen", "buffer", "rng", "scaler", "missed", "manifest",
+_RESERVED = frozenset({"master", "hyper", "scalar", "vector", "frozen", "buffer", "rng", "scaler", "missed", "manifest",
                        "step"})
 
 
@@ -287,7 +287,7 @@ def probe_state(cls: type, kwargs: Mapping[str, Any]) -> tuple[tuple[tuple[str, 
     return tuple(layout), (None if numbers and dtype is None else dtype or torch.float32)
 
 
-def from_torch_optim(optimizer_class: type, *, groups: Sequence[GroupSpec] = (), **kwargs: Any) -> TorchOptimRule:
+def from_torch_optim(optimizer_class: type, *, groups: Sequence[GroupSpec] = (), **kwargs: Any) -> Optimizer:
     """An fzero update rule running ``optimizer_class`` (a ``torch.optim.Optimizer`` subclass
     whose update is elementwise: Adamax, NAdam, RAdam, RMSprop, Adagrad, ASGD, Adadelta,
     Rprop, SGD, Adam...) on the shards, with ``kwargs`` its constructor arguments.
@@ -303,9 +303,18 @@ def from_torch_optim(optimizer_class: type, *, groups: Sequence[GroupSpec] = (),
     neither per-element nor 0-d (naming the key). A state value that depends on the
     parameter's values other than elementwise (a per-parameter norm) cannot be detected
     here and would differ between a parameter's pieces: such classes are not per-element.
+    ``torch.optim.Adafactor`` (factored, norm-based) is the exception fzero knows: it returns
+    :func:`fzero.adafactor` with the same arguments, which computes it on the shards.
     """
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"from_torch_optim: {optimizer_class!r} is not a torch.optim.Optimizer subclass")
+    if optimizer_class is getattr(torch.optim, "Adafactor", None):
+        # not per-element (factored statistics, norms of the whole parameter): fzero's own rule
+        # computes it on the shards with two small all_reduces (fzero.adafactor). Imported here:
+        # that module sits above this one.
+        from .adafactor_rules import adafactor
+
+        return adafactor(groups=groups, **kwargs)
     state, dtype = probe_state(optimizer_class, kwargs)
     constructed = _constructor_arguments(optimizer_class, optimizer_class([torch.zeros(1)], **kwargs).defaults)
     hyper, tuples, static = _split(optimizer_class, constructed)

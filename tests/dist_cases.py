@@ -64,6 +64,12 @@ def muon() -> fzero.Optimizer:
                       adamw=dict(lr=1e-2))
 
 
+def adafactor() -> fzero.Optimizer:
+    """torch.optim.Adafactor on the test MLP (collectives in the optimizer step: two small
+    all_reduces of the statistics and of the update norms)."""
+    return fzero.adafactor(lr=2e-2, weight_decay=0.1)
+
+
 def counting_newton_schulz() -> dict[str, int]:
     """Count this process's Newton-Schulz calls from now on: ``{"calls": n}`` (live)."""
     import fzero.muon_rules as muon_rules

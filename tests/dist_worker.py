@@ -149,6 +149,13 @@ def case_muon(comm):
     return {**out, "ns_calls": counts["calls"]}
 
 
+def case_adafactor(comm):
+    """Adafactor at stage 2 and stage 3 (the statistics and update norms all-reduced)."""
+    s2 = _sim_compare(comm, stage=2, optimizer=cases.adafactor())
+    s3 = _sim_compare(comm, stage=3, optimizer=cases.adafactor())
+    return {**s2, "stage3": s3}
+
+
 def case_eager_s1(comm):
     return _sim_compare(comm, stage=1)
 

@@ -23,7 +23,7 @@ W2_CASES = [
     "eager_s2", "eager_s1", "compiled_s2", "eager_s3", "compiled_s3", "fsdp_full_vs_stage3", "ddp_adamw", "zero_sgd", "zero_adam", "fsdp",
     "inf_even", "volume", "mismatch", "padding_only", "fp16_40000", "overlap", "branchy",
     "live_tensors", "reduce_scatter_ways", "batched", "stage3_calls", "reduction_buffers", "torch_nadam",
-    "muon",
+    "muon", "adafactor",
 ]
 W4_CASES = ["eager_s2", "compiled_s2", "inf_even", "volume", "padding_only", "fp16_40000", "ddp_adamw",
             "reduce_scatter_ways", "batched", "reduction_buffers"]
@@ -102,6 +102,16 @@ def test_gloo_muon_equals_simulated_world_w2_bitwise_each_matrix_once(w2):
     _compare(results, sim, exact=True)
     calls = [res["ns_calls"] for res in results]
     assert sum(calls) == 30 and min(calls) > 0, calls
+
+
+def test_gloo_adafactor_equals_simulated_world_w2_bitwise(w2):
+    """``fzero.adafactor``: the statistics and update norms all-reduced on gloo as in the
+    simulated world give the same bits, at stages 2 and 3."""
+    results = _case(w2, "adafactor")
+    sim, _, _ = _sim(2, stage=2, optimizer=cases.adafactor())
+    _compare(results, sim, exact=True)
+    sim3, _, _ = _sim(2, stage=3, optimizer=cases.adafactor())
+    _compare([res["stage3"] for res in results], sim3, exact=True)
 
 
 @pytest.mark.parametrize("case,compiled", [("eager_s2", False), ("compiled_s2", True)])

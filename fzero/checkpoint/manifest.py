@@ -69,6 +69,7 @@ def _manifest(state: TrainState, comm: Communicator) -> dict[str, Any]:
             **opt.manifest(),  # kind (the rule's name) first, then its static configuration
             "moment_names": list(opt.moment_names),
             **({"scalar_names": list(opt.scalar_names)} if opt.scalar_names else {}),
+            **({"vector_names": list(opt.vector_names)} if opt.vector_names else {}),
             "num_groups": opt.num_groups,
             "hyperparameters": [sorted(h) for h in state.opt.hyper],
         },

@@ -25,7 +25,8 @@ from .manifest import PathLike, _read_manifest, checked_metadata
 from .metadata import DTYPES
 from .planners import dcp_load
 from ..module import ModuleSpec
-from .saveload import BUFFER_PREFIX, MISSED_KEY, SCALAR_PREFIX
+from .saveload import BUFFER_PREFIX, MISSED_KEY, SCALAR_PREFIX, VECTOR_PREFIX
+from ..optim import vector_spans
 from .torch_optim import module_state_dict, rule_from_manifest, torch_optim_dict, torch_order
 
 __all__ = ["checkpoint_info", "consolidate_model_state_dict", "consolidate_torch_optim_state_dict",
@@ -187,7 +188,18 @@ def _optim(checked: CheckedDir, man: dict[str, Any]) -> dict[str, Any]:
     vectors = _read(checked, keys, [len(trainable)] * len(keys))
     scalars = {i: {n: vectors[k][j].item() for n, k in zip(rule.scalar_names, keys)} for j, i in enumerate(trainable)}
     shapes = {i: (tuple(p[1]), _dtype(p[2])) for i, p in enumerate(params)}
-    return torch_optim_dict(rule, order, step, hyper, moments, own, scalars, shapes=shapes)
+    per_slot_vectors: dict[int, dict[str, torch.Tensor]] = {}
+    if rule.vector_names:  # per-parameter vectors, joined in trainable order
+        spans = vector_spans(rule, [tuple(params[i][1]) for i in trainable])
+        lengths = [s[-1][1] if s else 0 for s in spans]
+        keys = [f"{VECTOR_PREFIX}{n}" for n, length in zip(rule.vector_names, lengths) if length]
+        read = _read(checked, keys, [length for length in lengths if length])
+        for name, span in zip(rule.vector_names, spans):
+            for i, (a, b) in zip(trainable, span):
+                if b > a:
+                    per_slot_vectors.setdefault(i, {})[name] = read[f"{VECTOR_PREFIX}{name}"][a:b]
+    return torch_optim_dict(rule, order, step, hyper, moments, own, scalars, shapes=shapes,
+                            vectors=per_slot_vectors)
 
 
 def consolidate_checkpoint(path: PathLike, out: PathLike, *, optim: Optional[PathLike] = None) -> Path:

@@ -4,7 +4,8 @@ Keys: ``fzero/master/{path}`` and ``fzero/{moment}/{path}`` (each trainable para
 master and moments as a logical 1-D tensor of its ``numel``; each rank writes the pieces
 inside the flat range it owns, never padding); the replicated tensors listed by
 :func:`_replicated` (step, hyperparameters, per-parameter step counts and scalars
-``fzero/scalar/{name}``, scaler leaves, frozen parameters), written
+``fzero/scalar/{name}``, per-parameter vectors ``fzero/vector/{name}``, scaler leaves, frozen
+parameters), written
 once; ``fzero/rng/{rank}`` (each rank's generator state, written by its process);
 ``extra/...`` (the caller's); ``fzero/manifest``.
 
@@ -56,6 +57,7 @@ _HYPER_PREFIX = "fzero/hyper/"
 
 MISSED_KEY = "fzero/missed"  # OptState.missed: [T] int64, replicated
 SCALAR_PREFIX = "fzero/scalar/"  # OptState.scalars: [T] float64 each, replicated
+VECTOR_PREFIX = "fzero/vector/"  # OptState.vectors: one 1-D tensor each, replicated
 
 def _sharded(state: TrainState, comm: Communicator, master: Sequence[torch.Tensor],
              moments: Sequence[Sequence[torch.Tensor]]) -> dict[str, _Pieces]:
@@ -182,6 +184,9 @@ def _replicated(state: TrainState) -> dict[str, torch.Tensor]:
         sd[MISSED_KEY] = state.opt.missed[0]
     for name, v in zip(state.opt.optimizer.scalar_names, state.opt.scalars):  # per-parameter [T]
         sd[f"{SCALAR_PREFIX}{name}"] = v
+    for name, v in zip(state.opt.optimizer.vector_names, state.opt.vectors):  # per-parameter vectors, joined
+        if v.numel():  # empty when no parameter has one: nothing to write
+            sd[f"{VECTOR_PREFIX}{name}"] = v
     for k, h in enumerate(state.opt.hyper):
         for name, v in h.items():
             sd[f"{_HYPER_PREFIX}{k}/{name}"] = v
@@ -405,7 +410,9 @@ def _assemble(
         opt=replace(opt, step=replicated["fzero/step"], hyper=hyper, moments=moments,
                     missed=(replicated[MISSED_KEY],) if MISSED_KEY in replicated else opt.missed,
                     scalars=tuple(replicated[f"{SCALAR_PREFIX}{n}"] for n in opt.optimizer.scalar_names)
-                    if opt.scalars else opt.scalars),
+                    if opt.scalars else opt.scalars,
+                    vectors=tuple(replicated.get(f"{VECTOR_PREFIX}{n}", v)
+                                  for n, v in zip(opt.optimizer.vector_names, opt.vectors))),
         scaler=scaler,
         params=params,
         buffers=buffers,

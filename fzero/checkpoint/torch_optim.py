@@ -21,7 +21,7 @@ import torch
 from ..comm import Communicator
 from ..layout import Layout, flat_shard, group_views
 from ..materialize import has_meta, to_empty_tied
-from ..optim import Adam, Optimizer, SGD
+from ..optim import Adam, Optimizer, SGD, init_vectors, vector_spans
 from ..torch_optim_rules import torch_rule_from_manifest
 from ..pytree import replace
 from ..sharding import check_world, gather_flat_params
@@ -183,7 +183,23 @@ def export_torch_optim_state_dict(state: TrainState, comm: Communicator) -> dict
                 for i, v in zip(g.slots, group_views(lay, g, full)):
                     moments.setdefault(i, {})[name] = v.to(lay.slots[i].dtype)
     return torch_optim_dict(opt, _torch_order(lay, opt), step, state.opt.hyper, moments, own,
-                            slot_scalars(lay, opt, state.opt.scalars), lay)
+                            slot_scalars(lay, opt, state.opt.scalars), lay,
+                            vectors=slot_vectors(lay, opt, state.opt.vectors))
+
+
+def slot_vectors(layout: Layout, optimizer: Optimizer,
+                 vectors: Sequence[torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """``{slot index: {vector name: 1-D tensor}}`` from ``OptState.vectors`` (joined in
+    ``Layout.trainable_slots`` order; copies, on the CPU); ``{}`` for a rule without any."""
+    if not optimizer.vector_names or not vectors:
+        return {}
+    slots = [i for i, s in enumerate(layout.slots) if s.group >= 0]
+    spans = vector_spans(optimizer, [layout.slots[i].shape for i in slots])
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for name, v, span in zip(optimizer.vector_names, vectors, spans):
+        for i, (a, b) in zip(slots, span):
+            out.setdefault(i, {})[name] = v[a:b].detach().cpu().clone()
+    return out
 
 
 def slot_scalars(layout: Layout, optimizer: Optimizer,
@@ -212,13 +228,15 @@ def torch_optim_dict(
     scalars: Optional[Mapping[int, Mapping[str, float]]] = None,
     layout: Optional[Any] = None,
     shapes: Optional[Mapping[int, tuple[tuple[int, ...], torch.dtype]]] = None,
+    vectors: Optional[Mapping[int, Mapping[str, torch.Tensor]]] = None,
 ) -> dict[str, Any]:
     """A ``torch.optim`` state dict. ``optimizer``: an :class:`~fzero.optim.Optimizer` (its
     ``torch_state`` builds each parameter's state); ``order``: :func:`torch_order`;
     ``moments``: ``{slot: {name: tensor}}`` in the parameter's shape and dtype (used only when
     ``step > 0``); ``own``: each slot's own step count (:func:`own_steps`; default ``step``);
     ``scalars``: each slot's scalar state (:func:`slot_scalars`); ``layout`` or ``shapes``
-    (``{slot: (shape, dtype)}``): the parameters' shapes. A parameter that never took a step
+    (``{slot: (shape, dtype)}``): the parameters' shapes; ``vectors``: each slot's vector state
+    (:func:`slot_vectors`, for a rule with ``vector_names``). A parameter that never took a step
     has the state torch gives it before its first step (none for most classes)."""
     index = {slot: n for n, slot in enumerate(i for group in order for i in group)}
     if shapes is None:
@@ -229,8 +247,10 @@ def torch_optim_dict(
         for slot in slots:
             mine = step if own is None else own.get(slot, step)
             if mine > 0:
+                extra = {"vectors": (vectors or {}).get(slot, {})} if optimizer.vector_names else {}
                 st = optimizer.torch_state(mine, moments[slot] if optimizer.moment_names else {},
-                                           (scalars or {}).get(slot, {}), *shapes.get(slot, ((), torch.float32)))
+                                           (scalars or {}).get(slot, {}), *shapes.get(slot, ((), torch.float32)),
+                                           **extra)
             elif fills:
                 st = _initial_torch_state(optimizer, hyper[k], *shapes[slot])
             else:
@@ -258,6 +278,10 @@ def rule_from_manifest(section: Mapping[str, Any]) -> Optimizer:
     if kind in ("adam", "adamw"):
         return Adam(names, decoupled=kind == "adamw", maximize=bool(section.get("maximize")),
                     amsgrad=bool(section.get("amsgrad")))
+    if kind == "adafactor":
+        from ..adafactor_rules import Adafactor
+
+        return Adafactor(names, maximize=bool(section.get("maximize")))
     rule = torch_rule_from_manifest(section)
     if rule is None:
         raise CheckpointMismatchError(
@@ -350,11 +374,35 @@ def import_torch_optim_state_dict(
     shard = replace(template.shard, master=master, frozen=frozen)
     scalars = tuple(torch.tensor([s.get(name, 0.0) for s in read_scalars], dtype=torch.float64)
                     for name in opt.scalar_names)
-    new_opt = replace(template.opt, step=step, hyper=hyper, moments=moments, scalars=scalars)
+    new_opt = replace(template.opt, step=step, hyper=hyper, moments=moments, scalars=scalars,
+                      vectors=_torch_vectors(template, per_slot))
     if template.opt.missed or any(missed):
         new_opt = replace(new_opt, missed=(torch.tensor(missed, dtype=torch.int64, device=step.device),))
     gathered = gather_flat_params(shard, comm, template.precision.param_dtype) if len(template.params) else ()
     return replace(template, shard=shard, opt=new_opt, params=gathered)
+
+
+def _torch_vectors(template: TrainState, per_slot: Mapping[int, Mapping[str, Any]]) -> tuple[torch.Tensor, ...]:
+    """``OptState.vectors`` from torch's per-parameter state (zeros for a parameter torch has
+    not stepped); ``CheckpointMismatchError`` naming the state and parameter whose size differs."""
+    lay, opt = template.layout, template.opt.optimizer
+    if not opt.vector_names:
+        return template.opt.vectors
+    slots = [i for i, s in enumerate(lay.slots) if s.group >= 0]
+    shapes = [lay.slots[i].shape for i in slots]
+    out = [t.clone() for t in init_vectors(opt, shapes, template.opt.vectors[0].dtype if template.opt.vectors
+                                           else template.shard.master[0].dtype, template.shard.master[0].device)]
+    for i, shape, *spans in zip(slots, shapes, *vector_spans(opt, shapes)):
+        read = opt.vectors_from_torch_state(per_slot.get(i, {}), tuple(shape))
+        for name, v, (a, b) in zip(opt.vector_names, out, spans):
+            if name not in read:
+                continue
+            if read[name].numel() != b - a:
+                raise CheckpointMismatchError(
+                    f"torch optimizer state {name!r} of {lay.slots[i].path!r} has {read[name].numel()} elements, "
+                    f"this state's optimizer keeps {b - a} for its shape {tuple(shape)}")
+            v[a:b] = read[name].detach().to(v.dtype)
+    return tuple(out)
 
 
 def _own_rows(

@@ -1,0 +1,319 @@
+"""Adafactor on flat ZeRO shards: ``torch.optim.Adafactor``, its statistics taken from the
+whole, fully reduced gradient of each parameter, with two small ``all_reduce``\\ s per step.
+
+:func:`adafactor` builds the rule (:class:`Adafactor`) with ``torch.optim.Adafactor``'s
+arguments. Per parameter, torch's single-tensor step (``_single_tensor_adafactor``):
+``rho = min(lr, 1/sqrt(t))``, ``alpha = max(eps2, ||p|| / sqrt(numel)) * rho``, decoupled
+weight decay, and for a parameter of two or more dimensions (torch factors the last two)
+the factored second moment ``row_var`` ([..., R, 1]) and ``col_var`` ([..., 1, C]), for the
+others the elementwise ``variance``; the update ``rsqrt(max(var, eps1^2)) * grad`` is
+clipped by ``max(1, ||update|| / (sqrt(numel) * d))``.
+
+Where the state lives: ``variance`` is elementwise, a flat moment (``[R, shard_numel]``,
+sharded). ``row_var`` and ``col_var`` are tiny (``R + C`` per ``R x C`` matrix) and every
+rank holding a piece of the matrix needs all of them: they are replicated, world-size
+independent vector state (``Optimizer.vector_names``, ``OptState.vectors``), which every rank
+computes alike from the same reduced statistics.
+
+What travels (``Adafactor.update_with_comm``): each rank computes, on its own pieces only,
+partial sums of ``p^2`` per parameter and of ``g^2`` per row and per column of each matrix;
+one ``all_reduce(sum)`` of them joined (``T + sum(B*R + B*C)`` elements) gives every rank the
+whole statistics. Each rank computes the update of its own pieces; a second
+``all_reduce(sum)`` of the per-parameter partial sums of ``update^2`` (``T`` elements) gives
+the clipping denominators. No matrix is gathered.
+
+Eager only (a Python loop over pieces); a compiled step raises naming the rule.
+
+Imports: ``fzero.optim``, ``fzero.layout``, ``fzero.comm``, ``fzero.sharding``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar, Iterator, Mapping, Optional, Sequence
+
+import torch
+
+from .comm import Communicator
+from .layout import FlatGroup, Layout
+from .optim import GroupSpec, Optimizer, _groups, _vector_dtype, vector_spans
+from .sharding import shard_pieces, trainable_index
+
+__all__ = ["Adafactor", "adafactor"]
+
+# torch.optim.Adafactor's constructor checks, as (name, test, requirement)
+_RANGES = {
+    "lr": (lambda v: v >= 0, ">= 0"),
+    "beta2_decay": (lambda v: v <= 0, "<= 0"),
+    "eps1": (lambda v: v >= 0, ">= 0"),
+    "eps2": (lambda v: v >= 0, ">= 0"),
+    "d": (lambda v: v >= 1, ">= 1"),
+    "weight_decay": (lambda v: v >= 0, ">= 0"),
+}
+
+
+def _factored(shape: Sequence[int]) -> bool:
+    """Whether torch factors a parameter of ``shape`` (two dimensions or more)."""
+    return len(shape) > 1
+
+
+def _dims(shape: Sequence[int]) -> tuple[int, int, int]:
+    """``(B, R, C)``: the leading dimensions' product, and the last two dimensions."""
+    return math.prod(shape[:-2]), shape[-2], shape[-1]
+
+
+def _rectangles(a: int, b: int, R: int, C: int) -> Iterator[tuple[int, int, int, int, int, int]]:
+    """The elements ``[a, b)`` of a parameter ``[B, R, C]`` (flat, row-major) as rectangles
+    ``(start, row, rows, col, cols, batch)``: ``rows x cols`` elements at the flat positions
+    from ``a + start``, global rows ``row..row+rows`` (``batch * R + i``), columns
+    ``col..col+cols`` of batch ``batch``. A partial first row, whole rows (split where the
+    batch changes), a partial last row. No collective."""
+    pos = a
+    while pos < b:
+        row, col = divmod(pos, C)
+        batch = row // R
+        if col or b - pos < C:  # a partial row
+            n = min(C - col, b - pos)
+            yield pos - a, row, 1, col, n, batch
+            pos += n
+            continue
+        rows = min((b - pos) // C, (batch + 1) * R - row)  # whole rows, within one batch
+        yield pos - a, row, rows, 0, C, batch
+        pos += rows * C
+
+
+@dataclasses.dataclass(frozen=True)
+class Adafactor(Optimizer):
+    """``torch.optim.Adafactor`` on flat shards (build it with :func:`adafactor`).
+
+    Hyperparameters (``OptState.hyper``, schedulable per group): ``lr``, ``beta2_decay``,
+    ``eps2``, ``d``, ``weight_decay``, and ``eps1`` when given (absent: torch's ``None``, the
+    machine epsilon of the master dtype). Static: ``maximize``."""
+
+    maximize: bool = False
+
+    moment_names: ClassVar[tuple[str, ...]] = ("variance",)
+    vector_names: ClassVar[tuple[str, ...]] = ("row_var", "col_var")
+    by_piece: ClassVar[bool] = True
+    needs_comm: ClassVar[bool] = True
+    compilable: ClassVar[bool] = False
+    not_compilable: ClassVar[str] = ("its statistics and clipping need the whole parameter: two all_reduces of "
+                                     "per-parameter partial sums inside the optimizer step, eagerly")
+
+    @property
+    def name(self) -> str:
+        return "adafactor"
+
+    def vector_lengths(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """``(B*R, B*C)`` for a parameter ``[..., R, C]`` (``B`` the leading dimensions'
+        product), ``(0, 0)`` for one of fewer than two dimensions."""
+        if not _factored(shape):
+            return (0, 0)
+        B, R, C = _dims(shape)
+        return (B * R, B * C)
+
+    def check_hyper(self, name: str, value: float, where: str) -> None:
+        ok, need = _RANGES.get(name, (lambda v: True, ""))
+        if value != value or not ok(value):
+            raise ValueError(f"{where}: invalid {name} {value}" + (f" (torch.optim.Adafactor requires {name} {need})"
+                                                                   if need else ""))
+
+    def _eps1(self, h: Mapping[str, float], dtype: torch.dtype) -> float:
+        return h["eps1"] if "eps1" in h else torch.finfo(dtype).eps
+
+    def update_with_comm(self, layout: Layout, master: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                         moments: Sequence[tuple[torch.Tensor, ...]], hyper: Sequence[Mapping[str, torch.Tensor]],
+                         own: Sequence[int], take: Sequence[bool], ranks: Sequence[int], comm: Communicator,
+                         vectors: Sequence[torch.Tensor] = ()) -> None:
+        """One step, in place on ``master``, ``moments`` (``variance``, per flat group
+        ``[R, shard_numel]``) and ``vectors`` (``[row_var, col_var]``, replicated) from unscaled
+        ``grads``. ``own``/``take``: per trainable parameter, its own step count and whether it
+        takes the step. Collectives: two ``all_reduce(sum)``: the statistics
+        (``T + len(row_var) + len(col_var)`` elements) and the update norms (``T``)."""
+        check_real(layout)  # before anything is written (a donated state is updated in place)
+        where = trainable_index(layout)
+        slots = layout.trainable_slots
+        T = len(slots)
+        row_var, col_var = vectors
+        (row_spans, col_spans) = vector_spans(self, [s.shape for s in slots])
+        dtype, device = _vector_dtype(master), master[0].device
+        h = [{k: float(v) for k, v in hy.items()} for hy in hyper]
+        opt_group = [layout.groups[s.group].opt_group for s in slots]
+        n_row = row_var.numel()
+        # 1. partial statistics of this process's rows: sum p^2 per parameter, sum g^2 per row and column
+        stats = torch.zeros(len(ranks), T + n_row + col_var.numel(), dtype=dtype, device=device)
+        pieces = []  # (row, k, param-local begin, p view, g (signed), variance view)
+        for row, rank in enumerate(ranks):
+            for g in layout.groups:
+                for k, lo, hi in shard_pieces(layout, g, rank, where):
+                    if k is None or not take[k]:
+                        continue
+                    s = slots[k]
+                    p = master[g.index][row, lo:hi]
+                    gr = grads[g.index][row, lo:hi].to(p.dtype)
+                    if self.maximize:
+                        gr = -gr
+                    a = rank * g.shard_numel + lo - s.offset
+                    pieces.append((row, k, a, p, gr, moments[g.index][0][row, lo:hi]))
+                    stats[row, k] += p.square().sum().to(dtype)
+                    if _factored(s.shape):
+                        _, R, C = _dims(s.shape)
+                        sq = gr.square().to(dtype)
+                        rows = stats[row, T + row_spans[k][0]:T + row_spans[k][1]]
+                        cols = stats[row, T + n_row + col_spans[k][0]:T + n_row + col_spans[k][1]]
+                        for start, r0, nr, c0, nc, b in _rectangles(a, a + p.numel(), R, C):
+                            block = sq[start:start + nr * nc].view(nr, nc)
+                            rows[r0:r0 + nr] += block.sum(dim=1)
+                            cols[b * C + c0:b * C + c0 + nc] += block.sum(dim=0)
+        total = comm.all_reduce(stats, "sum")[0]  # every row holds the same sums
+        # 2. per parameter, torch's scalars; the factored second moment, alike on every rank
+        scal: dict[int, tuple[float, float, float]] = {}  # k: (one_minus_beta2_t, alpha, eps1)
+        denom_r: dict[int, torch.Tensor] = {}
+        for k, s in enumerate(slots):
+            if not take[k]:
+                continue
+            hk = h[opt_group[k]]
+            t = float(own[k] + 1)
+            one_minus_beta2_t = t ** hk["beta2_decay"]
+            rho_t = min(hk["lr"], 1 / (t ** 0.5))
+            numel = math.prod(s.shape)
+            alpha = max(hk["eps2"], math.sqrt(float(total[k])) / (numel ** 0.5)) * rho_t
+            eps1 = self._eps1(hk, dtype)
+            scal[k] = (one_minus_beta2_t, alpha, eps1)
+            if _factored(s.shape):
+                B, R, C = _dims(s.shape)
+                rv = row_var[row_spans[k][0]:row_spans[k][1]]
+                cv = col_var[col_spans[k][0]:col_spans[k][1]]
+                rv.lerp_(total[T + row_spans[k][0]:T + row_spans[k][1]].to(rv.dtype) / C, one_minus_beta2_t)
+                cv.lerp_(total[T + n_row + col_spans[k][0]:T + n_row + col_spans[k][1]].to(cv.dtype) / R,
+                         one_minus_beta2_t)
+                denom_r[k] = rv.view(B, R).mean(dim=1).clamp(min=eps1)
+        # 3. the update of each own piece, and the partial sums of its squares
+        norms = torch.zeros(len(ranks), T, dtype=dtype, device=device)
+        updates = []
+        for row, k, a, p, gr, variance in pieces:
+            one_minus_beta2_t, _, eps1 = scal[k]
+            s = slots[k]
+            if _factored(s.shape):
+                _, R, C = _dims(s.shape)
+                rv = row_var[row_spans[k][0]:row_spans[k][1]]
+                cv = col_var[col_spans[k][0]:col_spans[k][1]]
+                var = torch.empty_like(p)
+                for start, r0, nr, c0, nc, b in _rectangles(a, a + p.numel(), R, C):
+                    est = rv[r0:r0 + nr].unsqueeze(1) * cv[b * C + c0:b * C + c0 + nc].unsqueeze(0)
+                    var[start:start + nr * nc].view(nr, nc).copy_(est.div_(denom_r[k][b]))
+            else:
+                variance.lerp_(gr * gr, one_minus_beta2_t)
+                var = variance.clone()
+            update = var.clamp_(min=eps1 * eps1).rsqrt_()
+            update.mul_(gr)
+            norms[row, k] += update.square().sum().to(dtype)
+            updates.append(update)
+        norms = comm.all_reduce(norms, "sum")[0]
+        # 4. decoupled weight decay and the clipped step, torch's order and Python floats
+        for (row, k, a, p, gr, variance), update in zip(pieces, updates):
+            hk = h[opt_group[k]]
+            _, alpha, _ = scal[k]
+            numel = math.prod(slots[k].shape)
+            denom = max(1.0, math.sqrt(float(norms[k])) / ((numel ** 0.5) * hk["d"]))
+            if hk["weight_decay"] != 0:
+                p.mul_(1 - hk["lr"] * hk["weight_decay"])
+            p.add_(update, alpha=-alpha / denom)
+
+    # torch.optim interchange (fzero.checkpoint.torch_optim)
+
+    def torch_class(self) -> Optional[type]:
+        return torch.optim.Adafactor
+
+    def torch_kwargs(self, hyper: Mapping[str, Any]) -> dict[str, Any]:
+        v = {k: float(x) for k, x in hyper.items()}
+        return dict(lr=v["lr"], beta2_decay=v["beta2_decay"], eps=(v.get("eps1"), v["eps2"]), d=v["d"],
+                    weight_decay=v["weight_decay"], maximize=self.maximize)
+
+    def torch_state(self, own_step: int, moments: Mapping[str, torch.Tensor], scalars: Mapping[str, float],
+                    shape: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
+                    vectors: Optional[Mapping[str, torch.Tensor]] = None) -> dict[str, Any]:
+        """torch's state of one parameter: ``step`` (0-d, torch's scalar dtype), ``row_var``
+        ``[..., R, 1]`` and ``col_var`` ``[..., 1, C]`` for a parameter of two dimensions or more,
+        else ``variance``; ``{}`` before its first step."""
+        if own_step <= 0:
+            return {}
+        from torch.optim.optimizer import _get_scalar_dtype
+
+        out: dict[str, Any] = {"step": torch.tensor(float(own_step), dtype=_get_scalar_dtype())}
+        if _factored(shape):
+            vectors = vectors or {}
+            row_shape, col_shape = list(shape), list(shape)
+            row_shape[-1], col_shape[-2] = 1, 1
+            out["row_var"] = vectors["row_var"].reshape(row_shape).to(dtype)
+            out["col_var"] = vectors["col_var"].reshape(col_shape).to(dtype)
+        else:
+            out["variance"] = moments["variance"]
+        return out
+
+    def from_torch_state(self, state: Mapping[str, Any]) -> tuple[int, dict[str, torch.Tensor], dict[str, float]]:
+        own = int(float(state["step"])) if "step" in state else 0
+        return own, ({"variance": state["variance"]} if "variance" in state else {}), {}
+
+    def vectors_from_torch_state(self, state: Mapping[str, Any], shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        return {k: state[k].reshape(-1) for k in self.vector_names if k in state}
+
+    def hyper_from_torch_group(self, group: Mapping[str, Any]) -> dict[str, float]:
+        if "beta2_decay" not in group or "d" not in group:
+            raise ValueError(f"belongs to another optimizer than {self.name} (no 'beta2_decay' or 'd')")
+        if bool(group.get("maximize", False)) != self.maximize:
+            raise ValueError(f"has maximize {group.get('maximize')}, here {self.maximize}")
+        eps1, eps2 = group["eps"]
+        mine = "eps1" in dict(self.defaults)
+        if (eps1 is not None) != mine:
+            raise ValueError(f"has eps1 {eps1!r}, here {'a number' if mine else 'None'} (eps1 None and a "
+                             "number are different configurations)")
+        out = {k: float(group[k]) for k in ("lr", "beta2_decay", "d", "weight_decay")}
+        out["eps2"] = float(eps2)
+        if eps1 is not None:
+            out["eps1"] = float(eps1)
+        return out
+
+
+def check_real(layout: Layout) -> None:
+    """Raise ``ValueError`` naming the first complex trainable parameter (torch.optim.Adafactor
+    refuses them too)."""
+    for s in layout.trainable_slots:
+        if s.dtype.is_complex:
+            raise ValueError(f"adafactor: parameter {s.path} is complex ({s.dtype}); torch.optim.Adafactor does "
+                             "not support complex parameters")
+
+
+def adafactor(
+    lr: float = 1e-2,
+    beta2_decay: float = -0.8,
+    eps: tuple[Optional[float], float] = (None, 1e-3),
+    d: float = 1.0,
+    weight_decay: float = 0.0,
+    *,
+    foreach: Optional[bool] = None,
+    maximize: bool = False,
+    groups: Sequence[GroupSpec] = (),
+) -> Adafactor:
+    """``torch.optim.Adafactor(lr, beta2_decay, eps, d, weight_decay, maximize)`` on flat shards.
+
+    ``eps = (eps1, eps2)``: ``eps1`` None (torch's default) is the machine epsilon of the
+    master dtype; a number becomes the hyperparameter ``eps1``. ``groups`` as for
+    :func:`fzero.adamw` (names ``lr``, ``beta2_decay``, ``eps1``, ``eps2``, ``d``,
+    ``weight_decay``). ``foreach`` is accepted and ignored (torch's implementation choice).
+    The statistics of each parameter come from its whole, fully reduced gradient: the step
+    adds two small ``all_reduce``\\ s and no gather. Eager only. Out-of-range values raise
+    ``ValueError`` naming the argument, as torch.optim.Adafactor's constructor does."""
+    if len(eps) != 2:
+        raise ValueError(f"adafactor: eps must be (eps1, eps2), got {eps!r}")
+    eps1, eps2 = eps
+    defaults = [("lr", lr), ("beta2_decay", beta2_decay)]
+    if eps1 is not None:
+        defaults.append(("eps1", eps1))
+    defaults += [("eps2", eps2), ("d", d), ("weight_decay", weight_decay)]
+    defaults = tuple((k, float(v)) for k, v in defaults)
+    probe = Adafactor(defaults, maximize=bool(maximize))
+    for k, v in defaults:
+        probe.check_hyper(k, v, "adafactor")
+    return Adafactor(defaults, _groups(groups, [k for k, _ in defaults], probe), maximize=bool(maximize))
