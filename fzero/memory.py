@@ -47,9 +47,33 @@ peak, which on a real rank comes after backward, when the activations are gone: 
 what a census finds beside the state at the step's peak (162M parameters, gloo W=2,
 stages 1-2: equal to 0.01 MiB).
 
+Stage 3 eagerly, given the communicator: ``step_buffers`` predicts ``fzero::gather``
+(the gathered parameters: the root and at most two units held, plus what the gather path
+allocates beside them: the shards cast and joined to send, the received buffers, the
+copies cutting a joined gather into its flat groups, prefetches and backward's regathers)
+and ``fzero::grad_reduction`` (the simulated world's stacked rows and the reductions'
+buffers), and ``step_peak`` both together, by a replay of the unit schedule
+(:func:`_replay_stage3`; units are the layout's buckets, bucket 0 the root). Checked
+against the census on the simulated world at W = 1, 2, 3 (``tests/test_census_stage3.py``:
+units of unequal sizes, fp32 and bf16, a five-block GPT-2): the census is above the
+prediction by the 64 bytes of the simulated all-gather's index scratch and the 0-d
+scalars of an fp32 average, no more. The common schedule is assumed: a forward that calls
+every unit once in bucket order (a chain of blocks), one micro-batch. Not predicted (no
+entry): a real rank among others (its gathers carry the call-check tags and travel
+batched with the reductions: :meth:`~fzero.comm.Communicator.gather_footprint` is not
+given for ``TorchCommunicator``).
+
+==========================  ===========  ===================================================
+``step_buffers`` scope      stages       predicted
+==========================  ===========  ===================================================
+``fzero::grad_buckets``     1-2          always (the replay's pool, given ``comm``)
+``fzero::grad_reduction``   1-2, 3       given ``comm`` (stage 3: the simulated world)
+``fzero::gather``           3            given ``comm`` (the simulated world)
+==========================  ===========  ===================================================
+
 Not counted at all (they depend on the model and the batch, not on Ψ alone):
-activations; compiled, or deferring accumulation, the full local gradients; in stage 3 eagerly the root and at most two
-units of gathered parameters (``GatherTracker`` measures them,
+activations; compiled, or deferring accumulation, the full local gradients; in stage 3
+on a real rank among others the gathered parameters (``GatherTracker`` measures them,
 ``benchmarks/bench_zero3_memory.py``), compiled every unit from its forward to
 its backward.
 
@@ -87,7 +111,8 @@ class MemoryReport:
     averaged over ranks; ``step_buffers``: the eager step's own scratch memory at its
     peak, by profiler scope (module doc), outside the paper's model; ``step_peak`` (given
     the communicator, stages 1-2): the peak of the eager step's gradient memory together,
-    bucket buffers, lone-parameter gradients and reductions (:func:`step_buffer_peak`)."""
+    bucket buffers, lone-parameter gradients and reductions (:func:`step_buffer_peak`); at
+    stage 3 (the simulated world) the gathers and reductions together."""
 
     stage: int
     world_size: int
@@ -139,8 +164,8 @@ def memory_report(
     the rest is transient (see the module doc). ``local_ranks``: ranks this process
     simulates (:class:`~fzero.comm.SimulatedWorld`), which share their bucket buffers.
     ``comm``: the communicator the step runs on (its ``local_ranks`` then apply); with it,
-    ``step_buffers`` also predicts the gradient reductions' buffers (module doc). No
-    collective is called.
+    ``step_buffers`` also predicts the gradient reductions' buffers and, at stage 3, the
+    gathered parameters (module doc). No collective is called.
     """
     if comm is not None:
         local_ranks = comm.local_ranks
