@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, ContextManager, Literal, Sequence
+from typing import Any, Callable, ContextManager, Literal, Optional, Sequence
 
 import torch
 import torch.utils._pytree as tp
@@ -184,6 +184,14 @@ class Communicator:
         memory report then predicts no reduction buffers). No communication."""
         return None
 
+    def gather_footprint(self, numel: int) -> Optional[int]:
+        """The elements an eager, started ``all_gather`` of a ``[R, numel]`` input allocates
+        for its result in this process (held until the caller drops it), or ``None``: not
+        known for this communicator (a memory report then predicts no stage-3 gathers). Only
+        what ``all_gather_start`` itself allocates: casts, joins and cuts are the caller's.
+        No communication."""
+        return None
+
     def check_layout(self, layout: Any) -> None:
         """Verify that every rank built the same layout (raise otherwise).
 
@@ -279,6 +287,12 @@ class SimulatedWorld(Communicator):
         # the rows' sum is the result at once; avg divides it into a new buffer
         return ReductionFootprint(0, rows * n, result_first=True, scratch=rows * n if op == "avg" else 0,
                                   keeps_input=False)
+
+    def gather_footprint(self, numel: int) -> int:
+        # every local rank's gather receives every rank's row: [W, R * numel] (a cost of
+        # simulating: a real rank receives [1, W * numel]); repeat's own index scratch (64
+        # bytes for a 2-d input, freed at once) is left out
+        return self.world_size * self.local_ranks * numel
 
     def _reduce0(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         if op == "max":
@@ -390,6 +404,9 @@ class CountingCommunicator(Communicator):
     def reduction_footprint(self, numel: int, op: ReduceOp = "sum",
                             via_all_reduce: bool = False) -> ReductionFootprint | None:
         return self.inner.reduction_footprint(numel, op, via_all_reduce)
+
+    def gather_footprint(self, numel: int) -> Optional[int]:
+        return self.inner.gather_footprint(numel)
 
     def batched(self) -> ContextManager[None]:
         """The inner communicator's: counting does not change what travels together (each

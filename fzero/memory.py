@@ -47,9 +47,33 @@ peak, which on a real rank comes after backward, when the activations are gone: 
 what a census finds beside the state at the step's peak (162M parameters, gloo W=2,
 stages 1-2: equal to 0.01 MiB).
 
+Stage 3 eagerly, given the communicator: ``step_buffers`` predicts ``fzero::gather``
+(the gathered parameters: the root and at most two units held, plus what the gather path
+allocates beside them: the shards cast and joined to send, the received buffers, the
+copies cutting a joined gather into its flat groups, prefetches and backward's regathers)
+and ``fzero::grad_reduction`` (the simulated world's stacked rows and the reductions'
+buffers), and ``step_peak`` both together, by a replay of the unit schedule
+(:func:`_replay_stage3`; units are the layout's buckets, bucket 0 the root). Checked
+against the census on the simulated world at W = 1, 2, 3 (``tests/test_census_stage3.py``:
+units of unequal sizes, fp32 and bf16, a five-block GPT-2): the census is above the
+prediction by the 64 bytes of the simulated all-gather's index scratch and the 0-d
+scalars of an fp32 average, no more. The common schedule is assumed: a forward that calls
+every unit once in bucket order (a chain of blocks), one micro-batch. Not predicted (no
+entry): a real rank among others (its gathers carry the call-check tags and travel
+batched with the reductions: :meth:`~fzero.comm.Communicator.gather_footprint` is not
+given for ``TorchCommunicator``).
+
+==========================  ===========  ===================================================
+``step_buffers`` scope      stages       predicted
+==========================  ===========  ===================================================
+``fzero::grad_buckets``     1-2          always (the replay's pool, given ``comm``)
+``fzero::grad_reduction``   1-2, 3       given ``comm`` (stage 3: the simulated world)
+``fzero::gather``           3            given ``comm`` (the simulated world)
+==========================  ===========  ===================================================
+
 Not counted at all (they depend on the model and the batch, not on Ψ alone):
-activations; compiled, or deferring accumulation, the full local gradients; in stage 3 eagerly the root and at most two
-units of gathered parameters (``GatherTracker`` measures them,
+activations; compiled, or deferring accumulation, the full local gradients; in stage 3
+on a real rank among others the gathered parameters (``GatherTracker`` measures them,
 ``benchmarks/bench_zero3_memory.py``), compiled every unit from its forward to
 its backward.
 
@@ -60,7 +84,7 @@ Imports: ``fzero.buckets``, ``fzero.comm``, ``fzero.layout``, ``fzero.optim``, `
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -69,8 +93,8 @@ from .comm import Communicator, gradient_divide_factors
 from .layout import FlatGroup, Layout
 from .optim import Optimizer
 from .precision import MixedPrecision
-from .scopes import GRAD_BUCKETS, GRAD_REDUCTION
-from .sharding import LOW_PRECISION, reduces_joined
+from .scopes import GATHER, GRAD_BUCKETS, GRAD_REDUCTION
+from .sharding import LOW_PRECISION, _join, reduces_joined
 
 __all__ = ["MemoryReport", "memory_report", "zero_paper_bytes", "format_memory_table", "bucket_buffer_bytes",
            "reduction_buffer_bytes", "step_buffer_peak"]
@@ -87,7 +111,8 @@ class MemoryReport:
     averaged over ranks; ``step_buffers``: the eager step's own scratch memory at its
     peak, by profiler scope (module doc), outside the paper's model; ``step_peak`` (given
     the communicator, stages 1-2): the peak of the eager step's gradient memory together,
-    bucket buffers, lone-parameter gradients and reductions (:func:`step_buffer_peak`)."""
+    bucket buffers, lone-parameter gradients and reductions (:func:`step_buffer_peak`); at
+    stage 3 (the simulated world) the gathers and reductions together."""
 
     stage: int
     world_size: int
@@ -139,8 +164,8 @@ def memory_report(
     the rest is transient (see the module doc). ``local_ranks``: ranks this process
     simulates (:class:`~fzero.comm.SimulatedWorld`), which share their bucket buffers.
     ``comm``: the communicator the step runs on (its ``local_ranks`` then apply); with it,
-    ``step_buffers`` also predicts the gradient reductions' buffers (module doc). No
-    collective is called.
+    ``step_buffers`` also predicts the gradient reductions' buffers and, at stage 3, the
+    gathered parameters (module doc). No collective is called.
     """
     if comm is not None:
         local_ranks = comm.local_ranks
@@ -170,8 +195,12 @@ def memory_report(
     peaks = _replay_reductions(layout, precision, comm, stage) if comm is not None and stage < 3 else None
     if peaks is not None:  # the replay knows which bucket buffers the pool reuses
         buffers[GRAD_BUCKETS], buffers[GRAD_REDUCTION] = peaks[2], peaks[0]
-    return MemoryReport(stage, n, layout.num_params, by_kind, padding, held, transient, buffers,
-                        None if peaks is None else peaks[1])
+    step_peak = None if peaks is None else peaks[1]
+    if stage == 3 and comm is not None:
+        three = _replay_stage3(layout, precision, comm)
+        if three is not None:
+            buffers[GATHER], buffers[GRAD_REDUCTION], step_peak = three
+    return MemoryReport(stage, n, layout.num_params, by_kind, padding, held, transient, buffers, step_peak)
 
 
 def bucket_buffer_bytes(layout: Layout, precision: MixedPrecision = MixedPrecision(), local_ranks: int = 1) -> float:
@@ -272,6 +301,49 @@ class _Started(NamedTuple):
     sends_input: bool
 
 
+def _collective(heap: "_Heap", comm: Communicator, stage: int, numel: int, in_dtype: torch.dtype,
+                rdtype: torch.dtype, out_dtype: torch.dtype) -> Optional[_Started]:
+    """Start one reduction of a ``[R, numel]`` flat gradient in ``in_dtype`` (its
+    allocations replayed now): what its wait does (:class:`_Started`)."""
+    rows, world = comm.local_ranks, comm.world_size
+    pre, post = gradient_divide_factors(world)
+    low = rdtype in LOW_PRECISION
+    fp = comm.reduction_footprint(numel, "sum" if low else "avg", via_all_reduce=stage == 1)
+    if fp is None:
+        return None
+    size, shard = _size(rdtype), rows * numel // world
+    send = 0
+    if in_dtype != rdtype:
+        send = rows * numel * size
+        heap.alloc(send)
+    if low and pre > 1:  # divided into a new buffer; the cast (if any) is dropped
+        heap.alloc(rows * numel * size)
+        heap.free(send)
+        send = rows * numel * size
+    heap.alloc(fp.held * size)
+    if fp.result_first:
+        heap.alloc(fp.result * size)
+    heap.alloc(fp.scratch * size)
+    heap.free(fp.scratch * size)
+    if not fp.keeps_input:
+        heap.free(send)
+        send = 0
+    results = [] if fp.result_first else [fp.result * size]
+    then, rest = [], [fp.held * size]
+    result = fp.result * size
+    if low and post > 1:
+        then.append(shard * size)
+        rest.append(result)
+        result = shard * size
+    if out_dtype != rdtype:
+        then.append(shard * _size(out_dtype))
+        rest.append(result)
+        result = shard * _size(out_dtype)
+    # whether the collective keeps the caller's own tensor (not a copy) until the wait
+    sends_input = fp.keeps_input and in_dtype == rdtype and not (low and pre > 1)
+    return _Started((results, [send], then, rest), result, fp.keeps_input, sends_input)
+
+
 def _replay_reductions(
     layout: Layout, precision: MixedPrecision, comm: Communicator, stage: int
 ) -> Optional[tuple[float, float, float]]:
@@ -287,46 +359,6 @@ def _replay_reductions(
     # sent (the communicator keeps it until then), allocate the divided and cast results,
     # free the rest (receive buffers, results cast or divided away).
     started: list[tuple[list[int], list[int], list[int], list[int]]] = []
-
-    def collective(numel: int, in_dtype: torch.dtype, rdtype: torch.dtype,
-                   out_dtype: torch.dtype) -> Optional[_Started]:
-        """Start one reduction of a ``[R, numel]`` flat gradient in ``in_dtype`` (its
-        allocations replayed now): what its wait does (:class:`_Started`)."""
-        low = rdtype in LOW_PRECISION
-        fp = comm.reduction_footprint(numel, "sum" if low else "avg", via_all_reduce=stage == 1)
-        if fp is None:
-            return None
-        size, shard = _size(rdtype), rows * numel // world
-        send = 0
-        if in_dtype != rdtype:
-            send = rows * numel * size
-            heap.alloc(send)
-        if low and pre > 1:  # divided into a new buffer; the cast (if any) is dropped
-            heap.alloc(rows * numel * size)
-            heap.free(send)
-            send = rows * numel * size
-        heap.alloc(fp.held * size)
-        if fp.result_first:
-            heap.alloc(fp.result * size)
-        heap.alloc(fp.scratch * size)
-        heap.free(fp.scratch * size)
-        if not fp.keeps_input:
-            heap.free(send)
-            send = 0
-        results = [] if fp.result_first else [fp.result * size]
-        then, rest = [], [fp.held * size]
-        result = fp.result * size
-        if low and post > 1:
-            then.append(shard * size)
-            rest.append(result)
-            result = shard * size
-        if out_dtype != rdtype:
-            then.append(shard * _size(out_dtype))
-            rest.append(result)
-            result = shard * _size(out_dtype)
-        # whether the collective keeps the caller's own tensor (not a copy) until the wait
-        sends_input = fp.keeps_input and in_dtype == rdtype and not (low and pre > 1)
-        return _Started((results, [send], then, rest), result, fp.keeps_input, sends_input)
 
     grads: list[tuple[list[tuple[int, int]], int]] = []  # per launch under way: pool buffers, a lone gradient
 
@@ -366,7 +398,7 @@ def _replay_reductions(
             heap.alloc(casts)  # each group cast, then joined
             heap.alloc(joined)
             heap.free(casts)
-            one = collective(sum(g.padded_numel for g in groups), rdtype, rdtype, rdtype)
+            one = _collective(heap, comm, stage, sum(g.padded_numel for g in groups), rdtype, rdtype, rdtype)
             if one is None:
                 return None
             results, sent, then, rest = one.wait
@@ -383,7 +415,7 @@ def _replay_reductions(
             continue
         phases: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
         for g in groups:
-            one = collective(g.padded_numel, precision.compute_dtype(g.dtype),
+            one = _collective(heap, comm, stage, g.padded_numel, precision.compute_dtype(g.dtype),
                              precision.reduce_dtype or g.master_dtype, g.master_dtype)
             if one is None:
                 return None
@@ -397,6 +429,214 @@ def _replay_reductions(
     while started:
         wait_oldest()
     return float(heap.peak) / rows, float(every.peak) / rows, float(pool.heap.peak) / rows
+
+
+class _Buf:
+    """A replayed buffer freed when its last holder lets it go."""
+
+    def __init__(self, heap: _Heap, nbytes: int, holders: int = 1):
+        self.heap, self.nbytes, self.holders = heap, nbytes, holders
+        heap.alloc(nbytes)
+
+    def drop(self) -> None:
+        self.holders -= 1
+        if self.holders == 0:
+            self.heap.free(self.nbytes)
+
+
+def _replay_stage3(
+    layout: Layout, precision: MixedPrecision, comm: Communicator
+) -> Optional[tuple[float, float, float]]:
+    """The eager stage-3 step of one micro-batch, replayed (:mod:`fzero.units`), per rank: the
+    peak of the gathers' allocations (``fzero::gather``), of the gradient reductions'
+    (``fzero::grad_reduction``) and of both together. ``None`` where ``comm`` does not say
+    what a gather or a reduction allocates, or on a real rank among others (its gathers carry
+    the call-check tags and travel batched with the reductions: not modelled).
+
+    The schedule assumed is the common one: the forward calls every unit once, in bucket
+    order (a chain of blocks, GPT-2/Llama style), and backward completes them in reverse. A
+    model that calls units out of order, twice, or not at all prefetches other units (the
+    prediction of the next unit is then wrong, and the gather is waited for where it is
+    needed), which this replay does not follow."""
+    rows, world = comm.local_ranks, comm.world_size
+    if rows == 1 and world > 1:
+        return None
+    buckets = buckets_of(layout)
+    n = len(buckets)  # the root (bucket 0) and the units 1 .. n - 1
+    if n < 2 or any(not gs for gs in buckets[1:]):
+        return None
+    every = _Heap()
+    gheap, rheap = _Heap(also=every), _Heap(also=every)
+
+    def csize(g: FlatGroup) -> int:
+        return _size(precision.compute_dtype(g.dtype))
+
+    def received(numel: int, g: FlatGroup) -> Optional[int]:
+        got = comm.gather_footprint(numel)
+        return None if got is None else got * csize(g)
+
+    def start(bs: Sequence[int]) -> Optional[dict[int, Callable[[], list[_Buf]]]]:
+        """:func:`fzero.units._start_gather` of buckets ``bs``: per bucket, its take (the
+        buffers its flats hold)."""
+        groups = [g for b in bs for g in buckets[b]]
+        if len(groups) == 1 or len({precision.compute_dtype(g.dtype) for g in groups}) != 1 \
+                or not _join(groups):
+            per = {}
+            for g in groups:
+                cast = rows * g.shard_numel * csize(g) if precision.compute_dtype(g.dtype) != g.master_dtype else 0
+                gheap.alloc(cast)
+                got = received(g.shard_numel, g)
+                if got is None:
+                    return None
+                per[g.index] = _Buf(gheap, got)
+                gheap.free(cast)
+            return {b: (lambda b=b: [per[g.index] for g in buckets[b]]) for b in bs}
+        casts = [rows * g.shard_numel * csize(g) for g in groups if precision.compute_dtype(g.dtype) != g.master_dtype]
+        for c in casts:
+            gheap.alloc(c)
+        sent = rows * sum(g.shard_numel for g in groups) * csize(groups[0])
+        gheap.alloc(sent)
+        for c in casts:
+            gheap.free(c)
+        got = received(sum(g.shard_numel for g in groups), groups[0])
+        if got is None:
+            return None
+        whole = _Buf(gheap, got, holders=len(bs))  # the closures of buckets not taken yet
+        gheap.free(sent)
+        copies: dict[int, _Buf] = {}
+
+        def take(b: int) -> list[_Buf]:
+            if not copies:  # the first take cuts every group out
+                for g in groups:
+                    if rows * world > 1:
+                        copies[g.index] = _Buf(gheap, rows * g.padded_numel * csize(g))
+                    else:  # a view of the received buffer
+                        whole.holders += 1
+                        copies[g.index] = whole
+            whole.drop()
+            return [copies[g.index] for g in buckets[b]]
+
+        return {b: (lambda b=b: take(b)) for b in bs}
+
+    def drop(flats: list[_Buf]) -> None:
+        for f in flats:
+            f.drop()
+
+    # -- the reductions (fzero.buckets.BucketReduction, launches (0, 1), (2,), ..., (n - 1,))
+    started: list[tuple[list[int], list[int], list[int], list[int]]] = []
+    rdtype_of = {g.index: precision.reduce_dtype or g.master_dtype for gs in buckets for g in gs}
+    _, post = gradient_divide_factors(world)
+
+    def wait_oldest() -> None:
+        for phase, nbytes in zip((rheap.alloc, rheap.free, rheap.alloc, rheap.free), started.pop(0)):
+            for b in nbytes:
+                phase(b)
+
+    def launch(bs: Sequence[int]) -> bool:
+        while len(started) >= MAX_IN_FLIGHT:
+            wait_oldest()
+        groups = [g for b in bs for g in buckets[b]]
+        # each group's rows stacked (one rank: a view of its gradient)
+        stacks = [rows * g.padded_numel * csize(g) if rows > 1 else 0 for g in groups]
+        for st in stacks:
+            rheap.alloc(st)
+        kept: list[int] = []
+        if reduces_joined(groups, precision.reduce_dtype):
+            rdtype = rdtype_of[groups[0].index]
+            pre = gradient_divide_factors(world)[0]
+            joined = rows * sum(g.padded_numel for g in groups) * _size(rdtype)
+            casts = sum(rows * g.padded_numel * _size(rdtype)
+                        for g in groups if precision.compute_dtype(g.dtype) != rdtype)
+            rheap.alloc(casts)
+            rheap.alloc(joined)
+            rheap.free(casts)
+            one = _collective(rheap, comm, 3, sum(g.padded_numel for g in groups), rdtype, rdtype, rdtype)
+            if one is None:
+                return False
+            results, sent, then, rest = one.wait
+            cast = [rows * g.shard_numel * _size(g.master_dtype) for g in groups if g.master_dtype != rdtype]
+            then += cast
+            if world == 1 and not one.result:
+                # the identity: the joined gradient is the result, kept until each group is cut
+                # out of it in its master dtype (or to the end: the shards view it)
+                rest.append(joined if len(cast) == len(groups) else 0)
+            else:
+                if (rdtype in LOW_PRECISION and pre > 1) or not one.keeps_input:
+                    rheap.free(joined)
+                else:
+                    sent.append(joined)
+                if len(cast) == len(groups):
+                    rest.append(one.result)
+            phases = (results, sent, then, rest)
+        else:
+            phases = ([], [], [], [])
+            for i, g in enumerate(groups):
+                one = _collective(rheap, comm, 3, g.padded_numel, precision.compute_dtype(g.dtype),
+                                  rdtype_of[g.index], g.master_dtype)
+                if one is None:
+                    return False
+                for mine, theirs in zip(phases, one.wait):
+                    mine += theirs
+                if one.sends_input and stacks[i]:  # the stack itself travels: kept until the wait
+                    phases[1].append(stacks[i])
+                    kept.append(i)
+        for i, st in enumerate(stacks):
+            if i not in kept:
+                rheap.free(st)
+        started.append(phases)
+        return True
+
+    # -- each local rank's forward and backward in turn (fzero.units._RankRun)
+    root_before: Optional[list[_Buf]] = None
+    for r in range(rows):
+        ahead = start((0, 1))  # the root travels with the first unit
+        if ahead is None:
+            return None
+        cache: dict[int, list[_Buf]] = {}
+        root = ahead.pop(0)()
+        if root_before is not None:  # the previous rank's root, held until this one's arrived
+            drop(root_before)
+        for b in range(1, n):
+            keep = b == n - 1 or b == n - 2
+            if b + 1 < n:  # the unit predicted next
+                nxt = start((b + 1,))
+                if nxt is None:
+                    return None
+                ahead.update(nxt)
+            flats = ahead.pop(b)()
+            if keep:
+                cache[b] = flats
+            else:  # saved as tokens: nothing holds the unit after its forward
+                drop(flats)
+
+        def held(b: int) -> bool:
+            return b in cache or b in ahead
+
+        def prefetch(b: int) -> bool:
+            if b >= 1 and not held(b):
+                got = start((b,))
+                if got is None:
+                    return False
+                ahead.update(got)
+            return True
+
+        for b in range(n - 1, 0, -1):
+            if b not in cache:  # regathered (prefetched) for its backward
+                cache[b] = ahead.pop(b)() if b in ahead else start((b,))[b]()  # type: ignore[index]
+            if not prefetch(b - 1):
+                return None
+            drop(cache.pop(b))  # its gradient is complete: dropped, its reduction started
+            if r == rows - 1 and b >= 2 and not launch((b,)):
+                return None
+            if b >= 3 and held(b - 1) and not prefetch(b - 2):
+                return None
+        # the root's gradient and the first unit's travel together, once both are complete
+        if r == rows - 1 and not launch((0, 1)):
+            return None
+        root_before = root
+    while started:
+        wait_oldest()
+    return float(gheap.peak) / rows, float(rheap.peak) / rows, float(every.peak) / rows
 
 
 def _held(kind: str, stage: int) -> bool:

@@ -13,6 +13,11 @@ them can be checked against what was allocated:
 ``fzero::grad_reduction``
     every stage: what the gradient collectives allocate: averaged shards,
     receive buffers, stacked rows.
+``fzero::gather``
+    stage 3 eagerly: the parameters gathered for a unit's forward and again
+    for its backward (:mod:`fzero.units`): what is sent (the master shard
+    cast, joined), the received buffers and the copies that cut them into
+    each flat group's buffer, prefetched gathers included.
 ``fzero::update``
     after backward: the norm, unscale and clip, the optimizer step and the
     parameter all-gather of stages 1-2 (a pure step's new state is made here).
@@ -31,14 +36,15 @@ from typing import Callable, ContextManager, TypeVar
 
 import torch
 
-__all__ = ["GRAD_BUCKETS", "GRAD_REDUCTION", "UPDATE", "SCOPES", "step_scope", "scoped"]
+__all__ = ["GRAD_BUCKETS", "GRAD_REDUCTION", "GATHER", "UPDATE", "SCOPES", "step_scope", "scoped"]
 
 F = TypeVar("F", bound=Callable)
 
 GRAD_BUCKETS = "fzero::grad_buckets"
 GRAD_REDUCTION = "fzero::grad_reduction"
+GATHER = "fzero::gather"
 UPDATE = "fzero::update"
-SCOPES = (GRAD_BUCKETS, GRAD_REDUCTION, UPDATE)
+SCOPES = (GRAD_BUCKETS, GRAD_REDUCTION, GATHER, UPDATE)
 
 
 def step_scope(name: str) -> ContextManager[None]:

@@ -71,6 +71,7 @@ from .layout import FlatGroup, Layout, split_views
 from .module import ModuleLoss, check_loss, row_of
 from .rng import rank_rng
 from .buckets import BucketReduction
+from .scopes import GATHER, step_scope
 from .sharding import ShardState, gather_flat_groups_start, stack_rows
 
 __all__ = ["UnitPolicy", "select_units", "default_units", "unit_buckets", "unit_grads", "UnitGrads",
@@ -309,12 +310,14 @@ def _start_gather(plan: "_Plan", shard: ShardState, comm: Communicator, row: int
     """Start gathering ``buckets`` in one ``all_gather`` (compute ``dtype``); per bucket a
     function that waits and gives local rank ``row``'s row of its flat buffers."""
     groups = [g for b in buckets for g in plan.groups[b]]
-    started = gather_flat_groups_start(shard, groups, comm, dtype)
+    with step_scope(GATHER):
+        started = gather_flat_groups_start(shard, groups, comm, dtype)
     got: list[tuple[torch.Tensor, ...]] = []
 
     def arrived(lo: int, hi: int) -> tuple[torch.Tensor, ...]:
         if not got:
-            got.append(started())
+            with step_scope(GATHER):
+                got.append(started())
         return tuple(f[row] for f in got[0][lo:hi])
 
     out, lo = {}, 0
@@ -381,17 +384,19 @@ def _start_tagged(plan: "_Plan", shard: ShardState, comm: Communicator, dtype: O
     travel = (dtype or groups[0].dtype) if groups else torch.float32
     first = [g for g in groups if (dtype or g.dtype) == travel]
     rest = [g for g in groups if (dtype or g.dtype) != travel]
-    code = _encode_tag(tag, travel).unsqueeze(0)
-    joined = comm.all_gather_start(torch.cat([code, *(shard.master[g.index].to(travel) for g in first)], dim=1))
-    others = gather_flat_groups_start(shard, rest, comm, dtype) if rest else (lambda: ())
+    with step_scope(GATHER):
+        code = _encode_tag(tag, travel).unsqueeze(0)
+        joined = comm.all_gather_start(torch.cat([code, *(shard.master[g.index].to(travel) for g in first)], dim=1))
+        others = gather_flat_groups_start(shard, rest, comm, dtype) if rest else (lambda: ())
     got: list[torch.Tensor] = []
     decoded: list[list[list[int]]] = []
     world, t = comm.world_size, code.shape[1]
 
     def received() -> torch.Tensor:
         if not decoded:
-            got.append(joined().view(world, -1))
-            decoded.append(_decode_tags(got[0][:, :t]))
+            with step_scope(GATHER):
+                got.append(joined().view(world, -1))
+                decoded.append(_decode_tags(got[0][:, :t]))
         return got[0]
 
     def tags() -> list[list[int]]:
@@ -403,11 +408,12 @@ def _start_tagged(plan: "_Plan", shard: ShardState, comm: Communicator, dtype: O
 
     def flats() -> tuple[torch.Tensor, ...]:
         full, out, offset = received(), {}, t
-        for g in first:
-            out[g.index] = full[:, offset : offset + g.shard_numel].reshape(g.padded_numel)
-            offset += g.shard_numel
-        for g, f in zip(rest, others()):
-            out[g.index] = f[0]
+        with step_scope(GATHER):
+            for g in first:
+                out[g.index] = full[:, offset : offset + g.shard_numel].reshape(g.padded_numel)
+                offset += g.shard_numel
+            for g, f in zip(rest, others()):
+                out[g.index] = f[0]
         got.clear()  # cut out: the received buffer goes (its tags were read)
         return tuple(out[g.index] for g in groups)
 

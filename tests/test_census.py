@@ -8,7 +8,7 @@ import torch
 import torch.utils._pytree as tp
 
 import fzero
-from fzero.scopes import GRAD_BUCKETS, GRAD_REDUCTION
+from fzero.scopes import GATHER, GRAD_BUCKETS, GRAD_REDUCTION
 from fzero.testing import Census
 from fzero.testing.census import _replay, storages_of
 from helpers import mlp
@@ -191,13 +191,16 @@ def test_fzero_step_against_memory_report(stage, donate):
     # the step's own buffers, by their profiler scope: the buckets as predicted to the byte,
     # the reductions within the 0-d scalars their averages allocate
     buffers = fzero.memory_report(held["s"].layout, held["s"].opt.optimizer, stage=stage, comm=comm).step_buffers
-    assert set(buffers) == ({GRAD_BUCKETS, GRAD_REDUCTION} if stage < 3 else set())
+    assert set(buffers) == ({GRAD_BUCKETS, GRAD_REDUCTION} if stage < 3 else {GATHER, GRAD_REDUCTION})
     if stage < 3:
         assert buffers[GRAD_BUCKETS] * R == census.scope_peaks[GRAD_BUCKETS]
         assert 0 <= census.scope_peaks[GRAD_REDUCTION] - buffers[GRAD_REDUCTION] * R <= 256
         # together (simulated ranks share their buckets: no lone-parameter gradient here)
         together = fzero.memory_report(held["s"].layout, held["s"].opt.optimizer, stage=stage, comm=comm).step_peak
         assert 0 <= census.joint_peak((GRAD_BUCKETS, GRAD_REDUCTION)) - together * R <= 256
+    else:  # the gathers and reductions of the unit schedule (tests/test_census_stage3.py)
+        assert 0 <= census.scope_peaks[GATHER] - buffers[GATHER] * R <= 256
+        assert 0 <= census.scope_peaks[GRAD_REDUCTION] - buffers[GRAD_REDUCTION] * R <= 256
     new = census.in_block_by_category.get("new state", 0)
     made = census.end_by_category.get("new state", 0)
     if donate:
