@@ -134,3 +134,44 @@ def is_grad_reduction(record, layout) -> bool:
     scalar = (record.op == "all_reduce" and record.dtype == torch.float64
               and record.elements == 2 + len(layout.trainable_slots))
     return record.op in ("all_reduce", "reduce_scatter") and record.elements > 2 and not scalar
+
+
+def train_sharded(model: torch.nn.Module, rule, data, world: int, stage: int,  # noqa: ANN001
+                  criterion: Callable = torch.nn.functional.mse_loss, state=None, comm=None,  # noqa: ANN001
+                  donate: bool = False):  # noqa: ANN201
+    """Train ``model`` with update rule ``rule`` at ``stage`` on ``comm`` (default
+    ``SimulatedWorld(world)``) over ``data`` (global batches), starting from ``state`` when given
+    (``rule`` is then unused). A stage-3 state takes over the module's parameters: give each
+    run its own module. Stage 3 makes each child of a module without a ``transformers`` config
+    a unit (a transformers model takes its blocks). Asserts that no step overflowed. Returns
+    ``(state, comm)``."""
+    comm = comm or fzero.SimulatedWorld(world)
+    if state is None:
+        units = {"units": children} if stage == 3 and not hasattr(model, "config") else {}
+        state = fzero.init_train_state(model, rule, comm, stage=stage, alignment=4, **units)
+    step = fzero.make_train_step(fzero.module_loss(model, criterion), comm, stage=stage, donate=donate)
+    for batch in data:
+        state, metrics = step(state, comm.split_batch(batch))
+        assert metrics["found_inf"].item() == 0.0
+    return state, comm
+
+
+def assert_params_close(state, comm, ref: torch.nn.Module, tol: float, where=()) -> None:  # noqa: ANN001
+    """Every rank's gathered parameters equal ``ref``'s within relative ``tol`` (max over
+    elements, :func:`max_rel_err`); ``where`` labels a failure."""
+    full = fzero.all_gather_params(state.shard, comm)
+    for n, p in ref.named_parameters():
+        for r in range(comm.world_size):
+            err = max_rel_err(full[n][r], p.detach())
+            assert err <= tol, (*where, n, r, err)
+
+
+def straddles(state, which: Callable[[tuple], bool]) -> bool:  # noqa: ANN001
+    """Whether some parameter whose shape satisfies ``which`` lies on more than one rank's shard."""
+    lay = state.shard.layout
+    for g in lay.groups:
+        for i in g.slots:
+            s = lay.slots[i]
+            if which(tuple(s.shape)) and s.offset // g.shard_numel != (s.offset + s.numel - 1) // g.shard_numel:
+                return True
+    return False

@@ -20,7 +20,7 @@ from fzero.pytree import replace
 import dist_cases as cases
 import unused_cases as uc
 import user_models as um
-from helpers import batches, children, max_rel_err, mlp
+from helpers import assert_params_close, batches, children, max_rel_err, mlp, straddles, train_sharded
 
 STEPS = 5
 TOL = 1e-10
@@ -84,34 +84,17 @@ def _oracle_steps(model, opt, data, world, loss=mse) -> None:  # noqa: ANN001
 
 
 def _train(model, cfg, data, world, stage, criterion=mse, state=None, comm=None, donate=False):  # noqa: ANN001
-    comm = comm or fzero.SimulatedWorld(world)
-    units = {"units": children} if stage == 3 and not hasattr(model, "config") else {}
-    if state is None:
-        state = fzero.init_train_state(model, fzero.adafactor(**cfg), comm, stage=stage, alignment=4, **units)
-    step = fzero.make_train_step(fzero.module_loss(model, criterion), comm, stage=stage, donate=donate)
-    for batch in data:
-        state, metrics = step(state, comm.split_batch(batch))
-        assert metrics["found_inf"].item() == 0.0
-    return state, comm
+    rule = fzero.adafactor(**cfg) if state is None else None
+    return train_sharded(model, rule, data, world, stage, criterion, state, comm, donate)
 
 
 def _assert_params(state, comm, ref: torch.nn.Module, where=()) -> None:  # noqa: ANN001
-    full = fzero.all_gather_params(state.shard, comm)
-    for n, p in ref.named_parameters():
-        for r in range(comm.world_size):
-            err = max_rel_err(full[n][r], p.detach())
-            assert err <= TOL, (*where, n, r, err)
+    assert_params_close(state, comm, ref, TOL, where)
 
 
 def _straddles(state) -> bool:  # noqa: ANN001
     """Whether some factored parameter lies on more than one rank's shard."""
-    lay = state.shard.layout
-    for g in lay.groups:
-        for i in g.slots:
-            s = lay.slots[i]
-            if len(s.shape) > 1 and s.offset // g.shard_numel != (s.offset + s.numel - 1) // g.shard_numel:
-                return True
-    return False
+    return straddles(state, lambda shape: len(shape) > 1)
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))

@@ -18,7 +18,8 @@ from fzero.pytree import replace
 import dist_cases as cases
 import unused_cases as uc
 import user_models as um
-from helpers import batches, children, max_rel_err, mlp, reference_run
+from helpers import (assert_params_close, batches, children, max_rel_err, mlp, reference_run, straddles,
+                     train_sharded)
 
 STEPS = 5
 TOL = 1e-10
@@ -58,34 +59,16 @@ def rule(matrices, nesterov: bool = True) -> fzero.Muon:  # noqa: ANN001
 
 
 def _train(model, opt, data, world, stage, criterion=mse, state=None, comm=None, donate=False):  # noqa: ANN001
-    comm = comm or fzero.SimulatedWorld(world)
-    units = {"units": children} if stage == 3 and isinstance(model, torch.nn.Sequential) else {}
-    if state is None:
-        state = fzero.init_train_state(model, opt, comm, stage=stage, alignment=4, **units)
-    step = fzero.make_train_step(fzero.module_loss(model, criterion), comm, stage=stage, donate=donate)
-    for batch in data:
-        state, metrics = step(state, comm.split_batch(batch))
-        assert metrics["found_inf"].item() == 0.0
-    return state, comm
+    return train_sharded(model, opt, data, world, stage, criterion, state, comm, donate)
 
 
 def _assert_params(state, comm, ref: torch.nn.Module, where=()) -> None:  # noqa: ANN001
-    full = fzero.all_gather_params(state.shard, comm)
-    for n, p in ref.named_parameters():
-        for r in range(comm.world_size):
-            err = max_rel_err(full[n][r], p.detach())
-            assert err <= TOL, (*where, n, r, err)
+    assert_params_close(state, comm, ref, TOL, where)
 
 
 def _straddles(state) -> bool:  # noqa: ANN001
     """Whether some matrix of the layout lies on more than one rank's shard."""
-    lay = state.shard.layout
-    for g in lay.groups:
-        for i in g.slots:
-            s = lay.slots[i]
-            if len(s.shape) == 2 and s.offset // g.shard_numel != (s.offset + s.numel - 1) // g.shard_numel:
-                return True
-    return False
+    return straddles(state, lambda shape: len(shape) == 2)
 
 
 def test_mlp_equals_torch_muon_and_adamw_at_every_world_and_stage():

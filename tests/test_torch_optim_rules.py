@@ -16,7 +16,7 @@ import unused_cases as uc
 import user_models as um
 from fzero.checkpoint import export_torch_optim_state_dict, import_torch_optim_state_dict
 from fzero.checkpoint.offline import consolidate_torch_optim_state_dict
-from helpers import batches, children, max_rel_err, mlp, reference_run
+from helpers import assert_params_close, batches, children, max_rel_err, mlp, reference_run, train_sharded
 
 STEPS = 5
 TOL = 1e-10
@@ -48,28 +48,13 @@ def _torch(name: str, params) -> torch.optim.Optimizer:  # noqa: ANN001
     return cls(params, **kw)
 
 
-def _units(stage: int, model: torch.nn.Module) -> dict:
-    return {"units": children} if stage == 3 and isinstance(model, torch.nn.Sequential) else {}
-
-
 def _train(model, rule, data, world, stage, criterion=mse, state=None, donate=False):  # noqa: ANN001
     """Train ``model`` (a stage-3 state takes over its parameters: give each run its own)."""
-    comm = fzero.SimulatedWorld(world)
-    if state is None:
-        state = fzero.init_train_state(model, rule, comm, stage=stage, alignment=4, **_units(stage, model))
-    step = fzero.make_train_step(fzero.module_loss(model, criterion), comm, stage=stage, donate=donate)
-    for batch in data:
-        state, metrics = step(state, comm.split_batch(batch))
-        assert metrics["found_inf"].item() == 0.0
-    return state, comm
+    return train_sharded(model, rule, data, world, stage, criterion, state, None, donate)
 
 
 def _assert_params(state, comm, ref: torch.nn.Module, tol: float = TOL, where=()) -> None:  # noqa: ANN001
-    full = fzero.all_gather_params(state.shard, comm)
-    for n, p in ref.named_parameters():
-        for r in range(comm.world_size):
-            err = max_rel_err(full[n][r], p.detach())
-            assert err <= tol, (*where, n, r, err)
+    assert_params_close(state, comm, ref, tol, where)
 
 
 @pytest.mark.parametrize("name", sorted(CLASSES))
