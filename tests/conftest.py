@@ -44,12 +44,21 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-# Modules whose module-scoped launches run for minutes, in the order to start them. CI runs
-# the suite as `-n 2 --dist loadfile`, which hands out test files in collection order: the
-# 1000-step long-run memory launch (about 5 minutes beside another worker) collected among the
-# others started last in a measured run and alone kept one worker busy for the final minutes.
-# Started first, it runs while the other worker takes the rest.
-START_FIRST = ("test_long_run_memory.py", "test_distributed.py", "test_user_models_gloo.py", "test_checkpoint_fuzz.py")
+# Test files whose module-scoped launches run for minutes, longest first: they are handed out
+# first. CI runs the suite as `-n 2 --dist loadfile`; xdist would otherwise order files by
+# their number of tests, and the long-run memory launch (12 tests, about 5 minutes beside
+# another worker) started last in measured runs, one worker running it alone at the end.
+START_FIRST = (
+    "test_long_run_memory.py", "test_stage3_modules.py", "test_zero3.py", "test_distributed.py",
+    "test_checkpoint_fuzz.py", "test_checkpoint.py", "test_unused_params.py", "test_unit_calls.py",
+    "test_torch_optim_rules.py", "test_user_models_gloo.py",
+)
+
+
+def pytest_configure(config):  # noqa: ANN001, ANN201
+    # keep the collection order below under --dist loadfile (xdist >= 3.6 reorders by count)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ANN001, ANN201
