@@ -167,6 +167,8 @@ class Adafactor(Optimizer):
                             rows[r0:r0 + nr] += block.sum(dim=1)
                             cols[b * C + c0:b * C + c0 + nc] += block.sum(dim=0)
         total = comm.all_reduce(stats, "sum")[0]  # every row holds the same sums
+        # torch reads each norm as a Python float (``.item()``): one host read for all of them
+        param_sq = total[:T].tolist()
         # 2. per parameter, torch's scalars; the factored second moment, alike on every rank
         scal: dict[int, tuple[float, float, float]] = {}  # k: (one_minus_beta2_t, alpha, eps1)
         denom_r: dict[int, torch.Tensor] = {}
@@ -178,7 +180,7 @@ class Adafactor(Optimizer):
             one_minus_beta2_t = t ** hk["beta2_decay"]
             rho_t = min(hk["lr"], 1 / (t ** 0.5))
             numel = math.prod(s.shape)
-            alpha = max(hk["eps2"], math.sqrt(float(total[k])) / (numel ** 0.5)) * rho_t
+            alpha = max(hk["eps2"], math.sqrt(param_sq[k]) / (numel ** 0.5)) * rho_t
             eps1 = self._eps1(hk, dtype)
             scal[k] = (one_minus_beta2_t, alpha, eps1)
             if _factored(s.shape):
@@ -210,13 +212,13 @@ class Adafactor(Optimizer):
             update.mul_(gr)
             norms[row, k] += update.square().sum().to(dtype)
             updates.append(update)
-        norms = comm.all_reduce(norms, "sum")[0]
+        update_sq = comm.all_reduce(norms, "sum")[0].tolist()  # one host read, as above
         # 4. decoupled weight decay and the clipped step, torch's order and Python floats
         for (row, k, a, p, gr, variance), update in zip(pieces, updates):
             hk = h[opt_group[k]]
             _, alpha, _ = scal[k]
             numel = math.prod(slots[k].shape)
-            denom = max(1.0, math.sqrt(float(norms[k])) / ((numel ** 0.5) * hk["d"]))
+            denom = max(1.0, math.sqrt(update_sq[k]) / ((numel ** 0.5) * hk["d"]))
             if hk["weight_decay"] != 0:
                 p.mul_(1 - hk["lr"] * hk["weight_decay"])
             p.add_(update, alpha=-alpha / denom)
