@@ -6,12 +6,16 @@ bit for bit, extended with two options users of DeepSpeed know: a floor
 backing off). Every value that changes between steps is a 0-d tensor, so a
 compiled step never recompiles and never syncs with the host.
 
+:func:`unscale_and_clip` is the step's fused form for gradient shards: one
+``all_reduce(sum)`` agrees on the global norm, the overflow flag and the mean loss (and
+carries whatever else the step needs summed), then one pass unscales and clips.
+
 Imports: ``fzero.pytree``, ``fzero.comm`` (protocol only), ``fzero.layout`` (input checks).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.utils._pytree as tp
@@ -26,6 +30,9 @@ __all__ = [
     "static_scaler",
     "scale",
     "unscale_and_check",
+    "unscale_and_clip",
+    "Unscaled",
+    "local_sq_norm",
     "update_scale",
 ]
 
@@ -159,6 +166,83 @@ def unscale_and_check(
         out.append((g.to(op) * inv.to(device=g.device, dtype=op)).to(g.dtype))
     found = comm.all_reduce(local_found.to(torch.float32), "max")[0]
     return tp.tree_unflatten(out, spec), found
+
+
+def local_sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-rank sum of squares of ``[R, shard_numel]`` shards: ``[R]`` float64. No collective.
+
+    Each shard's norm is taken in its own dtype (no float64 copy of the shard)
+    and squared in float64. A non-finite value gives a non-finite result; so
+    does a shard whose fp32 norm overflows (as ``clip_grad_norm_`` would).
+    """
+    return sum(torch.linalg.vector_norm(g, dim=1).double().square() for g in grads)
+
+
+class Unscaled(NamedTuple):
+    """What :func:`unscale_and_clip` agreed on and gives."""
+
+    grads: tuple[torch.Tensor, ...]   # the shards unscaled and clipped, each in its own dtype
+    found_inf: torch.Tensor           # 0-d fp32: 1.0 if any rank's gradient is not finite
+    grad_norm: torch.Tensor           # 0-d float64: the global norm, unscaled, before clipping
+    loss: torch.Tensor                # 0-d fp32: the mean of every rank's loss
+    used: Optional[torch.Tensor]      # [T] bool: some rank had a gradient (given ``used``)
+    riders: Optional[torch.Tensor]    # [k] float64: ``riders`` summed over ranks (given them)
+
+
+def unscale_and_clip(
+    scaler: ScalerState,
+    shards: Sequence[torch.Tensor],
+    comm: Communicator,
+    *,
+    losses: torch.Tensor,
+    clip_norm: Optional[float] = None,
+    used: Optional[torch.Tensor] = None,
+    riders: Optional[torch.Tensor] = None,
+    in_place: bool = False,
+) -> Unscaled:
+    """Unscale and clip sharded gradients in one pass, agreeing on overflow, norm and loss.
+
+    ``shards``: the averaged, still scaled gradient shards ``[R, shard_numel]`` (one per flat
+    group; disjoint, padding zero); ``losses``: ``[R]`` each local rank's unscaled loss.
+    One ``all_reduce(sum)`` of ``[R, 2 + T + k]`` float64 values: each rank's sum of squares
+    of its scaled shards (:func:`local_sq_norm`) and loss, ``used`` (``[R, T]``, nonzero where
+    the rank had a gradient for trainable parameter ``t``) and ``riders`` (``[R, k]``, summed
+    along at no extra collective: e.g. the replica digest). The sum is non-finite exactly when
+    some rank has a non-finite gradient (or a shard norm beyond fp32's range, which
+    ``clip_grad_norm_`` calls infinite too), so ``found_inf`` comes agreed.
+
+    Then every shard is multiplied by ``1/scale`` (float64 reciprocal rounded to fp32, as
+    ``torch.amp`` does) times ``clip_grad_norm_``'s coefficient
+    ``min(1, clip_norm / (norm + 1e-6))`` of the unscaled norm (DeepSpeed's fused form).
+    ``in_place=True`` (eager only; the caller owns the shards): the shards are scaled in place,
+    no second copy; under ``torch.compile`` always out of place (inductor fuses it).
+    """
+    local = torch.stack([local_sq_norm(shards), losses.double()], dim=1)
+    if used is not None:
+        local = torch.cat([local, used.to(local.device, torch.float64)], dim=1)
+    n_used = 0 if used is None else used.shape[1]
+    if riders is not None:
+        local = torch.cat([local, riders], dim=1)
+    sums = comm.all_reduce(local, "sum")[0]
+    scale64 = scaler.scale.double()
+    norm64 = sums[0].sqrt() / scale64
+    factor = scale64.reciprocal().float().double()
+    if clip_norm is not None:
+        factor = factor * torch.clamp(clip_norm / (norm64 + 1e-6), max=1.0)
+    if in_place and not torch.compiler.is_compiling():
+        for s in shards:
+            s.mul_(factor.to(s.dtype))
+        out = tuple(shards)
+    else:
+        out = tuple(s * factor.to(s.dtype) for s in shards)
+    return Unscaled(
+        out,
+        (~torch.isfinite(norm64)).float(),
+        norm64,
+        (sums[1] / comm.world_size).float(),
+        None if used is None else sums[2:2 + n_used] > 0,
+        None if riders is None else sums[2 + n_used:],
+    )
 
 
 def update_scale(scaler: ScalerState, found_inf: torch.Tensor) -> ScalerState:

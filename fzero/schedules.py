@@ -7,17 +7,22 @@ the schedule inside the graph and never recompiles as the step advances.
 Skipped (overflow) steps do not advance the count, so they do not advance
 schedules either (as DeepSpeed skips its scheduler on overflow).
 
-Imports: torch only.
+:func:`apply_schedules` sets an :class:`~fzero.optim.OptState`'s scheduled hyperparameters
+from its step count (the step calls it first).
+
+Imports: ``fzero.pytree`` (and the optimizer state duck-typed).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["Schedule", "constant", "linear", "linear_warmup", "cosine_decay", "warmup_cosine", "join"]
+from .pytree import replace
+
+__all__ = ["Schedule", "apply_schedules", "constant", "linear", "linear_warmup", "cosine_decay", "warmup_cosine", "join"]
 
 Schedule = Callable[[torch.Tensor], torch.Tensor]
 
@@ -93,3 +98,27 @@ def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, final: float
         [linear_warmup(peak, warmup_steps, start), cosine_decay(peak, total_steps - warmup_steps, final)],
         [warmup_steps],
     )
+
+
+def apply_schedules(opt: Any, schedules: Mapping[str, Schedule]) -> Any:
+    """``opt`` (an :class:`~fzero.optim.OptState`) with its scheduled hyperparameters set from
+    its step count: tensor arithmetic inside the step, so nothing recompiles.
+
+    ``schedules``: ``{hyperparameter: schedule}``. The default group (group 0) takes
+    ``schedule(step)``; a group whose base value differs takes it scaled by
+    ``base_group / base_default`` (as ``LambdaLR`` scales each group's base learning rate).
+    ``ValueError`` names a hyperparameter the rule does not have. No collective."""
+    if not schedules:
+        return opt
+    hyper = [dict(h) for h in opt.hyper]
+    for name, schedule in schedules.items():
+        if name not in hyper[0]:
+            raise ValueError(
+                f"schedules: {opt.optimizer.name} has no hyperparameter {name!r}; expected one of {sorted(hyper[0])}"
+            )
+        value = schedule(opt.step).to(torch.float64).reshape(())
+        base0 = opt.optimizer.hyperparams(0)[name]
+        for i, h in enumerate(hyper):
+            base = opt.optimizer.hyperparams(i)[name]
+            h[name] = value.to(h[name].device) * (base / base0 if base0 and base != base0 else 1.0)
+    return replace(opt, hyper=tuple(hyper))

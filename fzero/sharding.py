@@ -6,7 +6,8 @@ Imports: ``fzero.layout``, ``fzero.comm``, ``fzero.optim``, ``fzero.pytree``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.utils._pytree as tp
@@ -24,6 +25,7 @@ from .layout import (
 )
 from .optim import OptState, Optimizer, Piece, _vector_dtype, check_compilable, init_scalars, init_vectors
 from .pytree import pytree_dataclass, replace, static_field
+from .scaler import local_sq_norm
 
 __all__ = [
     "ShardState",
@@ -178,28 +180,44 @@ def reduce_scatter_grads(
     *,
     reduce_dtype: Optional[torch.dtype] = None,
     via_all_reduce: bool = False,
-) -> tuple[torch.Tensor, ...]:
+    flat: bool = False,
+    start: bool = False,
+) -> Any:
     """Average gradients over ranks and keep this rank's shard of each flat group.
 
     ``grads``: a tree shaped like the parameters (``{path: tensor}`` or the
     model's own structure), each leaf ``[R, *shape]`` in any floating dtype;
-    frozen parameters may be absent or None. Returns one ``[R, shard_numel]``
-    tensor per flat group in the master dtype, padding zero.
+    frozen parameters may be absent or None. ``flat=True``: ``grads`` is already
+    flat, one ``[R, padded_numel]`` buffer per flat group of the layout (what
+    :func:`fzero.grads.loss_grads` gives unreduced). Returns one ``[R, shard_numel]``
+    tensor per flat group in the master dtype, padding zero. ``start=True``: the
+    collectives are started now and a function is returned that waits and gives them
+    (whatever runs in between overlaps the communication).
 
-    Communication: one ``reduce_scatter`` per flat group (``via_all_reduce``:
-    one ``all_reduce`` and a local slice, ZeRO stage 1) in ``reduce_dtype``
-    (default: the master dtype). In fp16/bf16 the gradients are divided by
-    FSDP's pre-factor before the sum and by the post-factor after it, in that
-    dtype, then cast to the master dtype; otherwise the sum is divided by W.
+    Communication: the flat groups of one reduce dtype travel joined in one
+    ``reduce_scatter`` while small (:func:`average_flat_groups_start`; the same bits as one
+    per group), otherwise one per flat group (``via_all_reduce``: ``all_reduce`` and a
+    local slice, ZeRO stage 1), in ``reduce_dtype`` (default: the master dtype). In
+    fp16/bf16 the gradients are divided by FSDP's pre-factor before the sum and by the
+    post-factor after it, in that dtype, then cast to the master dtype; otherwise the sum
+    is divided by W.
     """
     check_world(shard, comm)
     lay = shard.layout
-    leaves = _grad_leaves(lay, grads, comm.local_ranks)
-    out = []
-    for g in lay.groups:
-        flat = flatten_group(lay, g, leaves)
-        out.append(average_flat_grads(flat, comm, reduce_dtype or g.master_dtype, g.master_dtype, via_all_reduce))
-    return tuple(out)
+    if flat:
+        flats = tuple(grads)
+        if len(flats) != len(lay.groups):
+            raise ValueError(f"reduce_scatter_grads(flat=True): {len(flats)} flat buffers for "
+                             f"{len(lay.groups)} flat groups of the layout")
+        for g, f in zip(lay.groups, flats):
+            if tuple(f.shape) != (comm.local_ranks, g.padded_numel):
+                raise ValueError(f"reduce_scatter_grads(flat=True): flat group {g.index} has shape "
+                                 f"{tuple(f.shape)}, expected {(comm.local_ranks, g.padded_numel)}")
+    else:
+        leaves = _grad_leaves(lay, grads, comm.local_ranks)
+        flats = tuple(flatten_group(lay, g, leaves) for g in lay.groups)
+    done = average_flat_groups_start(flats, lay.groups, comm, reduce_dtype, via_all_reduce)
+    return done if start else done()
 
 
 def average_flat_grads(
@@ -437,20 +455,36 @@ def merge_params(
 
 
 def all_gather_params(
-    shard: ShardState, comm: Communicator, dtype: Optional[torch.dtype] = None
+    shard: ShardState,
+    comm: Communicator,
+    dtype: Optional[torch.dtype] = None,
+    *,
+    flat: bool = False,
+    into: Optional[Sequence[torch.Tensor]] = None,
 ) -> Any:
     """The full parameters in the model's structure, each leaf ``[R, *shape]`` in ``dtype``.
 
-    One ``all_gather`` per flat group (see :func:`gather_flat_params`);
+    One ``all_gather`` per flat group (see :func:`gather_flat_params`); the master
+    shard is cast to ``dtype`` before it, so 16-bit compute moves 16-bit data;
     frozen leaves are broadcast views of the replicated copy.
+
+    ``flat=True``: the gathered flat buffers instead, one ``[R, padded_numel]`` per flat
+    group (what a stage 1-2 :class:`~fzero.state.TrainState` keeps in ``params``): small
+    groups travel joined in one ``all_gather``. ``into``: write them into these buffers
+    (a donated state's, which the module's parameters view) instead of new ones; every
+    gather is started before any is waited for. Same values either way.
     """
-    flat = gather_flat_params(shard, comm, dtype)
+    if flat:
+        return gather_step_params(shard, comm, dtype, into)
+    if into is not None:
+        raise ValueError("all_gather_params: into= writes flat buffers; pass flat=True")
+    flat_bufs = gather_flat_params(shard, comm, dtype)
     lay = shard.layout
     leaves: list[Optional[torch.Tensor]] = [None] * len(lay.slots)
     for g in lay.groups:
         for i in g.slots:
             s = lay.slots[i]
-            leaves[i] = flat[g.index][:, s.offset : s.offset + s.numel].reshape(comm.local_ranks, *s.shape)
+            leaves[i] = flat_bufs[g.index][:, s.offset : s.offset + s.numel].reshape(comm.local_ranks, *s.shape)
     frozen_iter = iter(shard.frozen)
     for i, s in enumerate(lay.slots):
         if s.group < 0:
@@ -463,16 +497,6 @@ def all_gather_params(
 def stack_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-rank tensors stacked on a new local-rank axis; one rank (a real process): a view."""
     return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(list(rows))
-
-
-def local_sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-rank sum of squares of ``[R, shard_numel]`` shards: ``[R]`` float64. No collective.
-
-    Each shard's norm is taken in its own dtype (no float64 copy of the shard)
-    and squared in float64. A non-finite value gives a non-finite result; so
-    does a shard whose fp32 norm overflows (as ``clip_grad_norm_`` would).
-    """
-    return sum(torch.linalg.vector_norm(g, dim=1).double().square() for g in grads)
 
 
 def global_norm(grads: Sequence[torch.Tensor], comm: Communicator) -> torch.Tensor:
@@ -579,6 +603,24 @@ def _update_by_piece(opt: Optimizer, layout: Layout, group: FlatGroup, p: torch.
             s[piece.param] = v  # every piece of a parameter gives the same values
 
 
+# Whether no parameter has ever sat out a step, as fzero.compiled.compiled_step knows it on the
+# host before each call; read by a trace of shard_step as a constant (dynamo guards on it).
+_PLAIN_UPDATE = {"known": False}
+
+
+@contextlib.contextmanager
+def plain_update_known(no_missed: bool) -> Iterator[None]:
+    """Inside: a traced :func:`shard_step` given ``uniform=True`` may run the plain update when
+    ``no_missed`` (no parameter ever sat out a step, known on the host; see
+    :func:`fzero.compiled.compiled_step`). Outside, a trace assumes nothing and selects."""
+    before = _PLAIN_UPDATE["known"]
+    _PLAIN_UPDATE["known"] = no_missed
+    try:
+        yield
+    finally:
+        _PLAIN_UPDATE["known"] = before
+
+
 def shard_step(
     shard: ShardState,
     opt_state: OptState,
@@ -605,8 +647,10 @@ def shard_step(
     so its own step count (Adam's bias correction, SGD's first momentum) is
     ``step - missed``, as torch.optim's per-parameter ``step``. ``ranks``: the global
     ranks of the shards' rows (the communicator's ``ranks``), needed with ``used``.
-    ``uniform``: compiled, the caller's static knowledge that every flag of ``used`` is set
-    and ``missed`` is zero, so the plain update runs (eagerly this is read on the host).
+    ``uniform``: compiled, the caller's static knowledge that this rank had a gradient for
+    every parameter, so every flag of ``used`` comes back set; with
+    :func:`plain_update_known` saying no parameter ever missed a step (``compiled_step`` does),
+    the plain update runs (eagerly both are read on the host).
     ``None``: every parameter takes the step (DeepSpeed's flat behaviour: no gradient
     is a zero gradient).
 
@@ -645,7 +689,8 @@ def shard_step(
             raise ValueError(f"shard_step: used must be [{n}] (one flag per trainable parameter) with the "
                              f"rows' ranks, got {tuple(used.shape)} and ranks={ranks!r}")
         before = missed[0] if missed else torch.zeros(n, dtype=torch.int64, device=used.device)
-        if (uniform if torch.compiler.is_compiling() else (bool(used.all()) and not bool(before.any()))):
+        if (uniform and _PLAIN_UPDATE["known"] if torch.compiler.is_compiling()
+                else (bool(used.all()) and not bool(before.any()))):
             used = None  # every parameter steps alike: the plain (fused) update, and missed stays 0
         else:
             steps = opt_state.step.to(before.device) - before

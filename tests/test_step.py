@@ -19,7 +19,7 @@ def _setup(world=2, dtype=torch.float32, scaler=None, stage=2, optimizer=None, p
     model = mlp(dtype)
     comm = fzero.SimulatedWorld(world)
     state = fzero.init_train_state(
-        model, optimizer or fzero.adamw(lr=1e-2), comm, scaler=scaler, precision=precision
+        model, optimizer or fzero.adamw(lr=1e-2), comm, scaler=scaler, precision=precision, stage=stage
     )
     step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage)
     return model, comm, state, step

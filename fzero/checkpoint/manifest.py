@@ -9,7 +9,7 @@ reading anything else and names the first difference (:class:`CheckpointMismatch
 DCP writes ``.metadata`` last; :func:`checked_metadata` requires it, every data file it
 names, each long enough, and fails with :class:`IncompleteCheckpointError` otherwise.
 
-Imports: :mod:`fzero.step` (the state), :mod:`fzero.checkpoint.planners`,
+Imports: :mod:`fzero.state` (the state), :mod:`fzero.checkpoint.planners`,
 :mod:`fzero.checkpoint.publish`, :mod:`fzero.checkpoint.checksums`, :mod:`fzero.checkpoint.metadata`,
 :mod:`fzero.checkpoint.errors`.
 """
@@ -25,7 +25,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from ..comm import Communicator
-from ..step import TrainState
+from ..state import TrainState
 from .checksums import CheckedDir, open_checked
 from .errors import (
     CheckpointCorruptError,

@@ -9,7 +9,7 @@ parameters), written
 once; ``fzero/rng/{rank}`` (each rank's generator state, written by its process);
 ``extra/...`` (the caller's); ``fzero/manifest``.
 
-Imports: :mod:`fzero.step` and below, the other modules of this package.
+Imports: :mod:`fzero.state` and below, the other modules of this package.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ..comm import Communicator
 from ..pytree import replace
 from ..sharding import check_world, gather_flat_params, gather_step_params
-from ..step import TrainState, consume, ensure_live
+from ..state import TrainState, consume, ensure_live
 from .checksums import CheckedDir
 from .errors import CheckpointMismatchError
 from .manifest import (
@@ -58,6 +58,7 @@ _HYPER_PREFIX = "fzero/hyper/"
 MISSED_KEY = "fzero/missed"  # OptState.missed: [T] int64, replicated
 SCALAR_PREFIX = "fzero/scalar/"  # OptState.scalars: [T] float64 each, replicated
 VECTOR_PREFIX = "fzero/vector/"  # OptState.vectors: one 1-D tensor each, replicated
+CALLS_KEY = "fzero/calls"  # TrainState.calls: 0-d int64, the step calls (skipped ones too)
 
 def _sharded(state: TrainState, comm: Communicator, master: Sequence[torch.Tensor],
              moments: Sequence[Sequence[torch.Tensor]]) -> dict[str, _Pieces]:
@@ -180,6 +181,8 @@ def _replicated(state: TrainState) -> dict[str, torch.Tensor]:
     shaped like them. A new replicated leaf of the state is one line here and one in
     :func:`_assemble`, which puts the loaded values back."""
     sd = {"fzero/step": state.opt.step}
+    if state.calls:  # the step calls so far: host-side schedules resume where they stopped
+        sd[CALLS_KEY] = state.calls[0]
     if state.opt.missed:  # each parameter's steps sat out without a gradient (its own count)
         sd[MISSED_KEY] = state.opt.missed[0]
     for name, v in zip(state.opt.optimizer.scalar_names, state.opt.scalars):  # per-parameter [T]
@@ -327,6 +330,12 @@ def load_checkpoint(
         no_missed = {MISSED_KEY: replicated.pop(MISSED_KEY)}
     else:
         no_missed = {}
+    if CALLS_KEY in replicated and CALLS_KEY not in metadata.state_dict_metadata:
+        # saved before the state counted its calls: the applied steps are the best count known
+        replicated.pop(CALLS_KEY)
+        no_calls = True
+    else:
+        no_calls = False
     shapes = _sharded(template, comm, template.shard.master, template.opt.moments)
     _check_entries(d, metadata, {**shapes, **replicated})
     masters = tuple(_destination(m, donate) for m in template.shard.master)
@@ -339,6 +348,8 @@ def load_checkpoint(
     if hyperparams == "template":
         replicated.update({k: v.clone() for k, v in _replicated(template).items() if k.startswith(_HYPER_PREFIX)})
     replicated.update(no_missed)
+    if no_calls:
+        replicated[CALLS_KEY] = replicated["fzero/step"].to("cpu", torch.int64).clone()
     # donating, the parameters are regathered into the template's own buffers (which a stage
     # 1-2 module views): nothing of their size is allocated
     state = _assemble(template, comm, masters, moments, replicated, into=template.params if donate else None)
@@ -416,4 +427,5 @@ def _assemble(
         scaler=scaler,
         params=params,
         buffers=buffers,
+        calls=(replicated[CALLS_KEY],) if CALLS_KEY in replicated else template.calls,
     )

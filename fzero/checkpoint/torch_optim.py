@@ -8,7 +8,7 @@ exported tensor is a view of that buffer, so the result is the only full copy.
 The offline consolidation (:mod:`fzero.checkpoint.offline`) builds the same dicts
 from a checkpoint with the same helpers (:func:`torch_order`, :func:`torch_optim_dict`).
 
-Imports: :mod:`fzero.step` and below (``fzero.torch_optim_rules`` for a manifest's torch.optim
+Imports: :mod:`fzero.state` and below (``fzero.torch_optim_rules`` for a manifest's torch.optim
 class), :mod:`fzero.checkpoint.errors`.
 """
 
@@ -26,7 +26,7 @@ from ..torch_optim_rules import torch_rule_from_manifest
 from ..pytree import replace
 from ..sharding import check_world, gather_flat_params
 from ..module import ModuleSpec, restore_parameters
-from ..step import TrainState, ensure_live, hand_over_parameters
+from ..state import TrainState, ensure_live, hand_over_parameters
 from .errors import CheckpointMismatchError
 
 def _full_flat(rows: torch.Tensor, comm: Communicator) -> torch.Tensor:
