@@ -1,8 +1,10 @@
 """torchrun worker: one eager stage-3 step under the census on each real rank, against
 ``memory_report``'s prediction. USAGE census_stage3_worker.py OUT_DIR CASE...
 
-Cases: ``mlp fp32``, ``mlp bf16`` (an MLP whose units hold 16640, 65792 and 4128 elements
-around a 512-element root; bf16 compute and reduction) and ``gpt2`` (a tiny transformers
+Cases: ``mlp fp32``, ``mlp bf16``, ``mlp bf16 compute`` (an MLP whose units hold 16640,
+65792 and 4128 elements around a 512-element root; bf16 compute and reduction: a unit's
+reduction and a gather travel joined; bf16 compute and an fp32 reduction: each alone in its
+dtype) and ``gpt2`` (a tiny transformers
 GPT-2 of five blocks, its default units). Each gives, per scope and for both together, the
 census's peak, the prediction, and the bytes whose free the census did not see (a buffer
 whose last reference gloo's worker thread dropped: live in the census to the end).
@@ -29,8 +31,9 @@ def _model(name: str, world: int):
         model = mlp(sizes=(64, 256, 256, 16))
         torch.manual_seed(1)
         batch = (torch.randn(4 * world, 64), torch.randn(4 * world, 16))
-        low = name.endswith("bf16")
-        precision = fzero.MixedPrecision(torch.bfloat16, torch.bfloat16) if low else fzero.MixedPrecision()
+        precision = {"mlp fp32": fzero.MixedPrecision(),
+                     "mlp bf16": fzero.MixedPrecision(torch.bfloat16, torch.bfloat16),
+                     "mlp bf16 compute": fzero.MixedPrecision(torch.bfloat16)}[name]
         loss = fzero.module_loss(model, torch.nn.functional.mse_loss)
         return model, loss, batch, (lambda n, m: n in ("0", "3", "5")), precision
     import user_models as um

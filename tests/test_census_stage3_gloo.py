@@ -21,7 +21,7 @@ from test_distributed import _case
 pytestmark = pytest.mark.distributed
 
 SLACK = 256  # bytes the prediction leaves out (module doc)
-CASES = ["mlp fp32", "mlp bf16", "gpt2"]
+CASES = ["mlp fp32", "mlp bf16", "mlp bf16 compute", "gpt2"]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["w2", "w3"])
