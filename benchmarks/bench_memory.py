@@ -394,8 +394,8 @@ def format_details(results: dict[str, dict]) -> str:
                            f"{census['predicted peak'] / MIB:.2f} MiB; census at the step's peak: "
                            f"other {census['other'] / MIB:.2f} MiB")
             elif stage3:
-                out.append("memory_report predicts no stage-3 gathers or reductions on a real rank among "
-                           "others (fzero.memory: not modelled yet); the census's fzero::gather peak is above")
+                out.append("memory_report predicts no stage-3 gathers or reductions here (the communicator "
+                           "does not say what they allocate, or the layout is not replayed: fzero.memory)")
             out.append("")
     return "\n".join(out)
 

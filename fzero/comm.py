@@ -44,6 +44,7 @@ __all__ = [
     "CountingCommunicator",
     "CollectiveRecord",
     "ReductionFootprint",
+    "GatherFootprint",
     "gradient_divide_factors",
 ]
 
@@ -106,6 +107,26 @@ class ReductionFootprint:
     result_first: bool = False
     scratch: int = 0
     keeps_input: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherFootprint:
+    """What one started ``all_gather`` of an ``[R, numel]`` input allocates in this process, in
+    elements of its dtype: ``received``, the result, held until the caller drops it;
+    ``scratch``, allocated and freed again while it starts; ``keeps_input``: the input is kept
+    until the wait (a cast made to send lives that long). ``batched``: inside
+    :meth:`Communicator.batched` it travels with the block's other collectives of its dtype
+    in one all-to-all (``TorchCommunicator`` on gloo): its rows are copied into the block's
+    joined send buffer (``[W, numel]``, kept until the first of the block's waits), arrive
+    in the joined receive buffer (kept until every collective of the block was waited for
+    and let go) and are copied out of it when waited for (``[W * numel]``, the result); alone
+    in its dtype it is started as outside a block. :func:`fzero.memory.memory_report`
+    predicts a stage-3 step's gathers from it."""
+
+    received: int
+    scratch: int = 0
+    keeps_input: bool = False
+    batched: bool = False
 
 
 class Communicator:
@@ -184,12 +205,11 @@ class Communicator:
         memory report then predicts no reduction buffers). No communication."""
         return None
 
-    def gather_footprint(self, numel: int) -> Optional[int]:
-        """The elements an eager, started ``all_gather`` of a ``[R, numel]`` input allocates
-        for its result in this process (held until the caller drops it), or ``None``: not
-        known for this communicator (a memory report then predicts no stage-3 gathers). Only
-        what ``all_gather_start`` itself allocates: casts, joins and cuts are the caller's.
-        No communication."""
+    def gather_footprint(self, numel: int) -> Optional[GatherFootprint]:
+        """What an eager, started ``all_gather`` of a ``[R, numel]`` input allocates in this
+        process (:class:`GatherFootprint`), or ``None``: not known for this communicator (a
+        memory report then predicts no stage-3 gathers). Only what ``all_gather_start``
+        itself allocates: casts, joins and cuts are the caller's. No communication."""
         return None
 
     def check_layout(self, layout: Any) -> None:
@@ -288,11 +308,11 @@ class SimulatedWorld(Communicator):
         return ReductionFootprint(0, rows * n, result_first=True, scratch=rows * n if op == "avg" else 0,
                                   keeps_input=False)
 
-    def gather_footprint(self, numel: int) -> int:
+    def gather_footprint(self, numel: int) -> GatherFootprint:
         # every local rank's gather receives every rank's row: [W, R * numel] (a cost of
         # simulating: a real rank receives [1, W * numel]); repeat's own index scratch (64
         # bytes for a 2-d input, freed at once) is left out
-        return self.world_size * self.local_ranks * numel
+        return GatherFootprint(self.world_size * self.local_ranks * numel)
 
     def _reduce0(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         if op == "max":
@@ -405,7 +425,7 @@ class CountingCommunicator(Communicator):
                             via_all_reduce: bool = False) -> ReductionFootprint | None:
         return self.inner.reduction_footprint(numel, op, via_all_reduce)
 
-    def gather_footprint(self, numel: int) -> Optional[int]:
+    def gather_footprint(self, numel: int) -> Optional[GatherFootprint]:
         return self.inner.gather_footprint(numel)
 
     def batched(self) -> ContextManager[None]:

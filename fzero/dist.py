@@ -8,7 +8,7 @@ c10d calls break the graph). Both run the process group's own algorithm, so
 eager and compiled steps reduce to the same bits. Works with any backend;
 launched by ``torchrun``.
 
-Imports: ``fzero.comm``, ``fzero.layout``.
+Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.scopes``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from .comm import CollectiveError, Communicator, ReduceOp, ReductionFootprint
+from .comm import CollectiveError, Communicator, GatherFootprint, ReduceOp, ReductionFootprint
 from .layout import Layout, first_difference
+from .scopes import GATHER, GRAD_REDUCTION, step_scope
 
 __all__ = ["TorchCommunicator", "LayoutMismatchError", "REDUCE_SCATTER_PATHS", "launcher_world_size", "choose_comm"]
 
@@ -137,11 +138,14 @@ def _wait(work: Any, bound: _Bound) -> None:
 class _Part:
     """One collective of a batch: ``send`` ``[W, k]`` (row ``j`` goes to rank ``j``),
     ``finish`` of what arrived ``[W, k]`` (row ``j`` from rank ``j``), ``alone`` to start it by
-    itself; ``result`` (waits, gives it) once issued."""
+    itself; ``scope``: the profiler scope its buffers are allocated in when it is issued
+    (:mod:`fzero.scopes`: the block ends outside the scopes its collectives were started in);
+    ``result`` (waits, gives it) once issued."""
 
     send: torch.Tensor
     finish: Callable[[torch.Tensor], torch.Tensor]
     alone: Callable[[], Callable[[], torch.Tensor]]
+    scope: str
     result: Optional[Callable[[], torch.Tensor]] = None
 
 
@@ -177,13 +181,19 @@ class _Batch:
             by_dtype.setdefault(part.send.dtype, []).append(part)
         for group in by_dtype.values():
             if len(group) == 1:
-                group[0].result = group[0].alone()
+                with step_scope(group[0].scope):
+                    group[0].result = group[0].alone()
                 continue
-            send = torch.cat([p.send for p in group], dim=1)
-            received = torch.empty_like(send)
-            work = dist.all_to_all_single(received, send, group=self.group, async_op=True)
+            # the joined buffers hold a reduction's rows beside the gathers': named by it
+            scope = GRAD_REDUCTION if any(p.scope == GRAD_REDUCTION for p in group) else group[0].scope
+            with step_scope(scope):
+                send = torch.cat([p.send for p in group], dim=1)
+                received = torch.empty_like(send)
+                work = dist.all_to_all_single(received, send, group=self.group, async_op=True)
+            # the joined send is kept until the wait, as a collective's own send (see _waiter)
             arrived = _waiter(work, lambda received=received: received,
-                              self.bound(f"all_to_all_single of {len(group)} batched reduce-scatters/all-gathers"))
+                              self.bound(f"all_to_all_single of {len(group)} batched reduce-scatters/all-gathers"),
+                              send)
             lo = 0
             for p in group:
                 hi = lo + p.send.shape[1]
@@ -329,11 +339,16 @@ class TorchCommunicator(Communicator):
 
         def alone() -> Callable[[], torch.Tensor]:
             out = x.new_empty(self.world_size * x.shape[1])
-            work = _c10d_all_gather(out, x[0].contiguous(), group=self._pg, async_op=True)
-            return _waiter(work, lambda: out.unsqueeze(0), self._bound(f"all_gather of {out.numel()} {out.dtype}"))
+            sent = x[0].contiguous()
+            work = _c10d_all_gather(out, sent, group=self._pg, async_op=True)
+            # what is sent is kept until the wait (see _waiter): a stage-3 step's memory then
+            # does not depend on when gloo's thread lets it go
+            return _waiter(work, lambda: out.unsqueeze(0), self._bound(f"all_gather of {out.numel()} {out.dtype}"),
+                           sent)
 
         if self._batch is not None:  # every rank receives this rank's row
-            return self._batch.add(_Part(x[0].expand(self.world_size, x.shape[1]), lambda got: got.reshape(1, -1), alone))
+            return self._batch.add(_Part(x[0].expand(self.world_size, x.shape[1]), lambda got: got.reshape(1, -1),
+                                         alone, GATHER))
         return alone()
 
     def all_gather_into_start(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -366,6 +381,17 @@ class TorchCommunicator(Communicator):
         if self.reduce_scatter_via == "all_to_all":
             return ReductionFootprint(held=numel, result=n)
         return ReductionFootprint(held=numel if self.backend == "gloo" else 0, result=n, result_first=True)
+
+    def gather_footprint(self, numel: int) -> Optional[GatherFootprint]:
+        """Eagerly on gloo (measured by ``tests/census_stage3_worker.py``'s census): the result
+        ``[W * numel]``; gloo's all-gather allocates a buffer of its size and frees it again
+        while it starts; what is sent is kept until the wait (:func:`_waiter`). In a
+        :meth:`batched` block (``reduce_scatter_via="all_to_all"``) it rides in the block's
+        all-to-all. Other backends, and one rank alone: not measured (``None``)."""
+        if self.backend != "gloo" or self.world_size == 1:
+            return None
+        total = self.world_size * numel
+        return GatherFootprint(total, scratch=total, keeps_input=True, batched=self.reduce_scatter_via == "all_to_all")
 
     def reduce_scatter_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
         """Launch the collective; the returned function waits for it and takes this rank's
@@ -414,7 +440,7 @@ class TorchCommunicator(Communicator):
                            sent)
 
         if self._batch is not None:
-            return self._batch.add(_Part(x[0].view(world, n), summed, alone))
+            return self._batch.add(_Part(x[0].view(world, n), summed, alone, GRAD_REDUCTION))
         return alone()
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:

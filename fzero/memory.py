@@ -58,24 +58,30 @@ against the census on the simulated world at W = 1, 2, 3 (``tests/test_census_st
 units of unequal sizes, fp32 and bf16, a five-block GPT-2): the census is above the
 prediction by the 64 bytes of the simulated all-gather's index scratch and the 0-d
 scalars of an fp32 average, no more. The common schedule is assumed: a forward that calls
-every unit once in bucket order (a chain of blocks), one micro-batch. Not predicted (no
-entry): a real rank among others (its gathers carry the call-check tags and travel
-batched with the reductions: :meth:`~fzero.comm.Communicator.gather_footprint` is not
-given for ``TorchCommunicator``).
+every unit once in bucket order (a chain of blocks), one micro-batch. On a real rank among
+others (``TorchCommunicator`` on gloo, W > 1) the step runs another schedule, replayed by
+:class:`_RankReplay`: each unit call's gather carries the call-check tag, and in backward a
+unit's reduction and the gather of the unit two before it travel in one all-to-all
+(``comm.batched()``), whose joined buffers are named ``fzero::grad_reduction``; what a
+gather allocates is :meth:`~fzero.comm.Communicator.gather_footprint`'s. Checked against
+the census on every rank at W = 2, 3 (``tests/test_census_stage3_gloo.py``, the same models):
+equal to the byte but for the 12 bytes of an fp32 average's scalars, and what the census
+cannot see freed (a buffer whose last reference gloo's own thread drops). Not predicted (no
+entry): other backends and reduce paths than gloo's all-to-all, and on a real rank a unit
+of several flat groups prefetched in a batch or of groups in several compute dtypes.
 
 ==========================  ===========  ===================================================
 ``step_buffers`` scope      stages       predicted
 ==========================  ===========  ===================================================
 ``fzero::grad_buckets``     1-2          always (the replay's pool, given ``comm``)
-``fzero::grad_reduction``   1-2, 3       given ``comm`` (stage 3: the simulated world)
-``fzero::gather``           3            given ``comm`` (the simulated world)
+``fzero::grad_reduction``   1-2, 3       given ``comm`` (stage 3: the simulated world, gloo)
+``fzero::gather``           3            given ``comm`` (the simulated world, gloo)
 ==========================  ===========  ===================================================
 
 Not counted at all (they depend on the model and the batch, not on Ψ alone):
 activations; compiled, or deferring accumulation, the full local gradients; in stage 3
-on a real rank among others the gathered parameters (``GatherTracker`` measures them,
-``benchmarks/bench_zero3_memory.py``), compiled every unit from its forward to
-its backward.
+compiled, every unit from its forward to its backward (``GatherTracker`` measures the
+gathered parameters, ``benchmarks/bench_zero3_memory.py``).
 
 Imports: ``fzero.buckets``, ``fzero.comm``, ``fzero.layout``, ``fzero.optim``, ``fzero.precision``,
 ``fzero.scopes``, ``fzero.sharding``.
@@ -89,7 +95,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 
 from .buckets import MAX_IN_FLIGHT, buckets_of
-from .comm import Communicator, gradient_divide_factors
+from .comm import Communicator, GatherFootprint, gradient_divide_factors
 from .layout import FlatGroup, Layout
 from .optim import Optimizer
 from .precision import MixedPrecision
@@ -112,7 +118,7 @@ class MemoryReport:
     peak, by profiler scope (module doc), outside the paper's model; ``step_peak`` (given
     the communicator, stages 1-2): the peak of the eager step's gradient memory together,
     bucket buffers, lone-parameter gradients and reductions (:func:`step_buffer_peak`); at
-    stage 3 (the simulated world) the gathers and reductions together."""
+    stage 3 the gathers and reductions together."""
 
     stage: int
     world_size: int
@@ -450,8 +456,8 @@ def _replay_stage3(
     """The eager stage-3 step of one micro-batch, replayed (:mod:`fzero.units`), per rank: the
     peak of the gathers' allocations (``fzero::gather``), of the gradient reductions'
     (``fzero::grad_reduction``) and of both together. ``None`` where ``comm`` does not say
-    what a gather or a reduction allocates, or on a real rank among others (its gathers carry
-    the call-check tags and travel batched with the reductions: not modelled).
+    what a gather or a reduction allocates. A real rank among others runs another schedule
+    (call-check tags, batched collectives): :func:`_replay_stage3_rank`.
 
     The schedule assumed is the common one: the forward calls every unit once, in bucket
     order (a chain of blocks, GPT-2/Llama style), and backward completes them in reverse. A
@@ -460,7 +466,7 @@ def _replay_stage3(
     needed), which this replay does not follow."""
     rows, world = comm.local_ranks, comm.world_size
     if rows == 1 and world > 1:
-        return None
+        return _replay_stage3_rank(layout, precision, comm)
     buckets = buckets_of(layout)
     n = len(buckets)  # the root (bucket 0) and the units 1 .. n - 1
     if n < 2 or any(not gs for gs in buckets[1:]):
@@ -473,7 +479,7 @@ def _replay_stage3(
 
     def received(numel: int, g: FlatGroup) -> Optional[int]:
         got = comm.gather_footprint(numel)
-        return None if got is None else got * csize(g)
+        return None if got is None else got.received * csize(g)
 
     def start(bs: Sequence[int]) -> Optional[dict[int, Callable[[], list[_Buf]]]]:
         """:func:`fzero.units._start_gather` of buckets ``bs``: per bucket, its take (the
@@ -637,6 +643,445 @@ def _replay_stage3(
     while started:
         wait_oldest()
     return float(gheap.peak) / rows, float(rheap.peak) / rows, float(every.peak) / rows
+
+
+class _Chain:
+    """Buffers a started gather's closures hold until every bucket it carries was taken (the
+    received buffer; the flats cut out of it); each buffer keeps its own holders beside."""
+
+    def __init__(self, takes: int):
+        self.takes = takes
+        self.bufs: list[_Buf] = []
+
+    def hold(self, buf: _Buf) -> _Buf:
+        buf.holders += 1
+        self.bufs.append(buf)
+        return buf
+
+    def taken(self) -> None:
+        self.takes -= 1
+        if self.takes == 0:
+            for b in self.bufs:
+                b.drop()
+
+
+class _Joint:
+    """A batch's joined all-to-all (:meth:`fzero.dist.TorchCommunicator.batched`), replayed: the
+    send buffer goes at the first wait of its collectives, the receive buffer once every one
+    has been waited for and let go."""
+
+    def __init__(self, heap: _Heap, nbytes: int, parts: int):
+        self.heap, self.nbytes, self.sent = heap, nbytes, True
+        heap.alloc(nbytes)
+        self.received = _Buf(heap, nbytes, holders=parts)
+
+    def waited(self) -> None:
+        if self.sent:
+            self.heap.free(self.nbytes)
+            self.sent = False
+
+
+class _Part:
+    """One collective of a replayed batch: its dtype, the bytes of its rows in a joined
+    all-to-all, what it allocates started alone, and the joint it travels in, once issued."""
+
+    def __init__(self, dtype: torch.dtype, nbytes: int, alone: Callable[[], None]):
+        self.dtype, self.nbytes, self.alone = dtype, nbytes, alone
+        self.joint: Optional[_Joint] = None
+
+
+# the call-check tag: three int64 values, one element per byte (fzero.units._encode_tag)
+_TAG_VALUES = 3
+
+_Take = Callable[[], list[_Buf]]
+
+
+class _Unknown(Exception):
+    """What the replay of a real rank's step does not model, or the communicator does not say."""
+
+
+def _replay_stage3_rank(
+    layout: Layout, precision: MixedPrecision, comm: Communicator
+) -> Optional[tuple[float, float, float]]:
+    """:func:`_replay_stage3` on a real rank among others (``local_ranks == 1``, ``W > 1``):
+    :class:`_RankReplay`. ``None`` where the communicator does not say what a gather or a
+    reduction allocates, or does not batch them (only gloo's all-to-all path is replayed:
+    the reduction's input is kept by the batch until its wait), or the layout needs what the
+    replay does not model (a unit of several flat groups prefetched in a batch, groups of
+    several compute dtypes in a unit)."""
+    buckets = buckets_of(layout)
+    fp = comm.gather_footprint(1)
+    if len(buckets) < 3 or any(not gs for gs in buckets) or fp is None or not fp.batched:
+        return None
+    replay = _RankReplay(buckets, precision, comm)
+    try:
+        replay.run()
+    except _Unknown:
+        return None
+    return float(replay.gheap.peak), float(replay.rheap.peak), float(replay.every.peak)
+
+
+class _RankReplay:
+    """:class:`fzero.units._RankRun` on one real rank, replayed for one micro-batch: its forward
+    with the call-check carriers (a unit's call checks the previous carrier's tags and starts
+    the tagged gather of the next unit; the last unit's call defers its tag to the end's), its
+    backward with a unit's reduction and the gather of the unit two before it in one batch
+    (``comm.batched()``; on gloo one all-to-all per dtype). What a gather allocates is
+    ``comm.gather_footprint``'s (:class:`~fzero.comm.GatherFootprint`), a reduction
+    ``comm.reduction_footprint``'s."""
+
+    def __init__(self, buckets: Sequence[Sequence[FlatGroup]], precision: MixedPrecision, comm: Communicator):
+        self.buckets, self.precision, self.comm = buckets, precision, comm
+        self.n, self.world = len(buckets), comm.world_size
+        self.every = _Heap()
+        self.gheap, self.rheap = _Heap(also=self.every), _Heap(also=self.every)
+        self.batch: Optional[list[_Part]] = None  # the parts of the batch under way
+        self.started: list[list[tuple[Callable[[], None], Callable[[], None]]]] = []  # reductions
+        self.ahead: dict[int, _Take] = {}  # started gathers by bucket
+        self.cache: dict[int, list[_Buf]] = {}  # units kept or regathered
+        self.events: list[int] = []  # the forward's unit calls; 0: its end
+        self.pending: list[Callable[[], None]] = []  # the last carrier's tags, not yet checked
+        self.deferred = False
+
+    # -- what the communicator allocates
+    def cdtype(self, g: FlatGroup) -> torch.dtype:
+        return self.precision.compute_dtype(g.dtype)
+
+    def footprint(self, numel: int) -> GatherFootprint:
+        fp = self.comm.gather_footprint(numel)
+        if fp is None:
+            raise _Unknown
+        return fp
+
+    def add(self, part: _Part) -> None:
+        """A collective started: into the batch under way, or at once."""
+        if self.batch is None:
+            part.alone()
+        else:
+            self.batch.append(part)
+
+    def batched(self, body: Callable[[], None]) -> None:
+        """``body`` in a batch; at its end the parts go, one all-to-all per dtype (a part alone
+        in its dtype is started alone), named by the reduction (:mod:`fzero.dist`)."""
+        self.batch = []
+        body()
+        parts, self.batch = self.batch, None
+        by_dtype: dict[torch.dtype, list[_Part]] = {}
+        for p in parts:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for group in by_dtype.values():
+            if len(group) == 1:
+                group[0].alone()
+                continue
+            joint = _Joint(self.rheap, sum(p.nbytes for p in group), len(group))
+            for p in group:
+                p.joint = joint
+
+    # -- the gathers (fzero.units._start_gather, _start_tagged)
+    def gather_alone(self, numel: int, itemsize: int, chain: _Chain) -> _Buf:
+        """One ``all_gather_start`` of ``numel`` elements outside a batch: its result, held by
+        the started gather's closures (``chain``)."""
+        fp = self.footprint(numel)
+        out = chain.hold(_Buf(self.gheap, fp.received * itemsize, holders=0))
+        self.gheap.alloc(fp.scratch * itemsize)
+        self.gheap.free(fp.scratch * itemsize)
+        return out
+
+    def plain(self, bs: Sequence[int]) -> dict[int, _Take]:
+        """:func:`fzero.units._start_gather` of buckets ``bs`` outside a batch: per bucket, its
+        take (the buffers its flats hold)."""
+        groups = [g for b in bs for g in self.buckets[b]]
+        chain = _Chain(len(bs))
+        flats: dict[int, _Buf] = {}
+        if len(groups) == 1 or len({self.cdtype(g) for g in groups}) != 1 or not _join(groups):
+            waits = [self.plain_group(g, chain, flats) for g in groups]
+        else:
+            waits = [self.plain_joined(groups, chain, flats)]
+        arrived: list[bool] = []
+
+        def take(b: int) -> list[_Buf]:
+            if not arrived:  # the first take waits for every group
+                arrived.append(True)
+                for w in waits:
+                    w()
+            got = [flats[g.index] for g in self.buckets[b]]
+            for f in got:  # the unit's own hold
+                f.holders += 1
+            chain.taken()
+            return got
+
+        return {b: (lambda b=b: take(b)) for b in bs}
+
+    def plain_group(self, g: FlatGroup, chain: _Chain, flats: dict[int, _Buf]) -> Callable[[], None]:
+        """One group's gather by itself (its result is its flat buffer): its wait."""
+        cast = g.shard_numel * _size(self.cdtype(g)) if self.cdtype(g) != g.master_dtype else 0
+        self.gheap.alloc(cast)
+        flats[g.index] = self.gather_alone(g.shard_numel, _size(self.cdtype(g)), chain)
+        if not self.footprint(g.shard_numel).keeps_input:
+            self.gheap.free(cast)
+            cast = 0
+        return lambda: self.gheap.free(cast)  # what was sent, kept until the wait
+
+    def plain_joined(self, groups: Sequence[FlatGroup], chain: _Chain, flats: dict[int, _Buf]) -> Callable[[], None]:
+        """Groups gathered joined (:func:`fzero.sharding.gather_flat_groups_start`): its wait,
+        which cuts each group out of the rank-major rows (a copy each)."""
+        size = _size(self.cdtype(groups[0]))
+        casts = [g.shard_numel * size for g in groups if self.cdtype(g) != g.master_dtype]
+        for c in casts:
+            self.gheap.alloc(c)
+        sent = sum(g.shard_numel for g in groups) * size
+        self.gheap.alloc(sent)
+        for c in casts:
+            self.gheap.free(c)
+        self.gather_alone(sum(g.shard_numel for g in groups), size, chain)
+        if not self.footprint(1).keeps_input:
+            self.gheap.free(sent)
+            sent = 0
+
+        def cut() -> None:
+            self.gheap.free(sent)
+            for g in groups:
+                flats[g.index] = chain.hold(_Buf(self.gheap, g.padded_numel * size, holders=0))
+
+        return cut
+
+    def batched_gather(self, b: int) -> dict[int, _Take]:
+        """The gather of unit ``b`` (one flat group) started in a batch: its take."""
+        if len(self.buckets[b]) != 1:
+            raise _Unknown  # a joined gather in a joined all-to-all: not replayed
+        g = self.buckets[b][0]
+        size, k, heap = _size(self.cdtype(g)), g.shard_numel, self.gheap
+        cast = k * size if self.cdtype(g) != g.master_dtype else 0
+        heap.alloc(cast)  # what is sent: the batch's part holds it until the take lets it go
+        got: list[_Buf] = []
+
+        def alone() -> None:
+            fp = self.footprint(k)
+            got.append(_Buf(heap, fp.received * size))
+            heap.alloc(fp.scratch * size)
+            heap.free(fp.scratch * size)
+
+        part = _Part(self.cdtype(g), self.world * k * size, alone)
+        self.add(part)
+
+        def take() -> list[_Buf]:
+            if part.joint is not None:
+                part.joint.waited()
+                got.append(_Buf(heap, self.world * k * size))  # its rows copied out of the joint
+                part.joint.received.drop()
+            heap.free(cast)
+            return got[:1]
+
+        return {b: take}
+
+    def tagged(self, bucket: Optional[int]) -> tuple[dict[int, _Take], Callable[[], None]]:
+        """:func:`fzero.units._start_tagged`: the carrier of a call's tag and of ``bucket``'s
+        gather (if any): per bucket its take, and the wait for the tags."""
+        groups = self.buckets[bucket] if bucket is not None else ()
+        travel = self.cdtype(groups[0]) if groups else torch.float32
+        if any(self.cdtype(g) != travel for g in groups):
+            raise _Unknown  # groups of another travel dtype beside the tagged ones: not replayed
+        size, tag, heap = _size(travel), 8 * _TAG_VALUES, self.gheap
+        heap.alloc(8 * _TAG_VALUES)  # the values as int64, then their bytes in the travel dtype
+        heap.alloc(tag * size)
+        heap.free(8 * _TAG_VALUES)
+        casts = [g.shard_numel * size for g in groups if travel != g.master_dtype]
+        for c in casts:
+            heap.alloc(c)
+        total = tag + sum(g.shard_numel for g in groups)
+        sent = total * size
+        heap.alloc(sent)
+        for c in casts:
+            heap.free(c)
+        fp = self.footprint(total)
+        received = _Buf(heap, fp.received * size, holders=2 if groups else 1)  # the tags' wait, the take
+        heap.alloc(fp.scratch * size)
+        heap.free(fp.scratch * size)
+        if not fp.keeps_input:
+            heap.free(sent)
+            sent = 0
+        heap.free(tag * size)  # the tag itself, once started
+        decoded: list[bool] = []
+
+        def arrive() -> None:
+            if not decoded:
+                decoded.append(True)
+                heap.free(sent)
+                heap.alloc(self.world * tag * size)  # the tags read back: rounded, as bytes
+                heap.alloc(self.world * tag)
+                heap.free(self.world * tag * size)
+                heap.free(self.world * tag)
+
+        def tags() -> None:
+            arrive()
+            received.drop()
+
+        def take() -> list[_Buf]:
+            arrive()
+            copies = [_Buf(heap, g.padded_numel * size) for g in groups]  # cut out of the rows
+            received.drop()
+            return copies
+
+        return ({bucket: take} if bucket is not None else {}), tags
+
+    # -- the reductions (fzero.buckets.BucketReduction: launches (0, 1), (2,), ..., (n - 1,))
+    def wait_oldest(self) -> None:
+        pieces = self.started.pop(0)
+        for arrive, _ in pieces:  # each waited for and finished in turn
+            arrive()
+        for _, release in pieces:  # then let go
+            release()
+
+    def launch(self, bs: Sequence[int]) -> None:
+        while len(self.started) >= MAX_IN_FLIGHT:
+            self.wait_oldest()
+        groups = [g for b in bs for g in self.buckets[b]]
+        rd = self.precision.reduce_dtype
+        if reduces_joined(groups, rd):
+            rdtype = rd or groups[0].master_dtype
+            numel = sum(g.padded_numel for g in groups)
+            casts = sum(g.padded_numel * _size(rdtype) for g in groups if self.cdtype(g) != rdtype)
+            self.rheap.alloc(casts)  # each group cast, then joined rank-major
+            self.rheap.alloc(numel * _size(rdtype))
+            self.rheap.free(casts)
+            self.started.append([self.piece(numel, rdtype, rdtype, rdtype, numel * _size(rdtype), groups)])
+        else:  # autograd's gradient of each group travels as it is (out of scope)
+            self.started.append([self.piece(g.padded_numel, self.cdtype(g), rd or g.master_dtype, g.master_dtype, 0)
+                                 for g in groups])
+
+    def piece(self, numel: int, in_dtype: torch.dtype, rdtype: torch.dtype, out_dtype: torch.dtype,
+              flat: int, cuts: Sequence[FlatGroup] = ()) -> tuple[Callable[[], None], Callable[[], None]]:
+        """:func:`fzero.sharding.average_flat_grads_start` of ``numel`` elements (``flat``: the
+        bytes of its input if the step made it in scope, a joined gradient), then the cut of
+        ``cuts`` (joined groups) in their master dtype: its arrival and its release."""
+        size, low, heap = _size(rdtype), rdtype in LOW_PRECISION, self.rheap
+        pre, post = gradient_divide_factors(self.world) if low else (1.0, 1.0)
+        fp = self.comm.reduction_footprint(numel, "sum" if low else "avg")
+        if fp is None:
+            raise _Unknown
+        x, made = flat, False  # what travels: the batch's part holds it until the release
+        if in_dtype != rdtype:
+            heap.alloc(numel * size)
+            x, made = numel * size, True
+        if pre > 1:  # divided into a new buffer; the cast goes
+            heap.alloc(numel * size)
+            if made:
+                heap.free(x)
+            x, made = numel * size, True
+        if made:
+            heap.free(flat)  # the joined gradient goes once what travels is made of it
+        own: list[_Buf] = []
+
+        def alone() -> None:
+            own.append(_Buf(heap, fp.held * size))
+            if fp.result_first:
+                heap.alloc(fp.result * size)
+            heap.alloc(fp.scratch * size)
+            heap.free(fp.scratch * size)
+
+        part = _Part(rdtype, numel * size, alone)
+        self.add(part)
+        frees = [x]
+
+        def arrive() -> None:
+            if not fp.result_first:
+                heap.alloc(fp.result * size)
+            if part.joint is not None:
+                part.joint.waited()
+            frees.extend(self.finished(fp.result * size, numel // self.world, rdtype, out_dtype, cuts))
+
+        def release() -> None:
+            for nbytes in frees:
+                heap.free(nbytes)
+            for buf in own:
+                buf.drop()
+            if part.joint is not None:
+                part.joint.received.drop()
+
+        return arrive, release
+
+    def finished(self, result: int, shard: int, rdtype: torch.dtype, out_dtype: torch.dtype,
+                 cuts: Sequence[FlatGroup]) -> list[int]:
+        """A reduced ``result`` (bytes) finished: divided after the sum in 16 bits, cast to
+        ``out_dtype``, each of ``cuts`` cut out in its master dtype. Allocates what that makes;
+        returns the bytes it leaves to free."""
+        size, heap, frees = _size(rdtype), self.rheap, []
+        if rdtype in LOW_PRECISION and gradient_divide_factors(self.world)[1] > 1:
+            heap.alloc(shard * size)
+            frees.append(result)
+            result = shard * size
+        if out_dtype != rdtype:
+            heap.alloc(shard * _size(out_dtype))
+            frees.append(result)
+            result = shard * _size(out_dtype)
+        cast = [g.shard_numel * _size(g.master_dtype) for g in cuts if g.master_dtype != rdtype]
+        for c in cast:
+            heap.alloc(c)
+        if cuts and len(cast) == len(cuts):
+            frees.append(result)
+        return frees
+
+    # -- the schedule
+    def held(self, b: int) -> bool:
+        return b in self.cache or b in self.ahead
+
+    def verify(self) -> None:
+        if self.pending:
+            self.pending.pop()()
+
+    def event(self, e: int) -> None:
+        """:meth:`fzero.units._RankRun.event`: unit ``e``'s call, or (0) the forward's end."""
+        self.verify()
+        nxt = None
+        if not self.deferred:  # the unit after the last one called, unless called or held
+            guess = (self.events[-1] if self.events else 0) + 2
+            nxt = guess if guess < self.n and guess not in self.events and not self.held(guess) else None
+        self.events.append(e)
+        defer = nxt is None and e != 0 and self.held(e) and not self.deferred
+        self.deferred = defer
+        if not defer:
+            got, tags = self.tagged(nxt)
+            self.ahead.update(got)
+            self.pending.append(tags)
+        if e == 0 or not self.held(e):
+            self.verify()
+
+    def prefetch(self, b: int) -> None:
+        if b >= 1 and not self.held(b):
+            self.ahead.update(self.plain((b,)))
+
+    def deliver(self, b: int) -> None:
+        """Unit ``b``'s gradient complete: the unit dropped, its reduction started with the
+        gather of the unit two before it (if the one before is held)."""
+        for f in self.cache.pop(b):
+            f.drop()
+        if b >= 2:
+            self.launch((b,))
+        if b >= 3 and self.held(b - 1) and not self.held(b - 2):
+            self.ahead.update(self.batched_gather(b - 2))
+
+    def run(self) -> None:
+        n = self.n
+        self.ahead.update(self.plain((0, 1)))  # the root travels with the first unit
+        self.ahead.pop(0)()  # held to the end of the step
+        for b in range(1, n):
+            self.event(b)
+            flats = self.ahead.pop(b)()
+            if b >= n - 2:  # the last two units are kept from forward to backward
+                self.cache[b] = flats
+            else:  # saved as tokens: nothing holds the unit after its forward
+                for f in flats:
+                    f.drop()
+        self.event(0)
+        for b in range(n - 1, 0, -1):
+            if b not in self.cache:  # regathered (prefetched) for its backward
+                self.cache[b] = self.ahead.pop(b)()
+            self.prefetch(b - 1)
+            self.batched(lambda b=b: self.deliver(b))
+        # the root's gradient and the first unit's travel together, once both are complete
+        self.batched(lambda: self.launch((0, 1)))
+        while self.started:
+            self.wait_oldest()
 
 
 def _held(kind: str, stage: int) -> bool:

@@ -12,7 +12,9 @@ them can be checked against what was allocated:
     during backward (:class:`fzero.buckets.BufferPool`).
 ``fzero::grad_reduction``
     every stage: what the gradient collectives allocate: averaged shards,
-    receive buffers, stacked rows.
+    receive buffers, stacked rows; stage 3 on gloo also the joined send and
+    receive buffers of a reduction batched with a gather (the gather's rows
+    beside the gradient's: ``TorchCommunicator.batched``).
 ``fzero::gather``
     stage 3 eagerly: the parameters gathered for a unit's forward and again
     for its backward (:mod:`fzero.units`): what is sent (the master shard

@@ -69,8 +69,8 @@ def test_gpt2_blocks(world):
 
 
 def test_no_prediction_where_the_schedule_is_not_modelled():
-    """A real rank among others (tags, batched collectives) and a communicator that does not
-    say what a gather allocates: no stage-3 step buffers, and no step peak."""
+    """A communicator that does not say what a gather allocates: no stage-3 step buffers, and
+    no step peak. (A real rank among others: ``test_census_stage3_gloo.py``.)"""
     model = mlp(sizes=(8, 16, 16, 4))
     comm = fzero.SimulatedWorld(2)
     state = fzero.init_train_state(model, fzero.adamw(), comm, stage=3, units=lambda name, m: name in ("0", "3", "5"))
