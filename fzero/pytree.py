@@ -24,6 +24,8 @@ from typing import Any, Callable, TypeVar
 import optree
 import torch.utils._pytree as torch_pytree
 
+__all__ = ["NAMESPACE", "static_field", "pytree_dataclass", "replace", "tree_map"]
+
 NAMESPACE = "fzero"
 
 T = TypeVar("T")

@@ -68,6 +68,8 @@ __all__ = [
     "replicas_differ",
     "check_replicas",
     "with_replica_check",
+    "digest_parts",
+    "parts_differ",
 ]
 
 Policy = Literal["broadcast", "local"]

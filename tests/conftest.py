@@ -2,7 +2,8 @@
 
 Hypothesis profiles: ``ci`` (default; derandomized, so CI is deterministic and
 bounded) and ``long`` (many more examples, for local runs:
-``FZERO_HYPOTHESIS_PROFILE=long pytest``).
+``FZERO_HYPOTHESIS_PROFILE=long pytest``; it also runs the whole of the matrices CI
+samples, ``LONG``).
 """
 
 import os
@@ -27,6 +28,8 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("FZERO_HYPOTHESIS_PROFILE", "ci"))
+# The long profile also runs the full matrices that CI samples (tests that import LONG).
+LONG = os.environ.get("FZERO_HYPOTHESIS_PROFILE", "ci") == "long"
 
 # Keep CPU tests reproducible and light on a 2-core machine: under pytest-xdist (the README's
 # `-n 2`) the workers already fill both cores, and a second intra-op thread each would only

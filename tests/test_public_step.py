@@ -1,0 +1,95 @@
+"""The step is its public pieces: ``make_train_step`` calls only public fzero functions, the
+step module stays small, and the top level is the documented contract.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import pathlib
+
+import fzero
+import fzero.step as step_module
+from fzero import sharding
+
+STEP_PY = pathlib.Path(step_module.__file__)
+
+
+def _fzero_calls(fn, namespace=None) -> dict[str, object]:
+    """``{dotted name: object}`` for every call in ``fn``'s source (nested functions included)
+    that resolves, through ``namespace`` (default: ``fn``'s globals), to something of fzero's."""
+    tree = ast.parse(inspect.getsource(fn).strip() if not inspect.getsource(fn).startswith(" ")
+                     else "if True:\n" + inspect.getsource(fn))
+    names = namespace if namespace is not None else fn.__globals__
+    found = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        parts = []
+        while isinstance(f, ast.Attribute):
+            parts.append(f.attr)
+            f = f.value
+        if not isinstance(f, ast.Name) or f.id not in names:
+            continue
+        obj = names[f.id]
+        for attr in reversed(parts):
+            obj = getattr(obj, attr, None)
+        module = getattr(obj, "__module__", "") or ""
+        if module.startswith("fzero"):
+            found[".".join([f.id, *reversed(parts)])] = obj
+    return found
+
+
+# Where the pieces live: a function of these modules that the step calls must be one of the
+# pieces the top level exports (a validator ``check_*`` aside), not a variant of one.
+PIECE_MODULES = ("fzero.sharding", "fzero.scaler", "fzero.grads", "fzero.units", "fzero.buckets", "fzero.optim",
+                 "fzero.layout", "fzero.comm")
+
+
+def _not_allowed(calls: dict[str, object]) -> list[str]:
+    top = {id(getattr(fzero, n)) for n in fzero.__all__}
+    bad = []
+    for name, obj in calls.items():
+        module = inspect.getmodule(obj)
+        short = getattr(obj, "__name__", "")
+        public = not short.startswith("_") and short in getattr(module, "__all__", ())
+        twin = module.__name__ in PIECE_MODULES and inspect.isfunction(obj) and id(obj) not in top \
+            and not short.startswith("check_")
+        if not public or twin:
+            bad.append(name)
+    return sorted(bad)
+
+
+def test_make_train_step_calls_only_public_functions():
+    calls = _fzero_calls(fzero.make_train_step)
+    assert not _not_allowed(calls), f"make_train_step calls fzero functions that are not its public pieces: " \
+        f"{_not_allowed(calls)}"
+    # the pieces the product promises, each called by the step itself
+    for piece in ("loss_grads", "unscale_and_clip", "shard_step", "update_scale", "all_gather_params"):
+        assert piece in calls and calls[piece] is getattr(fzero, piece), piece
+
+
+def test_the_check_finds_a_private_twin():
+    def step_with_twins(shard, comm, flats, layout):
+        sharding.average_flat_grads_at_once(flats, layout, comm, None)  # a variant of reduce_scatter_grads
+        sharding._join(layout.groups)  # private
+        return fzero.all_gather_params(shard, comm, flat=True)
+
+    assert _not_allowed(_fzero_calls(step_with_twins)) == ["sharding._join", "sharding.average_flat_grads_at_once"]
+
+
+def test_step_module_is_small():
+    assert len(STEP_PY.read_text().splitlines()) < 400
+
+
+def test_top_level_is_small_and_documented():
+    names = fzero.__all__
+    assert len(names) == len(set(names)) <= 40
+    for name in names:
+        obj = getattr(fzero, name)
+        assert (obj.__doc__ or "").strip(), f"fzero.{name} has no docstring"
+        assert name in fzero.__doc__, f"fzero.{name} is not in the package's contract (fzero.__doc__)"
+    # internals stay in their modules
+    for internal in ("consume", "ensure_live", "check_batch", "build_layout", "NAMESPACE", "ParamSlot"):
+        assert internal not in names
