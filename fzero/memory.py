@@ -8,7 +8,7 @@ compute and communication it gives the paper's ``4Ψ + 12Ψ/N`` (stage 1),
 padded layout. ``padding`` says how much of that total is padding (averaged
 over ranks), so ``total - padding`` is the formula on the real parameter count.
 
-Each kind is split into what the :class:`~fzero.step.TrainState` *holds* between
+Each kind is split into what the :class:`~fzero.state.TrainState` *holds* between
 steps and what lives only *inside* a step (``held`` and ``transient``; ``by_kind``
 is their sum, the paper's model):
 
@@ -100,7 +100,7 @@ from .layout import FlatGroup, Layout
 from .optim import Optimizer
 from .precision import MixedPrecision
 from .scopes import GATHER, GRAD_BUCKETS, GRAD_REDUCTION
-from .sharding import LOW_PRECISION, _join, reduces_joined
+from .sharding import LOW_PRECISION, travel_joined, reduces_joined
 
 __all__ = ["MemoryReport", "memory_report", "zero_paper_bytes", "format_memory_table", "bucket_buffer_bytes",
            "reduction_buffer_bytes", "step_buffer_peak"]
@@ -486,7 +486,7 @@ def _replay_stage3(
         buffers its flats hold)."""
         groups = [g for b in bs for g in buckets[b]]
         if len(groups) == 1 or len({precision.compute_dtype(g.dtype) for g in groups}) != 1 \
-                or not _join(groups):
+                or not travel_joined(groups):
             per = {}
             for g in groups:
                 cast = rows * g.shard_numel * csize(g) if precision.compute_dtype(g.dtype) != g.master_dtype else 0
@@ -793,7 +793,7 @@ class _RankReplay:
         groups = [g for b in bs for g in self.buckets[b]]
         chain = _Chain(len(bs))
         flats: dict[int, _Buf] = {}
-        if len(groups) == 1 or len({self.cdtype(g) for g in groups}) != 1 or not _join(groups):
+        if len(groups) == 1 or len({self.cdtype(g) for g in groups}) != 1 or not travel_joined(groups):
             waits = [self.plain_group(g, chain, flats) for g in groups]
         else:
             waits = [self.plain_joined(groups, chain, flats)]

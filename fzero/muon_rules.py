@@ -42,7 +42,7 @@ from torch.optim import _muon as torch_muon
 from .comm import Communicator
 from .layout import FlatGroup, Layout
 from .optim import GroupSpec, Optimizer, _check_hyper, _groups
-from .sharding import _update_by_piece, shard_pieces, trainable_index
+from .sharding import update_by_piece, shard_pieces, trainable_index
 from .torch_optim_rules import TorchOptimRule, from_torch_optim
 
 __all__ = ["Muon", "muon", "muon_owners", "newton_schulz", "hidden_matrices"]
@@ -132,7 +132,7 @@ class Muon(Optimizer):
         for g in layout.groups:
             if not self.is_muon_group(g.opt_group):
                 h = hyper[g.opt_group]
-                _update_by_piece(self._adamw(), layout, g, master[g.index], grads[g.index].to(master[g.index].dtype),
+                update_by_piece(self._adamw(), layout, g, master[g.index], grads[g.index].to(master[g.index].dtype),
                                  moments[g.index][1:], {k: h[k] for k in _ADAMW_KEYS}, own, take, [], ranks, where)
         if not muon_groups:
             return

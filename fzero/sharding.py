@@ -44,6 +44,9 @@ __all__ = [
     "stack_rows",
     "shard_step",
     "global_norm",
+    "travel_joined",
+    "update_by_piece",
+    "plain_update_known",
     "LOW_PRECISION",
 ]
 
@@ -338,7 +341,7 @@ def gather_step_params(
     return gather_flat_params_at_once(shard, comm, dtype)
 
 
-def _join(groups: Sequence[FlatGroup]) -> bool:
+def travel_joined(groups: Sequence[FlatGroup]) -> bool:
     """Whether ``groups`` travel joined in one collective: only while they are small (see
     :data:`GATHER_AT_ONCE_NUMEL`); joining copies them into one send and one receive buffer."""
     return sum(g.padded_numel for g in groups) <= GATHER_AT_ONCE_NUMEL
@@ -359,7 +362,7 @@ def gather_flat_groups_start(
     """
     rows, world = comm.local_ranks, comm.world_size
     dtypes = {dtype or g.dtype for g in groups}
-    if len(groups) == 1 or len(dtypes) != 1 or not _join(groups):
+    if len(groups) == 1 or len(dtypes) != 1 or not travel_joined(groups):
         started = [comm.all_gather_start(shard.master[g.index].to(dtype or g.dtype)) for g in groups]
         return lambda: tuple(done() for done in started)
     travel = dtypes.pop()
@@ -388,7 +391,7 @@ def reduces_joined(groups: Sequence[FlatGroup], reduce_dtype: Optional[torch.dty
     """Whether :func:`average_flat_groups_start` reduces ``groups`` in one collective: several
     groups of one reduce dtype, small enough to join (:data:`GATHER_AT_ONCE_NUMEL`)."""
     dtypes = {reduce_dtype or g.master_dtype for g in groups}
-    return len(groups) > 1 and len(dtypes) == 1 and _join(groups)
+    return len(groups) > 1 and len(dtypes) == 1 and travel_joined(groups)
 
 
 def average_flat_groups_start(
@@ -584,7 +587,7 @@ def _piece_views(layout: Layout, group: FlatGroup, row: int, rank: int, where: M
     return out
 
 
-def _update_by_piece(opt: Optimizer, layout: Layout, group: FlatGroup, p: torch.Tensor, grad: torch.Tensor,
+def update_by_piece(opt: Optimizer, layout: Layout, group: FlatGroup, p: torch.Tensor, grad: torch.Tensor,
                      moments: tuple[torch.Tensor, ...], hyper: Mapping[str, torch.Tensor], own: Sequence[int],
                      take: Sequence[bool], scalars: list[list[float]], ranks: Sequence[int],
                      where: Mapping[int, int]) -> None:
@@ -772,7 +775,7 @@ def _shard_step_by_piece(
                              f"{tuple(grad.shape)}, the master shard {tuple(p.shape)}")
         p2, m2 = (p, moments) if donate else (p.clone(), tuple(m.clone() for m in moments))
         if applied and not opt.needs_comm:
-            _update_by_piece(opt, lay, g, p2, grad.to(p.dtype), m2, opt_state.hyper[g.opt_group], own, take,
+            update_by_piece(opt, lay, g, p2, grad.to(p.dtype), m2, opt_state.hyper[g.opt_group], own, take,
                              scalars, ranks, where)
         new_master.append(p2)
         new_moments.append(tuple(m2))

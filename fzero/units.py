@@ -188,7 +188,7 @@ class UnitGrads:
 
     ``shards``: per flat group, this rank's averaged (still scaled) gradient
     shard ``[R, shard_numel]`` in the master dtype; ``losses`` ``[R]`` fp32;
-    ``buffers`` and ``rng`` as :class:`fzero.step.RankGrads`.
+    ``buffers`` and ``rng`` as :class:`fzero.grads.Grads`.
     """
 
     shards: tuple[torch.Tensor, ...]

@@ -1,4 +1,4 @@
-"""Checkpoints of a :class:`~fzero.step.TrainState` with ``torch.distributed.checkpoint``
+"""Checkpoints of a :class:`~fzero.state.TrainState` with ``torch.distributed.checkpoint``
 (DCP), their verification and consolidation without the training job, and interchange
 with ``torch.optim`` state dicts.
 

@@ -1,4 +1,4 @@
-"""Saving and loading a :class:`~fzero.step.TrainState`: the state as a flat DCP state dict.
+"""Saving and loading a :class:`~fzero.state.TrainState`: the state as a flat DCP state dict.
 
 Keys: ``fzero/master/{path}`` and ``fzero/{moment}/{path}`` (each trainable parameter's
 master and moments as a logical 1-D tensor of its ``numel``; each rank writes the pieces

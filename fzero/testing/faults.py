@@ -8,7 +8,7 @@ a rank misbehaves.
   element ``index`` of the rank's input to the step's *first gradient
   reduction*, which is the first ``reduce_scatter`` or ``all_reduce`` with op
   ``sum``/``avg`` of the step (in fzero's steps every such collective before
-  ``finish_step``'s norm all-reduce reduces gradients);
+  ``unscale_and_clip``'s norm all-reduce reduces gradients);
 * :class:`CorruptResult`: changes element ``index`` of the rank's result of
   the ``call``-th collective ``op`` of the step (default: flips the lowest bit,
   the smallest possible change);
