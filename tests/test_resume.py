@@ -110,3 +110,21 @@ def test_replica_check_keeps_its_schedule_across_a_resume(tmp_path):
     model = um.resnet()
     resumed, _ = fzero.load_checkpoint(tmp_path, _state(model, comm), comm)
     assert _call_that_raises(comm, data[STOP:], resumed, _step(model, comm), STOP) == STOP + 1
+
+
+def test_a_checkpoint_without_the_call_count_resumes_counting_from_its_step(tmp_path, monkeypatch):
+    """Checkpoints written before the state counted its calls have no ``fzero/calls``: the
+    loaded state counts on from the applied steps, the best count the checkpoint holds."""
+    from fzero.checkpoint import saveload
+
+    comm = fzero.SimulatedWorld(WORLD)
+    model = um.resnet()
+    state, _ = _run(comm, _batches()[:STOP], _state(model, comm), _step(model, comm), 0)
+    state = replace(state, calls=(torch.tensor(11, dtype=torch.int64),))
+    real = saveload._replicated
+    monkeypatch.setattr(saveload, "_replicated",
+                        lambda s: {k: v for k, v in real(s).items() if k != saveload.CALLS_KEY})
+    fzero.save_checkpoint(state, tmp_path, comm)
+    monkeypatch.setattr(saveload, "_replicated", real)
+    loaded, _ = fzero.load_checkpoint(tmp_path, _state(um.resnet(), comm), comm)
+    assert int(loaded.calls[0]) == int(state.opt.step) == STOP
