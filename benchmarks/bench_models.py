@@ -78,7 +78,7 @@ def torch_loop(model: torch.nn.Module, criterion):
 def fzero_system(model: torch.nn.Module, criterion, **kw):
     comm = fzero.SimulatedWorld(1)
     holder = {"state": fzero.init_train_state(model, fzero.adamw(lr=1e-3, weight_decay=0.1), comm)}
-    step = fzero.make_train_step(fzero.module_loss(model, criterion), comm, stage=2, **kw)
+    step = fzero.make_train_step(fzero.module_loss(model, criterion), comm, **kw)
 
     def run(batch):
         holder["state"], m = step(holder["state"], comm.split_batch(batch))

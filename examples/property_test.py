@@ -9,7 +9,7 @@ width, batch split with accumulation, optimizer with parameter groups):
 2. a step whose gradients hold an inf on one rank is skipped: every bit of the
    state is unchanged;
 3. one corrupted element in one rank's all-gather is caught by
-   ``fzero.check_replicas``, which names the rank (from 3 ranks on, where a
+   ``fzero.replicas.check_replicas``, which names the rank (from 3 ranks on, where a
    majority tells which rank is the odd one out).
 
 Run it as a script (a few seconds) or under pytest::
@@ -56,7 +56,7 @@ def train(comm, stage, width, optimizer, split, steps=2, accum=1):
     model = make_model(width)
     units = (lambda name, m: "." not in name) if stage == 3 else None  # stage 3: a unit per child
     state = fzero.init_train_state(model, optimizer, comm, stage=stage, units=units)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage, accum_steps=accum)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, accum_steps=accum)
     for batch in data(split.global_batch, steps):
         state, _ = step(state, comm.split_batch(batch, micro_batches=accum))
     return state, step
@@ -106,7 +106,7 @@ def test_corrupted_all_gather_is_caught(width, world, stage, data_):
     state, step = train(faulty, stage, width, fzero.sgd(lr=0.1), fst.BatchSplit(world, 2), steps=0)
     state, _ = faulty.wrap(step)(state, faulty.split_batch(data(2 * world, 1)[0]))
     try:
-        fzero.check_replicas(state, faulty)
+        fzero.replicas.check_replicas(state, faulty)
     except fzero.ReplicaDivergenceError as e:
         assert [d.differ for d in e.differences] == [(rank,)], e
     else:
