@@ -205,7 +205,7 @@ def _expected_leaves(st):
     out += [m for ms in st.opt.moments for m in ms]
     out += list(st.opt.missed)
     out += [getattr(st.scaler, n) for n in SCALER_TENSORS]
-    out += list(st.params) + list(st.buffers) + list(st.rng)
+    out += list(st.params) + list(st.buffers) + list(st.rng) + list(st.calls)
     return out
 
 
@@ -235,6 +235,8 @@ def _assert_same_train_state(back, st):
     for mb, ms in zip(back.opt.moments, st.opt.moments):
         assert type(mb) is tuple and len(mb) == len(ms) and all(a is b for a, b in zip(mb, ms))
     assert type(back.params) is tuple and all(a is b for a, b in zip(back.params, st.params))
+    assert type(back.calls) is tuple and len(back.calls) == len(st.calls) == 1 and back.calls[0] is st.calls[0]
+    assert back.stage == st.stage
 
 
 @pytest.mark.parametrize("variant", ["linear", "frozen_fp16"])
