@@ -120,7 +120,7 @@ def test_fault_schedules_are_observed(world, data):
             assert all(torch.equal(a, b) for a, b in zip(before.shard.master, state.shard.master))
         corrupted = [r for r in faulty.records if r.step == s and isinstance(r.fault, CorruptResult)
                      and not (r.before == r.after or (math.isnan(r.before) and math.isnan(r.after)))]
-        if corrupted:
+        if corrupted and world > 1:  # one rank has no replica to disagree with
             with pytest.raises(fzero.ReplicaDivergenceError):
                 fzero.replicas.check_replicas(state, faulty)
         else:
