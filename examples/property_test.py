@@ -7,7 +7,7 @@ width, batch split with accumulation, optimizer with parameter groups):
 1. ZeRO stages 1, 2 and 3 on W simulated ranks give the parameters of plain
    training on one device (float64: equal to 1e-7, where a lost gradient shows as 1e-3);
 2. a step whose gradients hold an inf on one rank is skipped: every bit of the
-   state is unchanged;
+   state is unchanged (but ``state.calls``, which counts skipped steps too);
 3. one corrupted element in one rank's all-gather is caught by
    ``fzero.replicas.check_replicas``, which names the rank (from 3 ranks on, where a
    majority tells which rank is the odd one out).
@@ -94,6 +94,9 @@ def test_inf_gradient_skips_step_bitwise(width, world, stage, data_):
     state, _ = step(state, batches[0])
     after, metrics = step(state, batches[1])
     assert metrics["found_inf"].item() == 1.0
+    # every bit unchanged but the count of step calls (state.calls: skipped steps count too)
+    assert int(after.calls[0]) == int(state.calls[0]) + 1
+    state = fzero.pytree.replace(state, calls=after.calls)
     assert all(torch.equal(a, b) for a, b in zip(tp.tree_leaves(state), tp.tree_leaves(after)))
 
 
