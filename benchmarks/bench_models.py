@@ -8,7 +8,8 @@ on a world of one rank (W=1, ``SimulatedWorld(1)``), fp32, AdamW:
 
 * ``torch loop``: ``model(x)``, ``loss.backward()``, ``torch.optim.AdamW(fused=True)``,
   ``zero_grad``: the reference;
-* ``fzero eager``: ``make_train_step(module_loss(model, criterion), stage=2)``;
+* ``fzero eager``: a stage-2 state (``init_train_state``'s default) and
+  ``make_train_step(module_loss(model, criterion))``;
 * ``fzero eager donate``: the same with ``donate=True`` (in-place update);
 * ``fzero compiled``: ``compile=True`` (``fullgraph``), donating.
 
