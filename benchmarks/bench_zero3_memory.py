@@ -63,7 +63,9 @@ def main() -> None:
         del state
     print("\n(stage 1-2 hold the full parameters between steps and gather the new ones while the old")
     print(" are still held; stage 3 holds none and gathers unit by unit, prefetching the next)\n")
-    layout = fzero.init_train_state(model, fzero.adamw(), fzero.SimulatedWorld(args.world), stage=3, units=units).layout
+    # a new model: the stage-3 state above took this one's parameters (to the meta device)
+    layout = fzero.init_train_state(build(args.layers, args.width), fzero.adamw(), fzero.SimulatedWorld(args.world),
+                                    stage=3, units=units).layout
     bf16 = fzero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     reports = [fzero.memory_report(layout, fzero.adamw(), stage=s, precision=bf16) for s in (1, 2, 3)]
     print("training state per rank, bf16 compute and communication, AdamW:")
