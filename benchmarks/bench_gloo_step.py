@@ -54,7 +54,7 @@ ZeroRedundancyOptimizer. Sanity check: the mean training loss of the last step,
 the loss on a held-out batch after training and the largest relative parameter
 difference to DDP; a system whose loss differs from DDP's by more than 1e-3
 relative is flagged. fzero stage 1 and 2 communication per step and rank is
-counted once with ``fzero.CountingCommunicator`` (one eager step).
+counted once with ``fzero.comm.CountingCommunicator`` (one eager step).
 
 How to run (from the repository root; it launches itself under
 ``python -m torch.distributed.run --standalone --nproc-per-node 2`` with
@@ -493,7 +493,7 @@ def make_fzero_runner(stage: int, compiled: bool, donate: bool, ctx: dict, bucke
     units = (type(model.blocks[0]),) if stage == 3 else None  # as FSDP2: one unit per block
     holder = {"state": fzero.init_train_state(model, opt, comm, stage=stage, units=units, bucket_numel=bucket_numel)}
     step_fn = fzero.make_train_step(
-        fzero.module_loss(model, make_criterion(cfg.vocab)), comm, stage=stage, donate=donate, compile=compiled
+        fzero.module_loss(model, make_criterion(cfg.vocab)), comm, donate=donate, compile=compiled
     )
     batches = [comm.split_batch(b) for b in ctx["global_batches"]]  # [1, B/W, T] views
     r = Runner()
@@ -663,10 +663,10 @@ def count_fzero_volume(ctx: dict) -> dict:
     cfg = ctx["cfg"]
     out = {}
     for stage in (1, 2):
-        counting = fzero.CountingCommunicator(TorchCommunicator())
+        counting = fzero.comm.CountingCommunicator(TorchCommunicator())
         model = build(ctx["model"], cfg, ctx["seed"])
-        state = fzero.init_train_state(model, fzero.adamw(lr=LR, weight_decay=WEIGHT_DECAY), counting)
-        step = fzero.make_train_step(fzero.module_loss(model, make_criterion(cfg.vocab)), counting, stage=stage)
+        state = fzero.init_train_state(model, fzero.adamw(lr=LR, weight_decay=WEIGHT_DECAY), counting, stage=stage)
+        step = fzero.make_train_step(fzero.module_loss(model, make_criterion(cfg.vocab)), counting)
         counting.reset()
         step(state, counting.split_batch(ctx["global_batches"][0]))
         out[stage] = {

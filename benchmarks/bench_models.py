@@ -8,7 +8,8 @@ on a world of one rank (W=1, ``SimulatedWorld(1)``), fp32, AdamW:
 
 * ``torch loop``: ``model(x)``, ``loss.backward()``, ``torch.optim.AdamW(fused=True)``,
   ``zero_grad``: the reference;
-* ``fzero eager``: ``make_train_step(module_loss(model, criterion), stage=2)``;
+* ``fzero eager``: a stage-2 state (``init_train_state``'s default) and
+  ``make_train_step(module_loss(model, criterion))``;
 * ``fzero eager donate``: the same with ``donate=True`` (in-place update);
 * ``fzero compiled``: ``compile=True`` (``fullgraph``), donating.
 
@@ -78,7 +79,7 @@ def torch_loop(model: torch.nn.Module, criterion):
 def fzero_system(model: torch.nn.Module, criterion, **kw):
     comm = fzero.SimulatedWorld(1)
     holder = {"state": fzero.init_train_state(model, fzero.adamw(lr=1e-3, weight_decay=0.1), comm)}
-    step = fzero.make_train_step(fzero.module_loss(model, criterion), comm, stage=2, **kw)
+    step = fzero.make_train_step(fzero.module_loss(model, criterion), comm, **kw)
 
     def run(batch):
         holder["state"], m = step(holder["state"], comm.split_batch(batch))

@@ -15,7 +15,7 @@ run instead of inductor's loop); ``inductor-floor`` is an inductor loop with the
 same memory traffic and one addition per array (the bandwidth floor).
 ``--unscale``: every variant first multiplies the gradient by a 0-d factor, as
 a training step unscales and clips (torch: in place on ``.grad``, as
-``GradScaler.unscale_``; fzero: inside the step function, as ``finish_step``),
+``GradScaler.unscale_``; fzero: inside the step function, as ``fzero.scaler.unscale_and_clip``),
 which inductor fuses into its loop and an opaque kernel cannot.
 
 Each variant runs ``--repeats`` times in a fresh process, the variants

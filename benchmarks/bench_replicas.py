@@ -4,9 +4,9 @@ What it measures, on the TinyGPT of ``benchmarks/models.py`` (~0.87 M
 parameters, AdamW, fp32, one intra-op thread):
 
 * ``step``: wall time of one eager ``fzero.make_train_step`` call;
-* ``check_replicas``: one eager ``fzero.check_replicas(state, comm)`` (digest of
+* ``check_replicas``: one eager ``fzero.replicas.check_replicas(state, comm)`` (digest of
   every replicated item, one ``all_gather`` of ``[R, 2k]`` float64, host read);
-* ``replicas_differ``: one ``fzero.replicas_differ`` (digest, one
+* ``replicas_differ``: one ``fzero.replicas.replicas_differ`` (digest, one
   ``all_reduce(max)``, result left on the device as a step would keep it);
 * ``step + check``: a step followed by ``check_replicas``, as a training loop
   that checks every step would run;
@@ -51,15 +51,15 @@ def measure(comm: fzero.Communicator, stage: int, steps: int, rounds: int, sync=
     cfg = DEFAULT_CONFIG
     model = build_model(cfg)
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-3, weight_decay=0.1), comm, stage=stage)
-    step = fzero.make_train_step(fzero.module_loss(model, make_criterion(cfg.vocab)), comm, stage=stage)
-    checked = fzero.make_train_step(fzero.module_loss(model, make_criterion(cfg.vocab)), comm, stage=stage,
+    step = fzero.make_train_step(fzero.module_loss(model, make_criterion(cfg.vocab)), comm)
+    checked = fzero.make_train_step(fzero.module_loss(model, make_criterion(cfg.vocab)), comm,
                                     check_replicas_every=1)
     batches = [comm.split_batch(random_batch(cfg, seed)) for seed in range(4)]
     for b in batches[:2]:  # warm-up
         state, _ = step(state, b)
         state, _ = checked(state, b)
-    fzero.check_replicas(state, comm)
-    fzero.replicas_differ(state, comm)
+    fzero.replicas.check_replicas(state, comm)
+    fzero.replicas.replicas_differ(state, comm)
     k = fzero.replicas.replica_digest(state, comm).shape[1]
     tiny = torch.zeros(comm.local_ranks, 2 * k, dtype=torch.float64)
     times: dict[str, list[float]] = {
@@ -78,16 +78,16 @@ def measure(comm: fzero.Communicator, stage: int, steps: int, rounds: int, sync=
                 if mode == "step":
                     state, _ = step(state, b)
                 elif mode == "check_replicas":
-                    fzero.check_replicas(state, comm)
+                    fzero.replicas.check_replicas(state, comm)
                 elif mode == "replicas_differ":
-                    differ = fzero.replicas_differ(state, comm)
+                    differ = fzero.replicas.replicas_differ(state, comm)
                 elif mode == "all_reduce":
                     comm.all_reduce(tiny, "max")
                 elif mode == "step, in-step check":
                     state, _ = checked(state, b)
                 else:
                     state, _ = step(state, b)
-                    fzero.check_replicas(state, comm)
+                    fzero.replicas.check_replicas(state, comm)
                 times[mode].append(time.perf_counter() - t0)
     assert not bool(differ)
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}

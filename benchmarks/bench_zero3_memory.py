@@ -47,7 +47,7 @@ def main() -> None:
     for stage in (1, 2, 3):
         tracker = GatherTracker(fzero.SimulatedWorld(args.world))
         state = fzero.init_train_state(model, fzero.adamw(), tracker, stage=stage, units=units)
-        step = fzero.make_train_step(fzero.module_loss(model, mse), tracker, stage=stage)
+        step = fzero.make_train_step(fzero.module_loss(model, mse), tracker)
         x = torch.randn(args.world * 8, args.width)
         batch = tracker.split_batch((x, torch.randn(args.world * 8, 8)))
         held = tracker.live_bytes
@@ -63,13 +63,15 @@ def main() -> None:
         del state
     print("\n(stage 1-2 hold the full parameters between steps and gather the new ones while the old")
     print(" are still held; stage 3 holds none and gathers unit by unit, prefetching the next)\n")
-    layout = fzero.init_train_state(model, fzero.adamw(), fzero.SimulatedWorld(args.world), stage=3, units=units).layout
+    # a new model: the stage-3 state above took this one's parameters (to the meta device)
+    layout = fzero.init_train_state(build(args.layers, args.width), fzero.adamw(), fzero.SimulatedWorld(args.world),
+                                    stage=3, units=units).layout
     bf16 = fzero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     reports = [fzero.memory_report(layout, fzero.adamw(), stage=s, precision=bf16) for s in (1, 2, 3)]
     print("training state per rank, bf16 compute and communication, AdamW:")
-    print(fzero.format_memory_table(reports))
+    print(fzero.memory.format_memory_table(reports))
     for r in reports:
-        formula = fzero.zero_paper_bytes(r.num_params, r.stage, r.world_size)
+        formula = fzero.memory.zero_paper_bytes(r.num_params, r.stage, r.world_size)
         print(f"  stage {r.stage}: report - padding = {(r.total - r.padding) / mib:.3f} MiB, "
               f"ZeRO paper formula = {formula / mib:.3f} MiB; the state holds {r.held_total / mib:.3f} MiB "
               f"between steps, {r.transient_total / mib:.3f} MiB of the formula lives only inside a step")

@@ -7,9 +7,9 @@ width, batch split with accumulation, optimizer with parameter groups):
 1. ZeRO stages 1, 2 and 3 on W simulated ranks give the parameters of plain
    training on one device (float64: equal to 1e-7, where a lost gradient shows as 1e-3);
 2. a step whose gradients hold an inf on one rank is skipped: every bit of the
-   state is unchanged;
+   state is unchanged (but ``state.calls``, which counts skipped steps too);
 3. one corrupted element in one rank's all-gather is caught by
-   ``fzero.check_replicas``, which names the rank (from 3 ranks on, where a
+   ``fzero.replicas.check_replicas``, which names the rank (from 3 ranks on, where a
    majority tells which rank is the odd one out).
 
 Run it as a script (a few seconds) or under pytest::
@@ -56,7 +56,7 @@ def train(comm, stage, width, optimizer, split, steps=2, accum=1):
     model = make_model(width)
     units = (lambda name, m: "." not in name) if stage == 3 else None  # stage 3: a unit per child
     state = fzero.init_train_state(model, optimizer, comm, stage=stage, units=units)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage, accum_steps=accum)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, accum_steps=accum)
     for batch in data(split.global_batch, steps):
         state, _ = step(state, comm.split_batch(batch, micro_batches=accum))
     return state, step
@@ -94,6 +94,9 @@ def test_inf_gradient_skips_step_bitwise(width, world, stage, data_):
     state, _ = step(state, batches[0])
     after, metrics = step(state, batches[1])
     assert metrics["found_inf"].item() == 1.0
+    # every bit unchanged but the count of step calls (state.calls: skipped steps count too)
+    assert int(after.calls[0]) == int(state.calls[0]) + 1
+    state = fzero.pytree.replace(state, calls=after.calls)
     assert all(torch.equal(a, b) for a, b in zip(tp.tree_leaves(state), tp.tree_leaves(after)))
 
 
@@ -106,7 +109,7 @@ def test_corrupted_all_gather_is_caught(width, world, stage, data_):
     state, step = train(faulty, stage, width, fzero.sgd(lr=0.1), fst.BatchSplit(world, 2), steps=0)
     state, _ = faulty.wrap(step)(state, faulty.split_batch(data(2 * world, 1)[0]))
     try:
-        fzero.check_replicas(state, faulty)
+        fzero.replicas.check_replicas(state, faulty)
     except fzero.ReplicaDivergenceError as e:
         assert [d.differ for d in e.differences] == [(rank,)], e
     else:

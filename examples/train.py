@@ -34,7 +34,7 @@ def choose_dtype(requested: str) -> str:
     """``auto``: bf16 where the hardware computes it natively, else fp32 (as train_gpt.py).
     fp16 on a CPU warns: it runs slower than fp32 there."""
     if requested == "auto":
-        return "bf16" if fzero.native_bf16()[0] else "fp32"
+        return "bf16" if fzero.precision.native_bf16()[0] else "fp32"
     if requested == "fp16" and not torch.cuda.is_available():
         warnings.warn(FP16_ON_CPU, RuntimeWarning, stacklevel=2)
     return requested
@@ -97,13 +97,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     model = make_model(args.width)
     optimizer = fzero.adamw(
-        lr=args.lr, weight_decay=0.05, groups=[(fzero.no_weight_decay_for(model), {"weight_decay": 0.0})]
+        lr=args.lr, weight_decay=0.05, groups=[(fzero.optim.no_weight_decay_for(model), {"weight_decay": 0.0})]
     )
     precision = fzero.MixedPrecision(param_dtype=DTYPES[args.dtype])
     units = (torch.nn.Linear,) if args.stage == 3 else None
     state = fzero.init_train_state(model, optimizer, comm, precision=precision, stage=args.stage, units=units)
     step = fzero.make_train_step(
-        fzero.module_loss(model, torch.nn.functional.cross_entropy), comm, stage=args.stage, clip_norm=1.0,
+        fzero.module_loss(model, torch.nn.functional.cross_entropy), comm, clip_norm=1.0,
         compile=args.compile,
     )
     if lead:

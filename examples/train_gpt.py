@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 import fzero
+import fzero.checkpoint
 from fzero.dist import choose_comm
 from fzero.schedules import warmup_cosine
 
@@ -216,7 +217,7 @@ def choose_dtype(requested: str) -> tuple[str, str]:
         warnings.warn(FP16_ON_CPU, RuntimeWarning, stacklevel=2)
     if requested != "auto":
         return requested, "as requested (--dtype)"
-    native, why = fzero.native_bf16()
+    native, why = fzero.precision.native_bf16()
     return ("bf16" if native else "fp32"), f"--dtype auto: {why}"
 
 
@@ -288,14 +289,14 @@ def run(args: argparse.Namespace) -> dict:
     criterion = make_criterion(cfg.vocab)
     optimizer = fzero.adamw(
         lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1,
-        groups=[(fzero.no_weight_decay_for(model), {"weight_decay": 0.0})],
+        groups=[(fzero.optim.no_weight_decay_for(model), {"weight_decay": 0.0})],
     )
     precision = fzero.MixedPrecision(param_dtype=DTYPES[args.dtype])
     state = fzero.init_train_state(model, optimizer, comm, stage=args.stage, precision=precision, seed=args.seed,
                                    units=(Block,))  # one stage-3 unit per block, at every stage: one layout
     warmup = min(50, args.steps // 5)
     step = fzero.make_train_step(
-        fzero.module_loss(model, criterion), comm, stage=args.stage, clip_norm=args.clip or None, accum_steps=args.accum,
+        fzero.module_loss(model, criterion), comm, clip_norm=args.clip or None, accum_steps=args.accum,
         schedules={"lr": warmup_cosine(peak=args.lr, warmup_steps=warmup, total_steps=args.steps,
                                        final=args.lr / 10, start=args.lr / max(warmup, 1))},
         compile=args.compile,
@@ -324,7 +325,7 @@ def run(args: argparse.Namespace) -> dict:
     start, skipped = 0, 0
     if args.resume:
         state, start, skipped = resume(args, state, comm, config, data, hist)
-        say(f"resumed from {fzero.resolve_checkpoint(args.ckpt)} at step {start}")
+        say(f"resumed from {fzero.checkpoint.resolve_checkpoint(args.ckpt)} at step {start}")
     end = min(args.steps, args.stop_at) if args.stop_at else args.steps
     bar = Progress(args.steps, lead)
     tokens_per_step = global_batch * cfg.context
@@ -369,7 +370,7 @@ def run(args: argparse.Namespace) -> dict:
                for s in (1, 2, 3)]
     say(f"\ntraining-state memory per rank, {world} ranks, compute {args.dtype}, AdamW "
         f"(this run: stage {args.stage}); held: kept between steps, in-step: only inside a step:")
-    say(fzero.format_memory_table(reports))
+    say(fzero.memory.format_memory_table(reports))
 
     # The full fp32 parameters, gathered from the shards (a collective: every rank joins).
     full = {name: p[0] for name, p in fzero.all_gather_params(state.shard, comm).items()}

@@ -42,7 +42,7 @@ DATA = batches(STEPS, 1, GLOBAL_BATCH, torch.float32)
 
 def optimizer(kind: str = "adamw") -> fzero.Optimizer:
     """Two optimizer groups (no weight decay on biases and LayerNorm), as is usual."""
-    no_decay = [(fzero.no_weight_decay_for(mlp()), {"weight_decay": 0.0})]
+    no_decay = [(fzero.optim.no_weight_decay_for(mlp()), {"weight_decay": 0.0})]
     if kind == "sgd":
         return fzero.sgd(lr=0.05, momentum=0.9, weight_decay=0.01, groups=no_decay)
     if kind == "adam":
@@ -74,7 +74,7 @@ def fresh(
 def train(state: fzero.TrainState, comm: fzero.Communicator, steps: range, stage: int = 2) -> fzero.TrainState:
     """Steps ``steps`` of the global batches, each split evenly over the ranks."""
     loss = fzero.module_loss(mlp(), mse)
-    step = fzero.make_train_step(loss, comm, stage=stage)
+    step = fzero.make_train_step(loss, comm)
     for i in steps:
         state, _ = step(state, comm.split_batch(DATA[i]))
     return state
@@ -105,7 +105,7 @@ TORCH = {
 def torch_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     """The torch twin of ``optimizer(kind)``: the same two groups, each in tree order."""
     cls, kw = TORCH[kind]
-    no_decay = fzero.no_weight_decay_for(model)
+    no_decay = fzero.optim.no_weight_decay_for(model)
     named = list(model.named_parameters())
     return cls(
         [

@@ -37,7 +37,7 @@ def train(
         model, optimizer or fzero.adamw(lr=1e-2), comm, scaler=scaler, precision=precision, alignment=4,
         stage=stage, units=units,
     )
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage, compile=compiled)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, compile=compiled)
     history, changed = [], []
     for i, batch in enumerate(batches(steps, comm.world_size, 2, torch.float32)):
         x, y = comm.split_batch(batch)
@@ -92,10 +92,10 @@ def masters(state: fzero.TrainState) -> list[torch.Tensor]:
 
 def one_step_volume(comm: fzero.Communicator, stage: int, precision=fzero.MixedPrecision()) -> dict:
     """Collectives of one eager step (after creation), as counted by CountingCommunicator."""
-    counting = fzero.CountingCommunicator(comm)
+    counting = fzero.comm.CountingCommunicator(comm)
     model = mlp(torch.float32)
-    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), counting, precision=precision, alignment=4)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), counting, stage=stage)
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), counting, stage=stage, precision=precision, alignment=4)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), counting)
     counting.reset()
     batch = batches(1, comm.world_size, 2, torch.float32)[0]
     step(state, counting.split_batch(batch))
@@ -163,11 +163,11 @@ def fp16_40000(comm: fzero.Communicator) -> torch.Tensor:
 def overlap_order(comm: fzero.Communicator, stage: int) -> dict:
     """Stages 1-2 with one bucket per weight and per bias: how many gradient reductions were issued before
     backward reached the first layer (in the last step), and the trained parameters."""
-    counting = fzero.CountingCommunicator(comm)
+    counting = fzero.comm.CountingCommunicator(comm)
     marks: list[int] = []
     model = deep_mlp(Mark(counting, marks))
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), counting, stage=stage, bucket_numel=100)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), counting, stage=stage)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), counting)
     for x, y in overlap_data(3, comm.world_size):
         counting.reset()
         marks.clear()
@@ -199,10 +199,10 @@ def reduction_buffers(comm: fzero.Communicator, stage: int, precision: str, two_
 
     torch.manual_seed(0)
     model = mlp(sizes=(64, 256, 256, 16))
-    opt = fzero.adamw(groups=[(fzero.no_weight_decay, {"weight_decay": 0.0})] if two_groups else ())
+    opt = fzero.adamw(groups=[(fzero.optim.no_weight_decay, {"weight_decay": 0.0})] if two_groups else ())
     mp = REDUCTION_PRECISIONS[precision]
     state = fzero.init_train_state(model, opt, comm, stage=stage, bucket_numel=20_000, precision=mp)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage, donate=True)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, donate=True)
     batch = comm.split_batch((torch.randn(4 * comm.world_size, 64), torch.randn(4 * comm.world_size, 16)))
     held = {"state": step(state, batch)[0]}
     del state
@@ -229,7 +229,7 @@ def live_tensors(comm: fzero.Communicator, stage: int, checks: tuple[int, ...] =
     units = children if stage == 3 else None
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=stage, units=units,
                                    bucket_numel=None if units else 20)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm)
     counts = []
     for i, batch in enumerate(batches(max(checks), comm.world_size, 2, torch.float32), start=1):
         state, metrics = step(state, comm.split_batch(batch))
@@ -252,7 +252,7 @@ def cyclic_garbage(comm: fzero.Communicator, stage: int, compiled: bool, steps: 
     units = children if stage == 3 else None
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=stage, units=units,
                                    bucket_numel=None if units else 20000)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage, compile=compiled)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, compile=compiled)
     data = [comm.split_batch(b) for b in batches(steps + 1, comm.world_size, 2, torch.float32, d_in=sizes[0],
                                                   d_out=sizes[-1])]
     state, _ = step(state, data[0])  # compiles, and creates what lives for the whole run
@@ -321,7 +321,7 @@ def memory_growth(comm: fzero.Communicator, stage: int, compiled: bool, steps: i
     units = children if stage == 3 else None
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-4), comm, stage=stage, units=units,
                                    bucket_numel=None if units else 200_000)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage, compile=compiled)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, compile=compiled)
     data = [comm.split_batch(b) for b in batches(8, comm.world_size, 2, torch.float32, d_in=sizes[0],
                                                   d_out=sizes[-1])]
     marks = [steps * k // 4 for k in (1, 2, 3, 4)]
@@ -417,7 +417,7 @@ def stage3_c10d_calls(comm: fzero.Communicator) -> dict:
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), block(), block(), block(), block(), torch.nn.Linear(8, 3))
     units = lambda name, m: name in ("1", "2", "3", "4")  # noqa: E731
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3, units=units)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm)
     data = batches(2, comm.world_size, 2, torch.float32, d_in=4)
     state, _ = step(state, comm.split_batch(data[0]))
     with C10dCalls() as calls:
@@ -439,7 +439,7 @@ def branchy(comm: fzero.Communicator, stage: int) -> dict[str, torch.Tensor]:
     complete different buckets, and every rank must still issue the same collectives."""
     model = Branchy()
     state = fzero.init_train_state(model, fzero.sgd(lr=0.1, momentum=0.9), comm, stage=stage, bucket_numel=1)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm)
     for x, y in branchy_batches(comm.world_size):
         state, _ = step(state, comm.split_batch((x, y)))
     return {k: v[-1].clone() for k, v in fzero.all_gather_params(state.shard, comm).items()}
@@ -491,7 +491,7 @@ def stage3_step_memory(comm: fzero.Communicator, compiled: bool, units: int = 12
     model = torch.nn.Sequential(torch.nn.Linear(16, d), *[WideBlock(d) for _ in range(units)],
                                 torch.nn.Linear(d, 4))
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-3), comm, stage=3, units=(WideBlock,))
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3, compile=compiled, donate=True)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, compile=compiled, donate=True)
     g = torch.Generator().manual_seed(1)
     data = [comm.split_batch((torch.randn(4 * comm.world_size, 16, generator=g),
                               torch.randn(4 * comm.world_size, 4, generator=g))) for _ in range(steps + 1)]
@@ -592,7 +592,7 @@ def divergent_units(comm: fzero.Communicator, kind: str) -> dict:
     torch.manual_seed(0)
     model = build()
     state = fzero.init_train_state(model, fzero.sgd(lr=0.1), comm, stage=3, units=units)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm)
     batch = comm.split_batch(_divergent_data(comm.world_size, kind))
     t0 = time.monotonic()
     try:
@@ -613,7 +613,7 @@ def agreeing_experts(comm: fzero.Communicator) -> dict:
     torch.manual_seed(0)
     model = ExpertList()
     state = fzero.init_train_state(model, fzero.sgd(lr=0.1), comm, stage=3, units=DIVERGENT["experts"][1])
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm)
     losses = []
     for routes in ((0.0, 3.0), (0.0, 0.0)):
         x, y = _divergent_data(comm.world_size, "experts")

@@ -68,7 +68,7 @@ def children(name: str, module: torch.nn.Module) -> bool:
 class Mark(torch.nn.Module):
     """Identity; when backward reaches its output, records how many collectives were issued."""
 
-    def __init__(self, counting: fzero.CountingCommunicator, marks: list[int]):
+    def __init__(self, counting: fzero.comm.CountingCommunicator, marks: list[int]):
         super().__init__()
         self.counting, self.marks = counting, marks
 
@@ -130,7 +130,7 @@ def branchy_reference(data_, world, lr=0.1):
 def is_grad_reduction(record, layout) -> bool:
     """A gradient reduction among ``CountingCommunicator.records``: an all-reduce or a
     reduce-scatter, but not the step's one scalar all-reduce (float64: norm, loss and one
-    used-flag per trainable parameter, ``fzero.step.finish_step``)."""
+    used-flag per trainable parameter, ``fzero.scaler.unscale_and_clip``)."""
     scalar = (record.op == "all_reduce" and record.dtype == torch.float64
               and record.elements == 2 + len(layout.trainable_slots))
     return record.op in ("all_reduce", "reduce_scatter") and record.elements > 2 and not scalar
@@ -149,7 +149,7 @@ def train_sharded(model: torch.nn.Module, rule, data, world: int, stage: int,  #
     if state is None:
         units = {"units": children} if stage == 3 and not hasattr(model, "config") else {}
         state = fzero.init_train_state(model, rule, comm, stage=stage, alignment=4, **units)
-    step = fzero.make_train_step(fzero.module_loss(model, criterion), comm, stage=stage, donate=donate)
+    step = fzero.make_train_step(fzero.module_loss(model, criterion), comm, donate=donate)
     for batch in data:
         state, metrics = step(state, comm.split_batch(batch))
         assert metrics["found_inf"].item() == 0.0

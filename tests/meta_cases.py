@@ -99,7 +99,7 @@ def data(kind: str, world: int) -> list:
     return [um.as_labels_batch(b) for b in um.token_batches(STEPS, 2 * world)]
 
 
-def loss_of(kind: str, model: torch.nn.Module) -> fzero.LossFn:
+def loss_of(kind: str, model: torch.nn.Module) -> fzero.grads.LossFn:
     return fzero.module_loss(model, F.cross_entropy) if kind == "chain" else fzero.module_loss(model)
 
 
@@ -109,7 +109,7 @@ def train(kind: str, model: torch.nn.Module, comm: fzero.Communicator, init: Any
     torch.manual_seed(INIT_SEED)
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=stage,
                                    units=units_of(kind) if stage == 3 else None, init=init)
-    step = fzero.make_train_step(loss_of(kind, model), comm, stage=stage)
+    step = fzero.make_train_step(loss_of(kind, model), comm)
     losses = []
     for batch in data(kind, comm.world_size)[:steps]:
         state, m = step(state, comm.split_batch(batch))

@@ -27,9 +27,9 @@ def _state(comm, stage=2):
 
 def _outcome(state, comm, **kw):
     """Did check_replicas raise (and what), and what did replicas_differ say."""
-    differ = bool(fzero.replicas_differ(state, comm, **kw))
+    differ = bool(fzero.replicas.replicas_differ(state, comm, **kw))
     try:
-        fzero.check_replicas(state, comm, **kw)
+        fzero.replicas.check_replicas(state, comm, **kw)
         return {"raised": False, "differ": differ}
     except fzero.ReplicaDivergenceError as e:
         return {
@@ -42,7 +42,7 @@ def case_corrupt_gather(comm):
     """One element of rank 1's all_gather result flipped in step 1: caught after that step."""
     model, state = _state(comm)
     faulty = FaultyWorld(comm, [CorruptResult(step=1, rank=1, op="all_gather", index=7)])
-    step = faulty.wrap(fzero.make_train_step(fzero.module_loss(model, mse), faulty, stage=2))
+    step = faulty.wrap(fzero.make_train_step(fzero.module_loss(model, mse), faulty))
     out = {}
     for i, batch in enumerate(batches(2, comm.world_size, 2, torch.float32)):
         state, _ = step(state, faulty.split_batch(batch))
@@ -59,7 +59,7 @@ def case_grad_and_delay(comm):
 
     model, state = _state(comm)
     faulty = FaultyWorld(comm, [GradFault(step=1, rank=2), Delay(step=2, rank=0, seconds=0.3)])
-    step = faulty.wrap(fzero.make_train_step(fzero.module_loss(model, mse), faulty, stage=2))
+    step = faulty.wrap(fzero.make_train_step(fzero.module_loss(model, mse), faulty))
     found, unchanged, seconds = [], [], []
     for batch in batches(3, comm.world_size, 2, torch.float32):
         before = state
@@ -82,7 +82,7 @@ def case_scalars(comm):
         s = state
     out["scale"] = _outcome(s, comm)
     lr = 0.5 if comm.rank == 2 else 1e-2
-    out["lr"] = _outcome(replace(state, opt=fzero.set_hyperparams(state.opt, lr=lr)), comm)
+    out["lr"] = _outcome(replace(state, opt=fzero.optim.set_hyperparams(state.opt, lr=lr)), comm)
     step = state.opt.step + (1 if comm.rank == 1 else 0)
     out["step"] = _outcome(replace(state, opt=replace(state.opt, step=step)), comm)
     return out
@@ -93,7 +93,7 @@ def case_buffers(comm):
     _, state = _state(comm)
     buf = torch.full((1, 3), 1.0 + (comm.rank == 2))
     state = dataclasses.replace(
-        state, buffers=(buf,), module=fzero.ModuleSpec(buffers=("bn.running_mean",), persistent=(True,))
+        state, buffers=(buf,), module=fzero.module.ModuleSpec(buffers=("bn.running_mean",), persistent=(True,))
     )
     return {"broadcast": _outcome(state, comm, buffers="broadcast"), "local": _outcome(state, comm, buffers="local")}
 
@@ -102,7 +102,7 @@ def case_stage3(comm):
     """Stage 3 keeps no gathered parameters: the scalars are still compared, after a step too."""
     model = mlp(torch.float32)
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3, units=children, alignment=4)
-    state, _ = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)(state, comm.split_batch(batches(1, comm.world_size, 2, torch.float32)[0]))
+    state, _ = fzero.make_train_step(fzero.module_loss(model, mse), comm)(state, comm.split_batch(batches(1, comm.world_size, 2, torch.float32)[0]))
     return {"clean": _outcome(state, comm)}
 
 

@@ -170,7 +170,7 @@ def test_checkpoint_reshards_to_another_world_and_stage(tmp_path):
     comm3 = fzero.SimulatedWorld(3)
     # eps1 None is another configuration than a number: named by the manifest
     other = fzero.init_train_state(Net(), fzero.adafactor(lr=0.04), comm3)
-    with pytest.raises(fzero.CheckpointMismatchError, match="hyperparameters"):
+    with pytest.raises(fzero.checkpoint.CheckpointMismatchError, match="hyperparameters"):
         fzero.load_checkpoint(tmp_path, other, comm3)
 
 
@@ -181,7 +181,7 @@ def test_checkpoint_vectors_that_do_not_match_the_layout_are_named(tmp_path, mon
     fzero.save_checkpoint(state, tmp_path, comm)
     monkeypatch.setattr(ada.Adafactor, "vector_lengths", lambda self, shape: (1, 1) if len(shape) > 1 else (0, 0))
     template = fzero.init_train_state(Net(), fzero.adafactor(**cfg), comm)
-    with pytest.raises(fzero.CheckpointMismatchError, match=r"entry 'fzero/vector/row_var' is torch.float64\[\d+\], "
+    with pytest.raises(fzero.checkpoint.CheckpointMismatchError, match=r"entry 'fzero/vector/row_var' is torch.float64\[\d+\], "
                                                             r"this state needs torch.float64\[4\]"):
         fzero.load_checkpoint(tmp_path, template, comm)
 
@@ -218,11 +218,11 @@ def test_torch_optim_state_dict_equals_torch_and_round_trips(tmp_path):
     # a matrix's torch state of the wrong size is named
     assert [n for n, _ in Net().named_parameters()][1] == "body.0.weight"
     bad = {**want, "state": {**want["state"], 1: {**want["state"][1], "row_var": torch.zeros(2, 1)}}}
-    with pytest.raises(fzero.CheckpointMismatchError, match=r"'row_var' of 'body.0.weight' has 2 elements"):
+    with pytest.raises(fzero.checkpoint.CheckpointMismatchError, match=r"'row_var' of 'body.0.weight' has 2 elements"):
         import_torch_optim_state_dict(template, ref_model.state_dict(), bad, comm3)
     # another optimizer's state dict is named
     adam = torch.optim.Adam(Net().parameters()).state_dict()
-    with pytest.raises(fzero.CheckpointMismatchError, match="another optimizer than adafactor"):
+    with pytest.raises(fzero.checkpoint.CheckpointMismatchError, match="another optimizer than adafactor"):
         import_torch_optim_state_dict(template, ref_model.state_dict(), adam, comm3)
 
 
@@ -266,10 +266,10 @@ def test_traffic_is_two_small_all_reduces_and_no_gather(world, stage):
     records = {}
     for name, rule in (("adamw", fzero.adamw(lr=1e-2)), ("adafactor", fzero.adafactor(**CONFIGS["decay"]))):
         model = Net()
-        counting = fzero.CountingCommunicator(fzero.SimulatedWorld(world))
+        counting = fzero.comm.CountingCommunicator(fzero.SimulatedWorld(world))
         units = {"units": children} if stage == 3 else {}
         state = fzero.init_train_state(model, rule, counting, stage=stage, alignment=4, **units)
-        step = fzero.make_train_step(fzero.module_loss(model, mse), counting, stage=stage)
+        step = fzero.make_train_step(fzero.module_loss(model, mse), counting)
         batch = counting.split_batch(batches(1, world, 2, torch.float64, d_in=SIZES[0])[0])
         counting.reset()
         step(state, batch)
@@ -288,7 +288,7 @@ def test_traffic_is_two_small_all_reduces_and_no_gather(world, stage):
 def test_an_overflowing_step_is_skipped_on_every_rank_alike():
     """A non-finite gradient on one rank: no rank updates or calls Adafactor's all_reduces, the
     state (vectors included) stays bitwise, and training goes on."""
-    comm = fzero.CountingCommunicator(fzero.SimulatedWorld(2))
+    comm = fzero.comm.CountingCommunicator(fzero.SimulatedWorld(2))
     state, history, changed = cases.train(comm, steps=3, optimizer=cases.adafactor(),
                                           poison=lambda s, r: s == 1 and r == 1)
     assert changed == [True, False, True]
@@ -327,7 +327,7 @@ def test_errors_name_the_argument_and_the_rule():
 def test_from_torch_optim_returns_the_rule():
     rule = fzero.from_torch_optim(torch.optim.Adafactor, lr=0.05, eps=(1e-4, 1e-3), weight_decay=0.1, foreach=False)
     assert rule == fzero.adafactor(lr=0.05, eps=(1e-4, 1e-3), weight_decay=0.1)
-    assert isinstance(rule, fzero.Adafactor) and rule.signature == fzero.adafactor(
+    assert isinstance(rule, fzero.adafactor_rules.Adafactor) and rule.signature == fzero.adafactor(
         lr=0.05, eps=(1e-4, 1e-3), weight_decay=0.1).signature
 
 
@@ -352,7 +352,7 @@ def test_hyperparameters_are_scheduled_per_group_as_torch_param_groups():
         if i == 2:
             for g in opt.param_groups:
                 g["lr"] = 0.01
-            state = replace(state, opt=fzero.set_hyperparams(state.opt, lr=0.01))
+            state = replace(state, opt=fzero.optim.set_hyperparams(state.opt, lr=0.01))
         _oracle_steps(ref, opt, [(x, y)], world)
         state, _ = step(state, comm.split_batch((x, y)))
     _assert_params(state, comm, ref)

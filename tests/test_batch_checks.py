@@ -75,7 +75,7 @@ def test_stage3_trains_buffers_as_stage2():
         model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
         comm = fzero.SimulatedWorld(2)
         state = fzero.init_train_state(model, fzero.sgd(lr=0.1), comm, stage=stage, units=children)
-        step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage)
+        step = fzero.make_train_step(fzero.module_loss(model, mse), comm)
         for b in batches(3, 2, 2, torch.float32):
             state, _ = step(state, comm.split_batch(b))
         out[stage] = state

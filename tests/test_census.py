@@ -160,8 +160,7 @@ def test_fzero_step_against_memory_report(stage, donate):
     # stages 1-2 in buckets of unequal sizes (one parameter alone, two together, ...)
     state = fzero.init_train_state(model, fzero.adamw(), comm, stage=stage, units=units,
                                    bucket_numel=None if units else 20_000)
-    step = fzero.make_train_step(fzero.module_loss(model, torch.nn.functional.mse_loss), comm,
-                                 stage=stage, donate=donate)
+    step = fzero.make_train_step(fzero.module_loss(model, torch.nn.functional.mse_loss), comm, donate=donate)
     assert stage == 3 or len({g.bucket for g in state.layout.groups}) >= 3
     batch = comm.split_batch((torch.randn(8, 64), torch.randn(8, 16)))
     state, _ = step(state, batch)                          # warm-up: lazily built pieces

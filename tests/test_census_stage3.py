@@ -22,7 +22,7 @@ SLACK = 256  # bytes the prediction leaves out (module doc)
 
 def _check(model, loss_fn, comm, batch, units=None, precision=fzero.MixedPrecision()):
     state = fzero.init_train_state(model, fzero.adamw(), comm, stage=3, units=units, precision=precision)
-    step = fzero.make_train_step(loss_fn, comm, stage=3)
+    step = fzero.make_train_step(loss_fn, comm)
     state, _ = step(state, batch)                          # warm-up: lazily built pieces
     with Census() as census:
         state, _ = step(state, batch)

@@ -180,10 +180,14 @@ def test_every_read_failure_is_a_checkpoint_error(saved, tmp_path):
         ckpt.read_manifest(path)
 
 
-def test_public_helpers_reachable_from_fzero():
+def test_public_helpers_reachable_from_fzero_checkpoint():
+    # the top level keeps saving, loading, write_back and the base error; the rest is fzero.checkpoint's
+    for name in ("save_checkpoint", "load_checkpoint", "write_back", "CheckpointError"):
+        assert getattr(fzero, name) is getattr(ckpt, name)
     for name in ("read_manifest", "resolve_checkpoint", "verify_checkpoint", "consolidate_checkpoint",
                  "checkpoint_info", "CheckpointCorruptError"):
-        assert getattr(fzero, name) is getattr(ckpt, name)
+        assert getattr(fzero.checkpoint, name) is getattr(ckpt, name)
+        assert name not in fzero.__all__
 
 
 # -- the command line ----------------------------------------------------------------------------
@@ -224,7 +228,7 @@ def test_consolidate_equals_export_model_state_dict(saved_w3, tmp_path):
     opt = torch_optimizer("adamw", model)
     # the frozen bias is not in fzero's optimizer: torch's twin would not hold it either
     opt.param_groups[1]["params"] = [p for n, p in model.named_parameters()
-                                     if fzero.no_weight_decay_for(model)(n) and n != "0.bias"]
+                                     if fzero.optim.no_weight_decay_for(model)(n) and n != "0.bias"]
     opt.load_state_dict(got_opt)
 
 
@@ -258,7 +262,7 @@ def test_command_line_runs_without_a_training_job(saved_w3):
 def test_hyperparams_from_checkpoint_or_template(saved):
     path, comm, state = saved
     template = fresh(comm, seed=7)
-    template = fzero.pytree.replace(template, opt=fzero.set_hyperparams(template.opt, lr=0.5))
+    template = fzero.pytree.replace(template, opt=fzero.optim.set_hyperparams(template.opt, lr=0.5))
     from_ckpt, _ = load_checkpoint(path, template, comm)
     assert float(from_ckpt.opt.hyper[0]["lr"]) == pytest.approx(1e-2)  # as torch's load_state_dict
     from_template, _ = load_checkpoint(path, template, comm, hyperparams="template")

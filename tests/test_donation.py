@@ -22,9 +22,9 @@ def _run(donate, compile, steps=6, poison_at=(3,), stage=2, optimizer=None):
     comm = fzero.SimulatedWorld(2)
     model = mlp()
     state = fzero.init_train_state(
-        model, optimizer or fzero.adamw(lr=1e-2), comm, scaler=fzero.init_scaler(2.0**8, growth_interval=2)
+        model, optimizer or fzero.adamw(lr=1e-2), comm, stage=stage, scaler=fzero.init_scaler(2.0**8, growth_interval=2)
     )
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage, donate=donate, compile=compile)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, donate=donate, compile=compile)
     history = []
     for i, (x, y) in enumerate(batches(steps, 2, 2, torch.float32)):
         if i in poison_at:
@@ -92,7 +92,7 @@ def test_compiled_step_never_recompiles_over_50_steps(donate):
     scales, lrs, skipped = set(), set(), 0
     for i, (x, y) in enumerate(batches(50, 2, 2, torch.float32)):
         lr = 1e-2 * 0.5 * (1 + math.cos(math.pi * i / 50))  # cosine schedule
-        state = fzero.pytree.replace(state, opt=fzero.set_hyperparams(state.opt, lr=lr))
+        state = fzero.pytree.replace(state, opt=fzero.optim.set_hyperparams(state.opt, lr=lr))
         if i % 7 == 5:
             x = x.clone()
             x[1, 1] = math.nan

@@ -129,7 +129,7 @@ def test_reduce_scatter_and_gather_with_other_world_size(shard):
     with pytest.raises(ValueError, match=r"world.size"):
         fzero.all_gather_params(shard, comm4)
     with pytest.raises(ValueError, match=r"world.size"):
-        fzero.gather_flat_params(shard, comm4)
+        fzero.sharding.gather_flat_params(shard, comm4)
 
 
 def test_master_shard_of_wrong_shape(shard, comm):
@@ -152,7 +152,7 @@ def test_shard_step_with_wrong_number_of_grad_shards(comm):
 def test_integer_param_named():
     params = {"w": torch.zeros(3), "ids": {"table": torch.arange(4)}}
     with pytest.raises(TypeError, match=r"'ids\.table'.*floating"):
-        fzero.build_layout(params, W)
+        fzero.layout.build_layout(params, W)
     with pytest.raises(TypeError, match=r"'ids\.table'"):
         fzero.init_shard(params, fzero.SimulatedWorld(W))
 
@@ -161,33 +161,33 @@ def test_sparse_param_named():
     sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1.0, 2.0]), (4,), check_invariants=True)
     params = {"w": torch.zeros(3), "emb": [sparse]}
     with pytest.raises(TypeError, match=r"'emb\.0'.*sparse"):
-        fzero.build_layout(params, W)
+        fzero.layout.build_layout(params, W)
     with pytest.raises(TypeError, match=r"'emb\.0'"):
         fzero.init_train_state(params, fzero.sgd(), fzero.SimulatedWorld(W))
 
 
 def test_non_tensor_param_named():
     with pytest.raises(TypeError, match=r"'lr'"):
-        fzero.build_layout({"w": torch.zeros(3), "lr": 0.1}, W)
+        fzero.layout.build_layout({"w": torch.zeros(3), "lr": 0.1}, W)
 
 
 def test_module_all_frozen():
     model = torch.nn.Linear(3, 2).requires_grad_(False)
     with pytest.raises(ValueError, match=r"no trainable parameters"):
-        fzero.build_layout(model, W)
+        fzero.layout.build_layout(model, W)
     with pytest.raises(ValueError, match=r"no trainable parameters"):
         fzero.init_train_state(model, fzero.adamw(), fzero.SimulatedWorld(W))
 
 
 def test_pytree_all_excluded_by_trainable():
     with pytest.raises(ValueError, match=r"no trainable parameters"):
-        fzero.build_layout({"w": torch.zeros(3)}, W, trainable=lambda p: False)
+        fzero.layout.build_layout({"w": torch.zeros(3)}, W, trainable=lambda p: False)
 
 
 @pytest.mark.parametrize("empty", [{}, [], ()])
 def test_empty_tree(empty):
     with pytest.raises(ValueError, match=r"no trainable parameters.*empty"):
-        fzero.build_layout(empty, W)
+        fzero.layout.build_layout(empty, W)
     with pytest.raises(ValueError, match=r"no trainable parameters"):
         fzero.init_shard(empty, fzero.SimulatedWorld(W))
 
@@ -195,13 +195,13 @@ def test_empty_tree(empty):
 @pytest.mark.parametrize("bad", [0, -1, 2.0])
 def test_build_layout_bad_world_size(bad):
     with pytest.raises(ValueError, match=r"world_size"):
-        fzero.build_layout({"w": torch.zeros(3)}, bad)
+        fzero.layout.build_layout({"w": torch.zeros(3)}, bad)
 
 
 @pytest.mark.parametrize("bad", [0, -4, 1.5])
 def test_build_layout_bad_alignment(bad):
     with pytest.raises(ValueError, match=r"alignment"):
-        fzero.build_layout({"w": torch.zeros(3)}, W, alignment=bad)
+        fzero.layout.build_layout({"w": torch.zeros(3)}, W, alignment=bad)
 
 
 # --------------------------------------------------------------------------------------
@@ -211,9 +211,9 @@ def test_build_layout_bad_alignment(bad):
 
 def test_unknown_hyperparameter_in_group():
     with pytest.raises(ValueError, match=r"unknown hyperparameter 'momentum'"):
-        fzero.adamw(groups=[(fzero.no_weight_decay, {"momentum": 0.9})])
+        fzero.adamw(groups=[(fzero.optim.no_weight_decay, {"momentum": 0.9})])
     with pytest.raises(ValueError, match=r"unknown hyperparameter 'beta1'"):
-        fzero.sgd(groups=[(fzero.no_weight_decay, {"beta1": 0.9})])
+        fzero.sgd(groups=[(fzero.optim.no_weight_decay, {"beta1": 0.9})])
 
 
 def test_invalid_value_in_group_named():
@@ -247,13 +247,13 @@ def test_invalid_hyperparameter_values(make, field):
 def test_set_hyperparams_unknown_name_and_group(comm):
     state = fzero.init_train_state(_params(), fzero.adamw(), comm)
     with pytest.raises(ValueError, match=r"'foo'"):
-        fzero.set_hyperparams(state.opt, foo=1)
+        fzero.optim.set_hyperparams(state.opt, foo=1)
     with pytest.raises(ValueError, match=r"'momentum'"):
-        fzero.set_hyperparams(state.opt, group=0, momentum=0.9)
+        fzero.optim.set_hyperparams(state.opt, group=0, momentum=0.9)
     with pytest.raises(ValueError, match=r"param group 3"):
-        fzero.set_hyperparams(state.opt, group=3, lr=0.1)
+        fzero.optim.set_hyperparams(state.opt, group=3, lr=0.1)
     # A valid call still works (the errors are not spurious).
-    new = fzero.set_hyperparams(state.opt, lr=0.5)
+    new = fzero.optim.set_hyperparams(state.opt, lr=0.5)
     assert new.hyper[0]["lr"].item() == 0.5
 
 
@@ -318,7 +318,7 @@ def test_simulated_world_rejects_bad_size(bad):
 
 def test_gradient_divide_factors_rejects_zero():
     with pytest.raises(ValueError, match=r"world_size"):
-        fzero.gradient_divide_factors(0)
+        fzero.comm.gradient_divide_factors(0)
 
 
 def test_split_batch_names_indivisible_leaf():

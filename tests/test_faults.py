@@ -21,7 +21,7 @@ def _setup(world: int, stage: int, faults, scaler=None):
     units = children if stage == 3 else None
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), faulty, stage=stage, units=units,
                                    scaler=scaler, alignment=4)
-    step = faulty.wrap(fzero.make_train_step(fzero.module_loss(model, mse), faulty, stage=stage))
+    step = faulty.wrap(fzero.make_train_step(fzero.module_loss(model, mse), faulty))
     data = [faulty.split_batch(b) for b in batches(3, world, 2, torch.float32)]
     return faulty, state, step, data
 
@@ -40,8 +40,10 @@ def test_grad_fault_skips_the_step_bitwise(stage, value):
     before = state
     after, m1 = step(state, data[1])
     assert m1["found_inf"].item() == 1.0
-    # static scale 1: the whole state is bitwise unchanged
-    assert _bits_equal(before, after)
+    # static scale 1: the whole state is bitwise unchanged but for the step-call counter (which
+    # counts skipped steps too)
+    assert int(after.calls[0]) == int(before.calls[0]) + 1
+    assert _bits_equal(fzero.pytree.replace(before, calls=after.calls), after)
     _, m2 = step(after, data[2])
     assert m2["found_inf"].item() == 0.0
     (rec,) = faulty.records
@@ -61,14 +63,14 @@ def test_grad_fault_backs_off_dynamic_scale():
 def test_corrupted_all_gather_is_caught_by_check_replicas():
     faulty, state, step, data = _setup(3, 2, [CorruptResult(step=1, rank=1, op="all_gather", index=5)])
     state, _ = step(state, data[0])
-    fzero.check_replicas(state, faulty)
+    fzero.replicas.check_replicas(state, faulty)
     state, _ = step(state, data[1])
     (rec,) = faulty.records
     assert (rec.kind, rec.step, rec.rank, rec.op, rec.index) == ("corrupt", 1, 1, "all_gather", 5)
     assert rec.before != rec.after
-    assert bool(fzero.replicas_differ(state, faulty))
+    assert bool(fzero.replicas.replicas_differ(state, faulty))
     with pytest.raises(fzero.ReplicaDivergenceError) as e:
-        fzero.check_replicas(state, faulty)
+        fzero.replicas.check_replicas(state, faulty)
     (d,) = e.value.differences
     assert d.item.startswith("params flat group 0") and d.differ == (1,) and d.agree == (0, 2)
     assert "0.weight on rank 1" in str(e.value), str(e.value)
@@ -81,7 +83,7 @@ def test_corrupted_all_reduce_changes_the_step():
     bad_state, bad = step2(state2, data[0])
     (rec,) = faulty2.records
     assert (rec.kind, rec.op, rec.after) == ("corrupt", "all_reduce", 123.0)
-    # today the step's one all_reduce is finish_step's [sum of squares, loss]: the loss was replaced
+    # today the step's one all_reduce is unscale_and_clip's (fzero.scaler) [sum of squares, loss]: the loss was replaced
     assert not (_bits_equal(clean_state, bad_state) and _bits_equal(clean, bad))
 
 

@@ -83,7 +83,7 @@ cases = layout_cases
 @given(cases())
 def test_shards_equal_padding_minimal_groups_and_offsets(case: Case):
     params = case.tree(case.tensors())
-    lay = fzero.build_layout(params, case.world, alignment=case.alignment)
+    lay = fzero.layout.build_layout(params, case.world, alignment=case.alignment)
     W, a = case.world, case.alignment
 
     assert lay.world_size == W and lay.alignment == a
@@ -120,7 +120,7 @@ def test_shards_equal_padding_minimal_groups_and_offsets(case: Case):
 
     # Re-laying out for another world size equals laying out directly.
     other = (W % 8) + 1
-    direct = fzero.build_layout(params, other, alignment=a)
+    direct = fzero.layout.build_layout(params, other, alignment=a)
     moved = lay.with_world_size(other)
     assert moved.slots == direct.slots
     assert moved.groups == direct.groups
@@ -179,7 +179,7 @@ def test_all_gather_after_init_round_trips_bitwise(case: Case):
             assert_bitwise(x[r], t, f"{path} rank {r}")
 
     # Flat buffers: every rank holds the whole padded buffer, padding zero.
-    flats = fzero.gather_flat_params(shard, comm)
+    flats = fzero.sharding.gather_flat_params(shard, comm)
     for f, (dtype, members) in zip(flats, ref_groups(case.dtypes)):
         numel = sum(tensors[i].numel() for i in members)
         ref = ref_flat([tensors[i] for i in members], dtype, ref_padded(numel, case.world, case.alignment))
@@ -264,7 +264,7 @@ def test_padding_stays_zero_for_huge_gradients(case: Case):
 def test_low_precision_reduce_uses_divide_factors(world, reduce_dtype):
     # Factors as in FSDP: pre * post == W, pre a power of two near sqrt(W).
     known = {1: (1.0, 1.0), 2: (2.0, 1.0), 3: (2.0, 1.5), 4: (2.0, 2.0), 6: (4.0, 1.5), 8: (4.0, 2.0)}
-    pre, post = fzero.gradient_divide_factors(world)
+    pre, post = fzero.comm.gradient_divide_factors(world)
     assert (pre, post) == known[world]
     comm = fzero.SimulatedWorld(world)
     params = {"w": torch.zeros(5, 3), "v": torch.zeros(7)}
@@ -288,7 +288,7 @@ def test_low_precision_reduce_uses_divide_factors(world, reduce_dtype):
 def test_flatten_group_and_flatten_one_match_cat():
     W = 3
     params = {"x": torch.randn(2, 3), "y": torch.randn(4, dtype=F64), "z": torch.randn(5)}
-    lay = fzero.build_layout(params, W, alignment=4)
+    lay = fzero.layout.build_layout(params, W, alignment=4)
     leaves = [torch.randn(W, 2, 3), torch.randn(W, 4, dtype=F64), torch.randn(W, 5)]
     g32, g64 = lay.groups
     flat = flatten_group(lay, g32, leaves)
@@ -312,7 +312,7 @@ def test_global_norm_counts_real_elements_once(case: Case):
     shard = fzero.init_shard(case.tree(case.tensors()), comm, alignment=case.alignment)
     grads = case.grads()
     out = fzero.reduce_scatter_grads(shard, case.tree(grads), comm)
-    norm = fzero.global_norm(out, comm)
+    norm = fzero.sharding.global_norm(out, comm)
     ref = torch.linalg.vector_norm(torch.cat([g.double().mean(0).reshape(-1) for g in grads]))
     assert norm.dim() == 0 and norm.dtype == F32
     torch.testing.assert_close(norm.double(), ref, rtol=1e-6, atol=0.0)
@@ -345,13 +345,13 @@ def test_padding_stays_zero_through_training(stage, clip):
     comm = fzero.SimulatedWorld(W)
     params = _tree_model()
     opt = fzero.adamw(lr=0.1, weight_decay=0.1)
-    state = fzero.init_train_state(params, opt, comm)
+    state = fzero.init_train_state(params, opt, comm, stage=stage)
     # Group 0 (fp32): 15 + 5 = 20 elements -> shards of 16, padded 64; ranks 2, 3 own only padding.
     # Group 1 (fp64): 10 + 2 = 12 elements -> shards of 16, padded 64.
     numels = [20, 12]
     assert [g.numel for g in state.layout.groups] == numels
     assert [g.padded_numel for g in state.layout.groups] == [64, 64]
-    step = fzero.make_train_step(_tree_loss, comm, stage=stage, clip_norm=clip)
+    step = fzero.make_train_step(_tree_loss, comm, clip_norm=clip)
     for i in range(4):
         state, metrics = step(state, comm.split_batch(_tree_batch(W, seed=i)))
         assert torch.isfinite(metrics["loss"]) and metrics["found_inf"].item() == 0
@@ -376,7 +376,7 @@ def test_padding_stays_zero_through_training(stage, clip):
 def test_two_elements_on_three_ranks():
     comm = fzero.SimulatedWorld(3)
     w = torch.tensor([1.5, -2.25])
-    lay = fzero.build_layout({"w": w}, 3, alignment=1)
+    lay = fzero.layout.build_layout({"w": w}, 3, alignment=1)
     (g,) = lay.groups
     assert (g.numel, g.shard_numel, g.padded_numel, g.padding) == (2, 1, 3, 1)
     shard = fzero.init_shard({"w": w}, comm, alignment=1)
@@ -488,7 +488,7 @@ def test_frozen_pytree_leaf_via_trainable():
     g = torch.Generator().manual_seed(0)
     params = {"a": torch.randn(3, 2, generator=g), "b": torch.randn(2, generator=g), "c": torch.randn(2, generator=g)}
     trainable = lambda p: p != "b"  # noqa: E731
-    lay = fzero.build_layout(params, W, trainable=trainable)
+    lay = fzero.layout.build_layout(params, W, trainable=trainable)
     assert [(s.path, s.group) for s in lay.slots] == [("a", 0), ("b", -1), ("c", 0)]
     assert [lay.slots[i].path for i in lay.groups[0].slots] == ["a", "c"]
     assert lay.slots[2].offset == 6 and lay.num_params == 8
@@ -543,7 +543,7 @@ def _sequential(d_hidden: int = 5, seed: int = 0):
     )
 
 
-NO_DECAY_OPT = dict(lr=0.1, weight_decay=0.1, groups=[(fzero.no_weight_decay, {"weight_decay": 0.0})])
+NO_DECAY_OPT = dict(lr=0.1, weight_decay=0.1, groups=[(fzero.optim.no_weight_decay, {"weight_decay": 0.0})])
 
 
 def _check_decay_groups(model, decay: list[str], no_decay: list[str], predicate=None):
@@ -587,69 +587,69 @@ def test_param_groups_sequential_layernorm():
         model,
         decay=["0.weight", "2.weight"],
         no_decay=["0.bias", "1.weight", "1.bias", "2.bias"],
-        predicate=fzero.no_weight_decay_for(model),
+        predicate=fzero.optim.no_weight_decay_for(model),
     )
-    assert not fzero.no_weight_decay("1.weight")  # the name-based predicate cannot know
+    assert not fzero.optim.no_weight_decay("1.weight")  # the name-based predicate cannot know
 
 
 def test_fingerprint_and_first_difference():
-    base = fzero.build_layout(_sequential(seed=0), 4)
-    same = fzero.build_layout(_sequential(seed=1), 4)  # other values, same layout
+    base = fzero.layout.build_layout(_sequential(seed=0), 4)
+    same = fzero.layout.build_layout(_sequential(seed=1), 4)  # other values, same layout
     assert base == same and hash(base) == hash(same)
     assert base.fingerprint == same.fingerprint
     assert base.first_difference(same) is None
 
-    wider = fzero.build_layout(_sequential(d_hidden=6), 4)
+    wider = fzero.layout.build_layout(_sequential(d_hidden=6), 4)
     assert wider.fingerprint != base.fingerprint and wider != base
     assert "0.weight" in base.first_difference(wider)
     assert "shape" in base.first_difference(wider)
 
     m64 = _sequential().double()
-    as64 = fzero.build_layout(m64, 4)
+    as64 = fzero.layout.build_layout(m64, 4)
     assert as64.fingerprint != base.fingerprint
     assert "0.weight" in base.first_difference(as64) and "dtype" in base.first_difference(as64)
 
     m_half = _sequential()
     m_half[2].to(torch.bfloat16)
-    mixed = fzero.build_layout(m_half, 4)
+    mixed = fzero.layout.build_layout(m_half, 4)
     assert mixed.fingerprint != base.fingerprint
     assert "2.weight" in base.first_difference(mixed)
 
-    other_world = fzero.build_layout(_sequential(), 3)
+    other_world = fzero.layout.build_layout(_sequential(), 3)
     assert other_world.fingerprint != base.fingerprint
     assert "world_size" in base.first_difference(other_world)
 
-    other_align = fzero.build_layout(_sequential(), 4, alignment=8)
+    other_align = fzero.layout.build_layout(_sequential(), 4, alignment=8)
     assert other_align.fingerprint != base.fingerprint
     assert "alignment" in base.first_difference(other_align)
 
     frozen_model = _sequential()
     frozen_model[1].weight.requires_grad_(False)
-    frozen = fzero.build_layout(frozen_model, 4)
+    frozen = fzero.layout.build_layout(frozen_model, 4)
     assert frozen.fingerprint != base.fingerprint
     assert "1.weight" in base.first_difference(frozen)
 
 
 
 def test_first_difference_names_added_or_renamed_parameter():
-    la = fzero.build_layout({"a": torch.zeros(2), "b": torch.zeros(3)}, 2)
-    extra = fzero.build_layout({"a": torch.zeros(2), "b": torch.zeros(3), "c": torch.zeros(1)}, 2)
-    renamed = fzero.build_layout({"a": torch.zeros(2), "bb": torch.zeros(3)}, 2)
+    la = fzero.layout.build_layout({"a": torch.zeros(2), "b": torch.zeros(3)}, 2)
+    extra = fzero.layout.build_layout({"a": torch.zeros(2), "b": torch.zeros(3), "c": torch.zeros(1)}, 2)
+    renamed = fzero.layout.build_layout({"a": torch.zeros(2), "bb": torch.zeros(3)}, 2)
     assert la != extra and la != renamed
     assert "'c'" in la.first_difference(extra)
     assert "'bb'" in la.first_difference(renamed)
     # The same for modules: a parameter that exists in only one of them is named.
     with_extra = _sequential()
     with_extra.register_parameter("scale", torch.nn.Parameter(torch.ones(1)))
-    assert "scale" in fzero.build_layout(_sequential(), 2).first_difference(fzero.build_layout(with_extra, 2))
+    assert "scale" in fzero.layout.build_layout(_sequential(), 2).first_difference(fzero.layout.build_layout(with_extra, 2))
 
 
 def test_fingerprint_sees_optimizer_groups():
     # The same flat-group indices but swapped optimizer groups: different hyperparameters
     # apply to each buffer, so the layouts must not compare equal.
     params = {"w": torch.zeros(3, 2), "b": torch.zeros(2)}
-    decay_w = fzero.build_layout(params, 2, group_of=lambda p: 0 if p == "w" else 1)
-    decay_b = fzero.build_layout(params, 2, group_of=lambda p: 1 if p == "w" else 0)
+    decay_w = fzero.layout.build_layout(params, 2, group_of=lambda p: 0 if p == "w" else 1)
+    decay_b = fzero.layout.build_layout(params, 2, group_of=lambda p: 1 if p == "w" else 0)
     assert [g.opt_group for g in decay_w.groups] == [0, 1]
     assert [g.opt_group for g in decay_b.groups] == [1, 0]
     assert decay_w.groups != decay_b.groups
@@ -664,8 +664,8 @@ def test_with_world_size_equals_direct_build_with_groups(world):
     model.fc2.to(F64)
     model.fc1.weight.requires_grad_(False)
     opt = fzero.adamw(**NO_DECAY_OPT)
-    base = fzero.build_layout(model, 4, group_of=opt.group_of, alignment=2)
-    direct = fzero.build_layout(model, world, group_of=opt.group_of, alignment=2)
+    base = fzero.layout.build_layout(model, 4, group_of=opt.group_of, alignment=2)
+    direct = fzero.layout.build_layout(model, world, group_of=opt.group_of, alignment=2)
     moved = base.with_world_size(world)
     assert moved.slots == direct.slots
     assert moved.groups == direct.groups

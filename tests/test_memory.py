@@ -15,17 +15,17 @@ BF16 = fzero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloa
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_report_equals_zero_formula_within_padding(stage, world):
     model = mlp(sizes=(37, 101, 29, 5))  # element counts not divisible by the world sizes
-    layout = fzero.build_layout(model, 1, alignment=16)
+    layout = fzero.layout.build_layout(model, 1, alignment=16)
     rep = fzero.memory_report(layout, fzero.adamw(), stage=stage, precision=BF16, world_size=world)
     psi = sum(p.numel() for p in model.parameters())
     assert rep.num_params == psi
-    formula = fzero.zero_paper_bytes(psi, stage, world)
+    formula = fzero.memory.zero_paper_bytes(psi, stage, world)
     assert rep.total - rep.padding == pytest.approx(formula, rel=1e-12)
     # padding is small: at most one aligned shard's worth per flat group and kind
     assert 0 <= rep.padding <= 16 * world * 16 * len(layout.with_world_size(world).groups)
     # and the report is exact on the padded layout
     padded = layout.with_world_size(world).num_padded
-    assert rep.total == pytest.approx(fzero.zero_paper_bytes(padded, stage, world), rel=1e-12)
+    assert rep.total == pytest.approx(fzero.memory.zero_paper_bytes(padded, stage, world), rel=1e-12)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -45,7 +45,7 @@ def test_report_matches_the_buffers_a_state_holds(stage, world):
 
 
 def test_sgd_without_momentum_has_no_moments_and_fp32_defaults():
-    layout = fzero.build_layout(mlp(), 4)
+    layout = fzero.layout.build_layout(mlp(), 4)
     rep = fzero.memory_report(layout, fzero.sgd(lr=0.1), stage=2)
     assert rep.by_kind["moments"] == 0
     assert rep.by_kind["master"] == 4 * sum(g.shard_numel for g in layout.groups)
@@ -69,8 +69,8 @@ def test_held_is_what_the_state_keeps_between_steps(stage, world):
     padded = state.layout.num_padded
     expected = {1: 2 * padded + 12 * padded / world, 2: 2 * padded + 12 * padded / world, 3: 12 * padded / world}
     assert rep.held_total == pytest.approx(expected[stage])
-    assert rep.held_total + rep.transient_total == pytest.approx(fzero.zero_paper_bytes(padded, stage, world))
-    table = fzero.format_memory_table([rep])
+    assert rep.held_total + rep.transient_total == pytest.approx(fzero.memory.zero_paper_bytes(padded, stage, world))
+    table = fzero.memory.format_memory_table([rep])
     assert "held" in table and "in-step" in table
 
 

@@ -57,8 +57,8 @@ def test_stage3_from_meta_equals_eager_bitwise(kind):
     sm, _ = mc.train(kind, meta, comm, init=mc.init_of(kind, meta), steps=0)
     se, _ = mc.train(kind, eager, comm, steps=0)
     assert_same(sm, se)
-    step_m = fzero.make_train_step(mc.loss_of(kind, meta), comm, stage=3)
-    step_e = fzero.make_train_step(mc.loss_of(kind, eager), comm, stage=3)
+    step_m = fzero.make_train_step(mc.loss_of(kind, meta), comm)
+    step_e = fzero.make_train_step(mc.loss_of(kind, eager), comm)
     for batch in mc.data(kind, 2)[:2]:
         sm, m1 = step_m(sm, comm.split_batch(batch))
         se, m2 = step_e(se, comm.split_batch(batch))
@@ -303,7 +303,7 @@ def test_file_errors_name_the_key_and_the_file(tmp_path, fmt):
         folder = tmp_path / edit.__name__
         folder.mkdir()
         path = _saved(folder, edit, fmt)
-        with pytest.raises(fzero.WeightsFileError) as err:
+        with pytest.raises(fzero.weights.WeightsFileError) as err:
             _load_chain(path)
         msg = str(err.value)
         assert key in msg and path in msg and words in msg, msg
@@ -330,14 +330,14 @@ def test_hostile_pickle_is_refused_without_running_it(tmp_path):
     sd["0.weight"] = _Payload(str(marker))
     path = str(tmp_path / "model.pt")
     torch.save(sd, path)
-    with pytest.raises(fzero.WeightsFileError, match=r"weights_only=True") as err:
+    with pytest.raises(fzero.weights.WeightsFileError, match=r"weights_only=True") as err:
         _load_chain(path)
     assert path in str(err.value)
     assert not marker.exists()
     # a plain pickle, not a torch.save zip, is refused too
     with open(tmp_path / "plain.pt", "wb") as f:
         pickle.dump({"0.weight": _Payload(str(marker))}, f)
-    with pytest.raises(fzero.WeightsFileError):
+    with pytest.raises(fzero.weights.WeightsFileError):
         _load_chain(str(tmp_path / "plain.pt"))
     assert not marker.exists()
 
@@ -345,7 +345,7 @@ def test_hostile_pickle_is_refused_without_running_it(tmp_path):
 def test_files_that_are_not_what_they_claim(tmp_path):
     bad = tmp_path / "model.safetensors"
     bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
-    with pytest.raises(fzero.WeightsFileError, match="not a readable safetensors file") as err:
+    with pytest.raises(fzero.weights.WeightsFileError, match="not a readable safetensors file") as err:
         _load_chain(str(tmp_path))
     assert str(bad) in str(err.value)
     (tmp_path / "good").mkdir()
@@ -353,22 +353,22 @@ def test_files_that_are_not_what_they_claim(tmp_path):
     (tmp_path / "trunc").mkdir()
     data = Path(good).read_bytes()
     (tmp_path / "trunc" / "model.safetensors").write_bytes(data[: len(data) - 100])
-    with pytest.raises(fzero.WeightsFileError, match="trunc"):
+    with pytest.raises(fzero.weights.WeightsFileError, match="trunc"):
         _load_chain(str(tmp_path / "trunc"))
     # an index naming a shard outside its folder, or a shard without the key it lists
     idx = tmp_path / "idx"
     idx.mkdir()
     (idx / "model.safetensors.index.json").write_text('{"weight_map": {"0.weight": "../good/model.safetensors"}}')
-    with pytest.raises(fzero.WeightsFileError, match="outside its directory"):
+    with pytest.raises(fzero.weights.WeightsFileError, match="outside its directory"):
         _load_chain(str(idx))
     os.replace(good, idx / "shard.safetensors")
     (idx / "model.safetensors.index.json").write_text('{"weight_map": {"9.weight": "shard.safetensors"}}')
-    with pytest.raises(fzero.WeightsFileError, match=r"no tensor '9.weight'.*says it holds"):
+    with pytest.raises(fzero.weights.WeightsFileError, match=r"no tensor '9.weight'.*says it holds"):
         _load_chain(str(idx))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(fzero.WeightsFileError, match="without model.safetensors.index.json"):
+    with pytest.raises(fzero.weights.WeightsFileError, match="without model.safetensors.index.json"):
         _load_chain(str(tmp_path / "empty"))
-    with pytest.raises(fzero.WeightsFileError, match="no such file"):
+    with pytest.raises(fzero.weights.WeightsFileError, match="no such file"):
         _load_chain(str(tmp_path / "nowhere.pt"))
 
 

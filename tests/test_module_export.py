@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fzero
+import fzero.checkpoint
 import user_models as um
 from test_user_models import OPTIMIZERS, _data, fzero_run, rel_err
 
@@ -17,7 +18,7 @@ def test_export_of_tied_gpt2_loads_strictly_and_equals_the_oracle():
     data = _data("lm", 2, torch.float64, n=3)
     ref, _, _ = um.oracle_run(model, OPTIMIZERS["sgd"][1], data, 2, um.oracle_loss("lm"))
     state, comm, _ = fzero_run(model, OPTIMIZERS["sgd"][0](), data, 2, "lm", stage=2)
-    sd = fzero.export_model_state_dict(state, comm)
+    sd = fzero.checkpoint.export_model_state_dict(state, comm)
     assert list(sd) == list(ref.state_dict())  # every key, tied lm_head.weight included, in torch's order
     assert sd["lm_head.weight"] is sd["transformer.wte.weight"]
     fresh = um.gpt2().double()
@@ -50,7 +51,7 @@ def test_llama_write_back_keeps_non_persistent_buffers():
         target.model.rotary_emb.inv_freq.zero_()
     fzero.write_back(state, comm, target)
     assert torch.equal(target.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq)
-    assert "model.rotary_emb.inv_freq" not in fzero.export_model_state_dict(state, comm)
+    assert "model.rotary_emb.inv_freq" not in fzero.checkpoint.export_model_state_dict(state, comm)
 
 
 def test_checkpoint_keeps_rank0_buffers_across_world_sizes(tmp_path):
@@ -66,9 +67,9 @@ def test_checkpoint_keeps_rank0_buffers_across_world_sizes(tmp_path):
         assert keep
         for r in range(3):
             assert torch.equal(mine[r], saved[0]), (name, r)
-    exported = fzero.export_model_state_dict(state, comm)
+    exported = fzero.checkpoint.export_model_state_dict(state, comm)
     out = tmp_path / "model.pt"
-    fzero.consolidate_checkpoint(tmp_path, out)
+    fzero.checkpoint.consolidate_checkpoint(tmp_path, out)
     offline = torch.load(out, weights_only=True)
     assert list(offline) == list(exported)
     for k in exported:
@@ -83,5 +84,5 @@ def test_checkpoint_of_a_model_with_other_buffers_is_refused(tmp_path):
     other = um.resnet()
     other.register_buffer("extra", torch.zeros(3))
     template = fzero.init_train_state(other, fzero.sgd(), comm)
-    with pytest.raises(fzero.CheckpointMismatchError, match=r"buffer 'extra' is not in the checkpoint"):
+    with pytest.raises(fzero.checkpoint.CheckpointMismatchError, match=r"buffer 'extra' is not in the checkpoint"):
         fzero.load_checkpoint(tmp_path, template, comm)

@@ -46,7 +46,7 @@ def _two_head_data(n: int, batch: int) -> list:
 def _fzero(model, criterion, data, world, stage):
     comm = fzero.SimulatedWorld(world)
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2, weight_decay=0.1), comm, stage=stage, alignment=4)
-    step = fzero.make_train_step(fzero.module_loss(model, criterion, output="whole"), comm, stage=stage)
+    step = fzero.make_train_step(fzero.module_loss(model, criterion, output="whole"), comm)
     for b in data:
         state, _ = step(state, comm.split_batch(b))
     return fzero.all_gather_params(state.shard, comm)
@@ -75,7 +75,7 @@ def test_dict_output_with_an_auxiliary_loss_matches_torch(stage):
     comm = fzero.SimulatedWorld(2)
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2, weight_decay=0.1), comm, stage=stage,
                                    alignment=4, **units)
-    step = fzero.make_train_step(fzero.module_loss(model, two_head_criterion, output="whole"), comm, stage=stage)
+    step = fzero.make_train_step(fzero.module_loss(model, two_head_criterion, output="whole"), comm)
     for b in data:
         state, _ = step(state, comm.split_batch(b))
     _assert_close(fzero.all_gather_params(state.shard, comm), ref, 1e-12)

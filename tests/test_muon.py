@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fzero
+import fzero.checkpoint
 import fzero.muon_rules as muon_rules
 from fzero.pytree import replace
 import dist_cases as cases
@@ -54,7 +55,7 @@ class MuonAdamW:
         self.adamw.step()
 
 
-def rule(matrices, nesterov: bool = True) -> fzero.Muon:  # noqa: ANN001
+def rule(matrices, nesterov: bool = True) -> fzero.muon_rules.Muon:  # noqa: ANN001
     return fzero.muon(matrices=matrices, nesterov=nesterov, adamw=ADAMW_KW, **MUON_KW)
 
 
@@ -140,7 +141,7 @@ def test_each_matrix_is_orthogonalized_once_in_the_world(monkeypatch):
     state, _ = _train(model, rule(matrices), data, world, 2, crit)
     assert sum(calls.values()) == 2 * n_matrices
     assert sorted(by_rank) == list(range(world))
-    owners = fzero.muon_owners(state.shard.layout, world)
+    owners = fzero.muon_rules.muon_owners(state.shard.layout, world)
     assert len(owners) == n_matrices
     per_rank = collections.Counter(owners.values())
     for r in range(world):
@@ -167,7 +168,7 @@ def _has_transformers() -> bool:
 def test_owners_are_deterministic_and_balanced():
     lay = fzero.init_train_state(mlp(torch.float64, sizes=(8, 64, 64, 64, 64, 8)), fzero.muon(matrices=lambda n: n.endswith("weight") and not n.startswith("2.")),
                                  fzero.SimulatedWorld(2), alignment=4).shard.layout
-    a, b = fzero.muon_owners(lay, 3), fzero.muon_owners(lay, 3)
+    a, b = fzero.muon_rules.muon_owners(lay, 3), fzero.muon_rules.muon_owners(lay, 3)
     assert a == b and set(a.values()) == {0, 1, 2}
 
 
@@ -190,7 +191,7 @@ def test_checkpoint_reshards_to_another_world_and_stage(tmp_path):
     loaded, _ = fzero.load_checkpoint(tmp_path, template, comm3)
     resumed, _ = _train(model3, None, data[2:], 3, 3, state=loaded, comm=comm3)
     _assert_params(resumed, comm3, ref)
-    with pytest.raises(fzero.CheckpointMismatchError, match="optimizer nesterov: True vs False"):
+    with pytest.raises(fzero.checkpoint.CheckpointMismatchError, match="optimizer nesterov: True vs False"):
         fzero.load_checkpoint(tmp_path, fzero.init_train_state(mlp(torch.float64, sizes=SIZES),
                                                                rule(matrices, nesterov=False), comm3), comm3)
 
@@ -213,7 +214,7 @@ def test_errors_name_the_parameter_and_the_rule():
     with pytest.raises(ValueError, match=r"adamw takes .*\['betas2'\]"):
         fzero.muon(matrices=is_matrix_of(model), adamw=dict(betas2=0.9))
     from fzero.checkpoint import export_torch_optim_state_dict
-    with pytest.raises(fzero.CheckpointMismatchError, match="optimizer muon has no torch.optim equivalent"):
+    with pytest.raises(fzero.checkpoint.CheckpointMismatchError, match="optimizer muon has no torch.optim equivalent"):
         export_torch_optim_state_dict(state, comm)
     with pytest.raises(ValueError, match="pass comm="):
         fzero.shard_step(state.shard, state.opt, tuple(torch.zeros_like(m) for m in state.shard.master))
@@ -247,9 +248,9 @@ def test_traffic_is_one_bf16_all_gather_and_reduce_scatter_of_the_matrices(world
     """What Muon adds to a step, as design.md states it: one all-gather and one
     reduce-scatter(sum) in bfloat16 of the Muon groups' padded elements, and nothing else."""
     model = mlp(torch.float64, sizes=SIZES)
-    counting = fzero.CountingCommunicator(fzero.SimulatedWorld(world))
+    counting = fzero.comm.CountingCommunicator(fzero.SimulatedWorld(world))
     state = fzero.init_train_state(model, rule(is_matrix_of(model)), counting, stage=2, alignment=4)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), counting, stage=2)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), counting)
     batch = counting.split_batch(batches(1, world, 2, torch.float64, d_in=SIZES[0])[0])
     counting.reset()
     step(state, batch)
@@ -262,7 +263,7 @@ def test_traffic_is_one_bf16_all_gather_and_reduce_scatter_of_the_matrices(world
 def test_an_overflowing_step_is_skipped_on_every_rank_alike():
     """A non-finite gradient on one rank: no rank updates or calls Muon's collectives, the
     state stays bitwise, and training goes on."""
-    comm = fzero.CountingCommunicator(fzero.SimulatedWorld(2))
+    comm = fzero.comm.CountingCommunicator(fzero.SimulatedWorld(2))
     state, history, changed = cases.train(comm, steps=3, optimizer=cases.muon(), poison=lambda s, r: s == 1 and r == 1)
     assert changed == [True, False, True]
     assert [h["found_inf"] for h in history] == [0.0, 1.0, 0.0]
@@ -298,7 +299,7 @@ def test_a_further_muon_group_and_the_adamw_group_follow_torch_param_groups():
     for i, (x, y) in enumerate(data):
         if i == 2:
             opt.adamw.param_groups[0]["lr"] = 0.002
-            state = replace(state, opt=fzero.set_hyperparams(state.opt, group=1, lr=0.002))
+            state = replace(state, opt=fzero.optim.set_hyperparams(state.opt, group=1, lr=0.002))
         opt.zero_grad()
         (sum(mse(ref(xr), yr) for xr, yr in zip(x.chunk(world), y.chunk(world))) / world).backward()
         opt.step()

@@ -146,22 +146,22 @@ def test_init_opt_state_and_set_hyperparams():
     assert all(v.dtype == torch.float64 and v.shape == () for h in st.hyper for v in h.values())
     for m, mm in zip(master, st.moments):
         assert len(mm) == 2 and all(x.shape == m.shape and x.dtype == m.dtype and not x.any() for x in mm)
-    one = fzero.set_hyperparams(st, group=1, lr=0.5)
+    one = fzero.optim.set_hyperparams(st, group=1, lr=0.5)
     assert one.hyper[1]["lr"].item() == 0.5 and one.hyper[0]["lr"].item() == 0.1
     assert st.hyper[1]["lr"].item() == 0.2  # the input state is unchanged
-    both = fzero.set_hyperparams(st, lr=torch.tensor(0.7, dtype=torch.float32), weight_decay=0.0)
+    both = fzero.optim.set_hyperparams(st, lr=torch.tensor(0.7, dtype=torch.float32), weight_decay=0.0)
     assert [h["lr"].item() for h in both.hyper] == pytest.approx([0.7, 0.7])
     assert all(h["lr"].dtype == torch.float64 and h["weight_decay"].item() == 0.0 for h in both.hyper)
     with pytest.raises(ValueError, match="no param group 2"):
-        fzero.set_hyperparams(st, group=2, lr=0.1)
+        fzero.optim.set_hyperparams(st, group=2, lr=0.1)
     with pytest.raises(ValueError, match="no param group -1"):
-        fzero.set_hyperparams(st, group=-1, lr=0.1)
+        fzero.optim.set_hyperparams(st, group=-1, lr=0.1)
     with pytest.raises(ValueError, match="'momentum'"):
-        fzero.set_hyperparams(st, momentum=0.1)
+        fzero.optim.set_hyperparams(st, momentum=0.1)
 
 
 def test_no_weight_decay_by_name():
-    nwd = fzero.no_weight_decay
+    nwd = fzero.optim.no_weight_decay
     assert nwd("bias") and nwd("layer.bias") and nwd("ln_f.weight") and nwd("bn1.weight")
     assert nwd("block.norm.weight") and nwd("block.LayerNorm.weight")
     assert not nwd("weight") and not nwd("fc.weight") and not nwd("head.weight")
@@ -171,7 +171,7 @@ def test_no_weight_decay_by_name():
 def test_no_weight_decay_for_module_types():
     m = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 1, bias=False),
                             torch.nn.BatchNorm1d(1), torch.nn.RMSNorm(1), torch.nn.GroupNorm(1, 1))
-    pred = fzero.no_weight_decay_for(m)
+    pred = fzero.optim.no_weight_decay_for(m)
     assert pred("0.bias") and pred("1.weight") and pred("1.bias") and pred("3.weight") and pred("4.weight")
     assert pred("5.weight")
     assert not pred("0.weight") and not pred("2.weight")
@@ -201,10 +201,10 @@ def test_gather_and_merge_round_trip(W):
     comm = fzero.SimulatedWorld(W)
     shard = fzero.init_shard(params, comm, trainable=TRAINABLE, alignment=2)
     assert len(shard.frozen) == 1 and torch.equal(shard.frozen[0], params["f"])
-    flats = fzero.gather_flat_params(shard, comm)
+    flats = fzero.sharding.gather_flat_params(shard, comm)
     assert [f.dtype for f in flats] == [g.dtype for g in shard.layout.groups]
     assert all(f.shape == (W, g.padded_numel) for f, g in zip(flats, shard.layout.groups))
-    half = fzero.gather_flat_params(shard, comm, torch.bfloat16)
+    half = fzero.sharding.gather_flat_params(shard, comm, torch.bfloat16)
     assert all(h.dtype == torch.bfloat16 and torch.equal(h, f.to(torch.bfloat16)) for h, f in zip(half, flats))
     for row in range(W):
         views = trainable_views(shard.layout, flats, row)
@@ -243,7 +243,7 @@ def test_local_sq_norm_and_global_norm():
     expected = sum(s.double().square().sum(dim=1) for s in shards)
     torch.testing.assert_close(sq, expected, rtol=1e-6, atol=0)
     comm = fzero.SimulatedWorld(3)
-    norm = fzero.global_norm(shards, comm)
+    norm = fzero.sharding.global_norm(shards, comm)
     assert norm.shape == () and norm.dtype == torch.float32
     assert norm.item() == pytest.approx(expected.sum().sqrt().item(), rel=1e-6)
     # non-finite anywhere, or an fp32 shard norm beyond fp32's range, gives a non-finite norm
@@ -252,7 +252,7 @@ def test_local_sq_norm_and_global_norm():
     assert not torch.isfinite(local_sq_norm(bad)[2]) and torch.isfinite(local_sq_norm(bad)[:2]).all()
     huge = [torch.full((1, 2), 3e38)]
     assert torch.isinf(local_sq_norm(huge)).all()
-    assert torch.isinf(fzero.global_norm(huge, fzero.SimulatedWorld(1)))
+    assert torch.isinf(fzero.sharding.global_norm(huge, fzero.SimulatedWorld(1)))
 
 
 def test_check_world_errors():
@@ -273,7 +273,7 @@ def test_check_world_errors():
     with pytest.raises(ValueError, match="donated"):
         fzero.reduce_scatter_grads(consumed, {"w": torch.ones(2, 6)}, comm)
     with pytest.raises(ValueError, match="donated"):
-        fzero.gather_flat_params(consumed, comm)
+        fzero.sharding.gather_flat_params(consumed, comm)
 
 
 def test_reduce_scatter_grads_dtypes_and_mean():
@@ -360,7 +360,7 @@ def test_first_difference_tree_structure_only():
 def test_reduce_scatter_grads_sends_what_it_says(reduce_dtype):
     """``via_all_reduce`` picks the collective (ZeRO-1's all-reduce + slice), in every reduce dtype."""
     inner = fzero.SimulatedWorld(2)
-    counting = fzero.CountingCommunicator(inner)
+    counting = fzero.comm.CountingCommunicator(inner)
     shard = fzero.init_shard({"w": torch.zeros(5)}, inner, alignment=1)
     grads = {"w": torch.ones(2, 5)}
     for via, op in ((True, "all_reduce"), (False, "reduce_scatter")):

@@ -221,7 +221,7 @@ def test_beta1_zero_is_accepted_and_matches_torch(kind):
 
 def test_group_names():
     opt = fzero.adamw(groups=[
-        fzero.ParamGroup(fzero.no_weight_decay, (("weight_decay", 0.0),), name="no_decay"),
+        fzero.optim.ParamGroup(fzero.optim.no_weight_decay, (("weight_decay", 0.0),), name="no_decay"),
         (lambda p: p.startswith("head"), {"lr": 0.5}),
     ])
     assert opt.num_groups == 3
@@ -304,7 +304,7 @@ def test_compiled_step_does_not_recompile_as_hyperparameters_change():
         torch.testing.assert_close(p_shard.master[0], eager_shard.master[0], rtol=RTOL, atol=0)
         assert int(p_state.step) == int(eager_state.step) == i + (i < 5)
         new = changes[i % len(changes)]
-        shard, state = p_shard, fzero.set_hyperparams(p_state, **new)
-        eager_state = fzero.set_hyperparams(eager_state, **new)
+        shard, state = p_shard, fzero.optim.set_hyperparams(p_state, **new)
+        eager_state = fzero.optim.set_hyperparams(eager_state, **new)
     assert counters["stats"]["unique_graphs"] - graphs == 1
     assert sum(counters["recompiles"].values()) == recompiles

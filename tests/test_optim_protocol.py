@@ -13,6 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import fzero
+import fzero.checkpoint
 from helpers import batches, children, max_rel_err, mlp
 
 W = 2
@@ -28,7 +29,7 @@ class Lion(fzero.Optimizer):
     moment_names = ("exp_avg",)
 
     def update(self, p, g, moments, hyper, step, per_element=None):  # noqa: ANN001, ANN201
-        h = fzero.hyper_scalars(hyper, p.dtype)
+        h = fzero.optim.hyper_scalars(hyper, p.dtype)
         (m,) = moments
         direction = torch.lerp(m, g, 1 - h["beta1"]).sign()
         new_p = p * (1 - h["lr"] * h["weight_decay"]) - h["lr"] * direction
@@ -48,7 +49,7 @@ class BiasCorrectedAdamW(fzero.Optimizer):
         return torch.stack([1 - hyper["beta1"] ** t, (1 - hyper["beta2"] ** t).sqrt()], dim=1)
 
     def update(self, p, g, moments, hyper, step, per_element=None):  # noqa: ANN001, ANN201
-        h = fzero.hyper_scalars(hyper, p.dtype)
+        h = fzero.optim.hyper_scalars(hyper, p.dtype)
         s = self.step_values(hyper, step, per_element, p.dtype)
         m = torch.lerp(moments[0], g, 1 - h["beta1"])
         v = moments[1] * h["beta2"] + (1 - h["beta2"]) * g * g
@@ -85,10 +86,10 @@ def _train(model, data, stage, compile):
     comm = fzero.SimulatedWorld(W)
     units = {"units": children} if stage == 3 else {}
     state = fzero.init_train_state(model, lion(), comm, stage=stage, alignment=4, **units)
-    step = fzero.make_train_step(fzero.module_loss(model, torch.nn.functional.mse_loss), comm, stage=stage,
+    step = fzero.make_train_step(fzero.module_loss(model, torch.nn.functional.mse_loss), comm,
                                  compile=compile)
     for lr, batch in zip(_lrs(), data):
-        state = dataclasses.replace(state, opt=fzero.set_hyperparams(state.opt, lr=lr))
+        state = dataclasses.replace(state, opt=fzero.optim.set_hyperparams(state.opt, lr=lr))
         state, metrics = step(state, comm.split_batch(batch))
         assert metrics["found_inf"].item() == 0.0
     return state, comm
@@ -141,7 +142,7 @@ def test_user_rule_checkpoint_reshards_and_names_another_optimizer(tmp_path):
     comm2 = fzero.SimulatedWorld(2)
     state = fzero.init_train_state(model, lion(), comm2, alignment=4)
     loss = fzero.module_loss(model, torch.nn.functional.mse_loss)
-    step2 = fzero.make_train_step(loss, comm2, stage=2)
+    step2 = fzero.make_train_step(loss, comm2)
     for batch in data[:2]:
         state, _ = step2(state, comm2.split_batch(batch))
     fzero.save_checkpoint(state, tmp_path, comm2)
@@ -151,17 +152,17 @@ def test_user_rule_checkpoint_reshards_and_names_another_optimizer(tmp_path):
     model3 = copy.deepcopy(model)  # a stage-3 state takes over its module's parameters
     template = fzero.init_train_state(model3, lion(), comm3, stage=3, units=children)
     loaded, _ = fzero.load_checkpoint(tmp_path, template, comm3)
-    step3 = fzero.make_train_step(fzero.module_loss(model3, torch.nn.functional.mse_loss), comm3, stage=3)
+    step3 = fzero.make_train_step(fzero.module_loss(model3, torch.nn.functional.mse_loss), comm3)
     for batch in data[2:]:
         loaded, _ = step3(loaded, comm3.split_batch(batch))
-    a, b = fzero.export_model_state_dict(state, comm2), fzero.export_model_state_dict(loaded, comm3)
+    a, b = fzero.checkpoint.export_model_state_dict(state, comm2), fzero.checkpoint.export_model_state_dict(loaded, comm3)
     for k in a:
         assert max_rel_err(b[k], a[k]) <= 1e-12, k
     other = fzero.init_train_state(model, fzero.adamw(), comm3)
-    with pytest.raises(fzero.CheckpointMismatchError, match="optimizer kind: 'lion' vs 'adamw'"):
+    with pytest.raises(fzero.checkpoint.CheckpointMismatchError, match="optimizer kind: 'lion' vs 'adamw'"):
         fzero.load_checkpoint(tmp_path, other, comm3)
-    with pytest.raises(fzero.CheckpointMismatchError, match="lion has no torch.optim equivalent"):
-        fzero.export_torch_optim_state_dict(state, comm2)
+    with pytest.raises(fzero.checkpoint.CheckpointMismatchError, match="lion has no torch.optim equivalent"):
+        fzero.checkpoint.export_torch_optim_state_dict(state, comm2)
 
 
 def test_user_rule_with_step_scalars_is_exact_for_unused_parameters(monkeypatch):

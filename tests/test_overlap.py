@@ -28,14 +28,14 @@ mse = torch.nn.functional.mse_loss
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("world", [1, 2])
 def test_reductions_issued_before_backward_reaches_the_first_layer(stage, world):
-    counting = fzero.CountingCommunicator(fzero.SimulatedWorld(world))
+    counting = fzero.comm.CountingCommunicator(fzero.SimulatedWorld(world))
     marks: list[int] = []
     model = deep_mlp(Mark(counting, marks))
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), counting, stage=stage, bucket_numel=100)
     buckets = [b for b in buckets_of(state.layout) if b]
     # each weight (at least 100 elements: a bucket of its own) and each bias
     assert len(buckets) == 10
-    step = fzero.make_train_step(fzero.module_loss(model, mse), counting, stage=stage)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), counting)
     x, y = data(1, world)[0]
     counting.reset()
     step(state, counting.split_batch((x, y)))
@@ -65,7 +65,7 @@ def test_launch_order_is_fixed_whatever_order_backward_completes_buckets():
 
     results = []
     for bucket_numel in (10**9, 1):
-        counting = fzero.CountingCommunicator(fzero.SimulatedWorld(2))
+        counting = fzero.comm.CountingCommunicator(fzero.SimulatedWorld(2))
         model = Reversed()
         state = fzero.init_train_state(model, fzero.sgd(lr=0.1, momentum=0.9), counting, bucket_numel=bucket_numel)
         step = fzero.make_train_step(fzero.module_loss(model, mse), counting)
@@ -95,9 +95,9 @@ def test_bucket_unused_on_some_ranks_is_reduced_in_turn(stage):
 def train_bucketed(stage, accum, defer, world, bucket_numel, clip_norm=None):
     model = deep_mlp(dtype=torch.float32)
     comm = fzero.SimulatedWorld(world)
-    opt = fzero.adamw(lr=1e-2, groups=[(fzero.no_weight_decay_for(model), {"weight_decay": 0.0})])
+    opt = fzero.adamw(lr=1e-2, groups=[(fzero.optim.no_weight_decay_for(model), {"weight_decay": 0.0})])
     state = fzero.init_train_state(model, opt, comm, stage=stage, bucket_numel=bucket_numel)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage, accum_steps=accum,
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, accum_steps=accum,
                                  defer_reduce=defer, clip_norm=clip_norm)
     for x, y in data(3, world, accum, torch.float32):
         state, metrics = step(state, comm.split_batch((x, y), micro_batches=accum))

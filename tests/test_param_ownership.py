@@ -29,7 +29,7 @@ def test_stage12_module_views_the_state_and_a_donating_step_keeps_it_current(sta
         assert _storage(p) in buffers, n  # a view of the gathered buffers, not a copy
         assert torch.equal(p, before[n]), n  # with the module's own values
         assert isinstance(p, torch.nn.Parameter) and p.requires_grad
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage, donate=True)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, donate=True)
     for batch in batches(3, 2, 2, torch.float32):
         state, _ = step(state, comm.split_batch(batch))
     assert {_storage(p) for p in state.params} == buffers  # gathered in place
@@ -66,7 +66,7 @@ def test_stage3_module_holds_no_parameters_until_write_back():
         model(x)
     with pytest.raises(ValueError, match="handed to a stage-3 state"):
         fzero.init_train_state(model, fzero.adamw(), comm, stage=3, units=children)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm)
     state, _ = step(state, comm.split_batch(batches(1, 2, 2, torch.float32)[0]))
     fzero.write_back(state, comm, model)
     assert all(a is b for a, b in zip(model.parameters(), held))  # the same objects, now with memory

@@ -56,8 +56,8 @@ OPTIMIZERS = {
 
 def _fzero_run(model, optimizer, data, world, stage, dtype):
     comm = fzero.SimulatedWorld(world)
-    state = fzero.init_train_state(model, optimizer, comm, alignment=4)
-    step = fzero.make_train_step(fzero.module_loss(model, torch.nn.functional.mse_loss), comm, stage=stage)
+    state = fzero.init_train_state(model, optimizer, comm, stage=stage, alignment=4)
+    step = fzero.make_train_step(fzero.module_loss(model, torch.nn.functional.mse_loss), comm)
     for batch in data:
         state, metrics = step(state, comm.split_batch(batch))
         assert metrics["found_inf"].item() == 0.0
@@ -128,7 +128,7 @@ def test_by_hand_composition_equals_helper():
     comm = fzero.SimulatedWorld(world)
     opt = fzero.adamw(lr=1e-2)
     state = fzero.init_train_state(model, opt, comm)
-    step = fzero.make_train_step(fzero.module_loss(model, torch.nn.functional.mse_loss), comm, stage=2)
+    step = fzero.make_train_step(fzero.module_loss(model, torch.nn.functional.mse_loss), comm)
     shard, opt_state, scaler = state.shard, state.opt, state.scaler
     for batch in batches(5, world, 2, dtype):
         x, y = comm.split_batch(batch)

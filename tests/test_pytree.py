@@ -52,7 +52,7 @@ def assert_same_scaler(a, b, *, same_objects=True):
 
 
 def _flatten_optree(tree):
-    return optree.tree_flatten(tree, namespace=fzero.NAMESPACE)
+    return optree.tree_flatten(tree, namespace=fzero.pytree.NAMESPACE)
 
 
 def _roundtrip_optree(tree):
@@ -69,7 +69,7 @@ ROUNDTRIPS = {"optree": _roundtrip_optree, "torch": _roundtrip_torch}
 
 
 def test_namespace():
-    assert fzero.NAMESPACE == "fzero"
+    assert fzero.pytree.NAMESPACE == "fzero"
 
 
 # ======================================================================================
@@ -146,11 +146,11 @@ def test_scaler_is_a_leaf_outside_the_namespace():
 @pytest.mark.parametrize("which", list(SCALERS))
 def test_tree_map_identity_keeps_all_fields(which):
     s = SCALERS[which]()
-    out = fzero.tree_map(lambda x: x, s)
+    out = fzero.pytree.tree_map(lambda x: x, s)
     assert_same_scaler(out, s)
     # and maps over exactly the tensors
     seen = []
-    doubled = fzero.tree_map(lambda x: seen.append(x) or x * 2, s)
+    doubled = fzero.pytree.tree_map(lambda x: seen.append(x) or x * 2, s)
     assert len(seen) == 3 and all(x is getattr(s, n) for x, n in zip(seen, SCALER_TENSORS))
     for n in SCALER_STATIC:
         assert getattr(doubled, n) == getattr(s, n)
@@ -162,7 +162,7 @@ def test_tree_map_identity_keeps_all_fields(which):
 
 def test_tree_map_multiple_trees():
     a, b = _custom_scaler(), _custom_scaler()
-    out = fzero.tree_map(lambda x, y: x + y, a, b)
+    out = fzero.pytree.tree_map(lambda x, y: x + y, a, b)
     assert out.scale.item() == 2 * a.scale.item()
     assert out.min_scale == 2.0 and out.hysteresis == 3
 
@@ -205,7 +205,7 @@ def _expected_leaves(st):
     out += [m for ms in st.opt.moments for m in ms]
     out += list(st.opt.missed)
     out += [getattr(st.scaler, n) for n in SCALER_TENSORS]
-    out += list(st.params) + list(st.buffers) + list(st.rng)
+    out += list(st.params) + list(st.buffers) + list(st.rng) + list(st.calls)
     return out
 
 
@@ -235,6 +235,8 @@ def _assert_same_train_state(back, st):
     for mb, ms in zip(back.opt.moments, st.opt.moments):
         assert type(mb) is tuple and len(mb) == len(ms) and all(a is b for a, b in zip(mb, ms))
     assert type(back.params) is tuple and all(a is b for a, b in zip(back.params, st.params))
+    assert type(back.calls) is tuple and len(back.calls) == len(st.calls) == 1 and back.calls[0] is st.calls[0]
+    assert back.stage == st.stage
 
 
 @pytest.mark.parametrize("variant", ["linear", "frozen_fp16"])
@@ -275,9 +277,9 @@ def test_train_state_roundtrip_with_new_leaves(variant):
 @pytest.mark.parametrize("variant", ["linear", "frozen_fp16"])
 def test_train_state_tree_map(variant):
     st = _train_state(variant)
-    back = fzero.tree_map(lambda x: x, st)
+    back = fzero.pytree.tree_map(lambda x: x, st)
     _assert_same_train_state(back, st)
-    zeros = fzero.tree_map(torch.zeros_like, st)
+    zeros = fzero.pytree.tree_map(torch.zeros_like, st)
     assert zeros.shard.layout == st.shard.layout and zeros.precision == st.precision
     assert all(not x.any() for x in _expected_leaves(zeros))
     assert len(_expected_leaves(zeros)) == len(_expected_leaves(st))

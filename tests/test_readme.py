@@ -26,9 +26,9 @@ def _run_snippets(heading: str, count: int = 1) -> dict:
 def test_api_screen_runs():
     scope = _run_snippets("## The API in one screen")
     model, state, comm = scope["model"], scope["state"], scope["comm"]
-    import fzero
+    import fzero.checkpoint
 
-    exported = fzero.export_model_state_dict(state, comm)
+    exported = fzero.checkpoint.export_model_state_dict(state, comm)
     for k, v in model.state_dict().items():
         assert torch.equal(v, exported[k]), k
     assert torch.isfinite(scope["metrics"]["loss"])

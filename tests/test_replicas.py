@@ -9,7 +9,7 @@ import torch
 
 import fzero
 from fzero.pytree import replace
-from fzero.step import compiled_step
+from fzero.compiled import compiled_step
 from fzero.replicas import Divergence, replica_digest, replica_items
 from helpers import batches, children, mlp
 
@@ -22,7 +22,7 @@ def _trained(world=3, stage=2, steps=2, precision=fzero.MixedPrecision(), **kw):
     units = children if stage == 3 else None
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=stage, units=units,
                                    precision=precision, alignment=4, **kw)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm)
     for b in batches(steps, world, 2, torch.float32):
         state, _ = step(state, comm.split_batch(b))
     return state, comm
@@ -44,8 +44,8 @@ def _flip(x, row, index, bit):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_no_false_alarm_after_training(stage):
     state, comm = _trained(stage=stage)
-    assert not bool(fzero.replicas_differ(state, comm))
-    fzero.check_replicas(state, comm)
+    assert not bool(fzero.replicas.replicas_differ(state, comm))
+    fzero.replicas.check_replicas(state, comm)
 
 
 @pytest.mark.parametrize("dtype,bits", [(torch.float32, 32), (torch.bfloat16, 16), (torch.float64, 64)])
@@ -63,9 +63,9 @@ def test_every_single_bit_flip_in_a_gathered_buffer_is_caught(dtype, bits):
     cases += [(i, b) for i in (0, n // 2, n - 1) for b in range(bits)]
     for index, bit in cases:
         bad = _with_params(state, 0, lambda p: _flip(p, 2, index, bit))
-        assert bool(fzero.replicas_differ(bad, comm)), (index, bit)
+        assert bool(fzero.replicas.replicas_differ(bad, comm)), (index, bit)
     with pytest.raises(fzero.ReplicaDivergenceError) as e:
-        fzero.check_replicas(_with_params(state, 0, lambda p: _flip(p, 2, n - 1, 0)), comm)
+        fzero.replicas.check_replicas(_with_params(state, 0, lambda p: _flip(p, 2, n - 1, 0)), comm)
     (d,) = e.value.differences
     assert (d.agree, d.differ) == ((0, 1), (2,))
     assert "<padding> on rank 2" in d.located[0], d.located  # the last element is padding here
@@ -76,7 +76,7 @@ def test_error_names_item_ranks_and_parameter():
     slot = state.layout.slots[2]  # a parameter inside flat group 0
     bad = _with_params(state, slot.group, lambda p: _flip(p, 0, slot.offset + 1, 5))
     with pytest.raises(fzero.ReplicaDivergenceError) as e:
-        fzero.check_replicas(bad, comm)
+        fzero.replicas.check_replicas(bad, comm)
     assert isinstance(e.value, ValueError)
     msg = str(e.value)
     assert "params flat group 0" in msg and "differs on rank 0 (ranks 1, 2 agree)" in msg, msg
@@ -88,7 +88,7 @@ def test_two_ranks_without_majority():
     state, comm = _trained(world=2)
     bad = _with_params(state, 0, lambda p: _flip(p, 1, 3, 0))
     with pytest.raises(fzero.ReplicaDivergenceError, match="differs on rank 1 from rank 0"):
-        fzero.check_replicas(bad, comm, locate=False)
+        fzero.replicas.check_replicas(bad, comm, locate=False)
 
 
 def test_each_replicated_scalar_changes_its_own_digest_columns():
@@ -99,7 +99,7 @@ def test_each_replicated_scalar_changes_its_own_digest_columns():
         "scaler.scale": replace(state, scaler=replace(state.scaler, scale=torch.nextafter(state.scaler.scale, torch.tensor(9.0)))),
         "scaler.growth_tracker": replace(state, scaler=replace(state.scaler, growth_tracker=state.scaler.growth_tracker + 1)),
         "opt.step": replace(state, opt=replace(state.opt, step=state.opt.step + 1)),
-        "opt.hyper[0]['lr']": replace(state, opt=fzero.set_hyperparams(state.opt, lr=0.5)),
+        "opt.hyper[0]['lr']": replace(state, opt=fzero.optim.set_hyperparams(state.opt, lr=0.5)),
         "static": replace(state, scaler=replace(state.scaler, growth_interval=7)),
     }
     for name, s in variants.items():
@@ -128,16 +128,16 @@ def test_buffers_and_rng_policies():
     buf[1, 3] = 1.0
     rng = torch.arange(3 * 8, dtype=torch.uint8).reshape(3, 8)  # per-rank generator states differ
     state = dataclasses.replace(
-        state, buffers=(buf,), rng=(rng,), module=fzero.ModuleSpec(buffers=("bn.running_mean",), persistent=(True,))
+        state, buffers=(buf,), rng=(rng,), module=fzero.module.ModuleSpec(buffers=("bn.running_mean",), persistent=(True,))
     )
     with pytest.raises(fzero.ReplicaDivergenceError, match=r"buffers\['bn.running_mean'\] differs on rank 1"):
-        fzero.check_replicas(state, comm, buffers="broadcast")
-    fzero.check_replicas(state, comm)  # buffers are rank-local by default (BatchNorm updates each rank's)
-    assert not bool(fzero.replicas_differ(state, comm, buffers="local"))
+        fzero.replicas.check_replicas(state, comm, buffers="broadcast")
+    fzero.replicas.check_replicas(state, comm)  # buffers are rank-local by default (BatchNorm updates each rank's)
+    assert not bool(fzero.replicas.replicas_differ(state, comm, buffers="local"))
     with pytest.raises(fzero.ReplicaDivergenceError, match=r"rng\[0\] differs on ranks 1, 2 \(rank 0"):
-        fzero.check_replicas(state, comm, buffers="local", rng="broadcast")
+        fzero.replicas.check_replicas(state, comm, buffers="local", rng="broadcast")
     with pytest.raises(ValueError, match="buffers must be"):
-        fzero.check_replicas(state, comm, buffers="all")
+        fzero.replicas.check_replicas(state, comm, buffers="all")
 
 
 def test_replicas_differ_compiles_without_graph_breaks():
@@ -146,7 +146,7 @@ def test_replicas_differ_compiles_without_graph_breaks():
     state, comm = _trained(world=2, steps=1)
     bad = _with_params(state, 0, lambda p: _flip(p, 1, 0, 0))
     counters.clear()
-    f = torch.compile(lambda s: fzero.replicas_differ(s, comm), fullgraph=True)
+    f = torch.compile(lambda s: fzero.replicas.replicas_differ(s, comm), fullgraph=True)
     assert not bool(f(state)) and bool(f(bad))
     assert sum(counters["graph_break"].values()) == 0
     assert torch.equal(torch.compile(lambda s: replica_digest(s, comm), fullgraph=True)(bad), replica_digest(bad, comm))
@@ -163,7 +163,7 @@ def test_replicas_differ_inside_a_compiled_step_one_graph():
 
     def step(s, b):
         new, metrics = core(s, b)
-        return new, {**metrics, "replicas_differ": fzero.replicas_differ(new, comm).float()}
+        return new, {**metrics, "replicas_differ": fzero.replicas.replicas_differ(new, comm).float()}
 
     counters.clear()
     compiled = compiled_step(step, comm.local_ranks)  # torch.compile(fullgraph=True) + autograd flag
@@ -260,7 +260,7 @@ def test_make_train_step_checks_replicas_every_n_steps():
     model = mlp(torch.float32)
     world = FaultyWorld(fzero.SimulatedWorld(3), [CorruptResult(step=1, rank=2, op="all_gather", index=5)])
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), world, alignment=4)
-    counting = fzero.CountingCommunicator(world)
+    counting = fzero.comm.CountingCommunicator(world)
     step = world.wrap(fzero.make_train_step(fzero.module_loss(model, mse), counting, check_replicas_every=1))
     data = batches(4, 3, 2, torch.float32)
     state, m0 = step(state, world.split_batch(data[0]))

@@ -30,7 +30,7 @@ def test_a_skipped_step_keeps_buffers(stage, compile):
     comm = fzero.SimulatedWorld(2)
     units = dict(units=lambda name, m: name == "3") if stage == 3 else {}
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=stage, alignment=4, **units)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage, compile=compile)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, compile=compile)
     good, bad = [comm.split_batch(b) for b in batches(2, 2, 4, torch.float32)]
     state, m = step(state, good)
     assert m["found_inf"].item() == 0.0
@@ -56,7 +56,7 @@ def test_a_skipped_step_keeps_buffers(stage, compile):
 @pytest.mark.parametrize("accum", [1, 2])
 def test_an_empty_batch_is_refused_before_any_collective(accum):
     model = bn_mlp()
-    comm = fzero.CountingCommunicator(fzero.SimulatedWorld(2))
+    comm = fzero.comm.CountingCommunicator(fzero.SimulatedWorld(2))
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, alignment=4)
     step = fzero.make_train_step(fzero.module_loss(model, mse), comm, accum_steps=accum)
     empty = comm.split_batch((torch.zeros(0, 6), torch.zeros(0, 3)), micro_batches=accum)

@@ -104,7 +104,7 @@ def run(model, units, kind, data, world, *, stage, opt, compile=False, seed=0, c
     comm = comm or fzero.SimulatedWorld(world)
     model = copy.deepcopy(model)  # a stage-3 state takes the module's parameters (they move to meta)
     state = fzero.init_train_state(model, opt, comm, stage=stage, units=units, seed=seed)
-    step = fzero.make_train_step(loss_for(model, kind), comm, stage=stage, compile=compile)
+    step = fzero.make_train_step(loss_for(model, kind), comm, compile=compile)
     losses = []
     for batch in data:
         state, m = step(state, comm.split_batch(batch))
@@ -205,7 +205,7 @@ def test_tied_sequential_at_stage3():
     assert state.module.units == ("1", "3", "4")
     buckets = {s.path: s.bucket for s in state.layout.slots}
     assert buckets["0.weight"] == 0  # registered in unit "4" and outside it: the root
-    step = fzero.make_train_step(fzero.module_loss(model, crit), comm, stage=3)
+    step = fzero.make_train_step(fzero.module_loss(model, crit), comm)
     for b in data:
         state, _ = step(state, comm.split_batch(b))
     assert_params_match(state, comm, ref, 1e-12)
@@ -218,7 +218,7 @@ def test_stage3_gathers_at_most_two_units_beyond_the_root(checkpointing):
     model.config.n_layer = 4
     tracker = GatherTracker(fzero.SimulatedWorld(2))
     state = fzero.init_train_state(model, fzero.adamw(), tracker, stage=3, units=(GPT2Block,))
-    step = fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), tracker, stage=3)
+    step = fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), tracker)
     size = [0] * (len(state.module.units) + 1)
     for g in state.layout.groups:
         size[g.bucket] += g.padded_numel * 4
@@ -248,7 +248,7 @@ def test_stage3_state_memory_is_sharded():
     assert per_rank == 12 * padded // world
     bf16 = fzero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     report = fzero.memory_report(state.layout, fzero.adamw(), stage=3, precision=bf16)
-    assert report.total - report.padding == pytest.approx(fzero.zero_paper_bytes(psi, 3, world), rel=1e-12)
+    assert report.total - report.padding == pytest.approx(fzero.memory.zero_paper_bytes(psi, 3, world), rel=1e-12)
     assert report.held_total == pytest.approx(per_rank)
 
 
@@ -323,7 +323,7 @@ def test_parameters_changed_between_init_and_step():
     comm = fzero.SimulatedWorld(2)
     state = fzero.init_train_state(model, fzero.adamw(), comm, stage=3, units=(GPT2Block,))
     model.transformer.wte = torch.nn.Embedding(um.VOCAB + 8, 16)  # a layer resized after init
-    step = fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), comm, stage=3)
+    step = fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), comm)
     with pytest.raises(ValueError, match=r"'transformer.wte.weight' of the state is \(32, 16\).*now has \(40, 16\)"):
         step(state, comm.split_batch(_data("lm", 2, torch.float32, n=1)[0]))
 
@@ -342,7 +342,7 @@ def test_a_unit_parameter_used_outside_its_unit_is_named():
     model = UsesOtherUnit()
     comm = fzero.SimulatedWorld(1)
     state = fzero.init_train_state(model, fzero.sgd(lr=0.1), comm, stage=3, units=(torch.nn.Linear,))
-    step = fzero.make_train_step(fzero.module_loss(model, F.mse_loss), comm, stage=3)
+    step = fzero.make_train_step(fzero.module_loss(model, F.mse_loss), comm)
     batch = comm.split_batch((torch.randn(2, 3), torch.randn(2, 3)))
     with pytest.raises(RuntimeError, match=r"parameter 'a.weight' was used .* outside the forward of the unit"):
         step(state, batch)
@@ -363,7 +363,7 @@ def test_stage3_bf16_with_frozen_parameters_bitwise_equals_stage2():
         state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=stage, units=(GPT2Block,),
                                        precision=bf16)
         assert "transformer.h.0.ln_1.weight" not in [s.path for s in state.layout.trainable_slots]
-        step = fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), comm, stage=stage)
+        step = fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), comm)
         for b in data:
             state, m = step(state, comm.split_batch(b))
         out[stage] = state

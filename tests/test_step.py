@@ -9,7 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import fzero
-from fzero.step import compiled_step
+from fzero.compiled import compiled_step
 from helpers import batches, max_rel_err, mlp
 
 mse = torch.nn.functional.mse_loss
@@ -21,7 +21,7 @@ def _setup(world=2, dtype=torch.float32, scaler=None, stage=2, optimizer=None, p
     state = fzero.init_train_state(
         model, optimizer or fzero.adamw(lr=1e-2), comm, scaler=scaler, precision=precision, stage=stage
     )
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm)
     return model, comm, state, step
 
 
@@ -165,7 +165,7 @@ def test_low_precision_reduction_equals_fsdp_hook_math(reduce_dtype, world):
     shard = fzero.init_shard({"w": torch.zeros(5, 3)}, comm, alignment=1)
     g = torch.randn(world, 5, 3).to(reduce_dtype)
     shards = fzero.reduce_scatter_grads(shard, {"w": g}, comm, reduce_dtype=reduce_dtype)
-    pre, post = fzero.gradient_divide_factors(world)
+    pre, post = fzero.comm.gradient_divide_factors(world)
     assert pre * post == world
     total = g[0] / pre if pre > 1 else g[0]
     for r in range(1, world):
@@ -182,7 +182,7 @@ def test_low_precision_reduction_equals_fsdp_hook_math(reduce_dtype, world):
 def test_divide_factors_table():
     table = {1: (1, 1), 2: (2, 1), 3: (2, 1.5), 4: (2, 2), 6: (4, 1.5), 8: (4, 2), 16: (4, 4)}
     for w, (pre, post) in table.items():
-        assert fzero.gradient_divide_factors(w) == (pre, post)
+        assert fzero.comm.gradient_divide_factors(w) == (pre, post)
 
 
 def test_frozen_module_params_and_clipping():

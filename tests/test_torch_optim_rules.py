@@ -38,7 +38,7 @@ LLAMA_RUNS = {"Adamax": ((1, 3),), "NAdam": ((2, 1),), "RAdam": ((3, 2),), "RMSp
               "Adagrad": ((2, 2),), "ASGD": ((3, 1),)}
 
 
-def _rule(name: str) -> fzero.TorchOptimRule:
+def _rule(name: str) -> fzero.torch_optim_rules.TorchOptimRule:
     cls, kw = CLASSES[name]
     return fzero.from_torch_optim(cls, **kw)
 
@@ -142,7 +142,7 @@ def test_checkpoint_reshards_and_torch_state_dicts_continue(name, tmp_path):
     template = fzero.init_train_state(model3, _rule(name), comm3, stage=3, units=children)
     loaded, _ = fzero.load_checkpoint(tmp_path, template, comm3)
     resumed, _ = _train(model3, None, data[2:], 3, 3, state=loaded)
-    a, b = fzero.export_model_state_dict(whole, comm2), fzero.export_model_state_dict(resumed, comm3)
+    a, b = fzero.checkpoint.export_model_state_dict(whole, comm2), fzero.checkpoint.export_model_state_dict(resumed, comm3)
     for k in a:
         assert max_rel_err(b[k], a[k]) <= 1e-12, k
 
@@ -161,7 +161,7 @@ def test_checkpoint_reshards_and_torch_state_dicts_continue(name, tmp_path):
     runs = []
     for sd in (exported, copy.deepcopy(ref.state_dict())):  # load_state_dict shares same-dtype tensors
         twin = mlp(torch.float64, sizes=SIZES)
-        twin.load_state_dict(fzero.export_model_state_dict(state, comm2))
+        twin.load_state_dict(fzero.checkpoint.export_model_state_dict(state, comm2))
         opt = _torch(name, twin.parameters())
         opt.load_state_dict(sd)
         _torch_steps(twin, opt, data[2:])
@@ -234,7 +234,7 @@ def test_compiled_step_and_other_checkpoints_are_refused_by_name(tmp_path):
     fzero.save_checkpoint(state, tmp_path, comm)
     for other, diff in ((_rule("RAdam"), "optimizer kind: 'torch.optim.nadam.NAdam' vs 'torch.optim.radam.RAdam'"),
                         (fzero.from_torch_optim(torch.optim.NAdam, maximize=True), "optimizer static")):
-        with pytest.raises(fzero.CheckpointMismatchError, match=diff):
+        with pytest.raises(fzero.checkpoint.CheckpointMismatchError, match=diff):
             fzero.load_checkpoint(tmp_path, fzero.init_train_state(model, other, comm), comm)
 
 
@@ -272,11 +272,11 @@ def test_param_groups_and_changed_hyperparameters_follow_torch():
     model = mlp(torch.float64, sizes=SIZES)
     comm = fzero.SimulatedWorld(world)
     state = fzero.init_train_state(model, rule, comm, alignment=4)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=2)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm)
     for lr, batch in zip(lrs, data):
         ref.param_groups[0]["lr"] = lr
         _torch_steps(ref_model, ref, [batch], world)
-        state = fzero.pytree.replace(state, opt=fzero.set_hyperparams(state.opt, group=0, lr=lr))
+        state = fzero.pytree.replace(state, opt=fzero.optim.set_hyperparams(state.opt, group=0, lr=lr))
         state, _ = step(state, comm.split_batch(batch))
     _assert_params(state, comm, ref_model)
     with pytest.raises(ValueError, match="param group 1: invalid lr nan"):

@@ -69,15 +69,15 @@ def test_dtype_auto_follows_the_hardware(monkeypatch):
 
     import fzero
 
-    native, why = fzero.native_bf16(torch.device("cpu"))
+    native, why = fzero.precision.native_bf16(torch.device("cpu"))
     probes = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
     if probes is not None:
         assert native == (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     assert why
     mod = _train_gpt()
-    monkeypatch.setattr(fzero, "native_bf16", lambda: (False, "the CPU has neither"))
+    monkeypatch.setattr(fzero.precision, "native_bf16", lambda: (False, "the CPU has neither"))
     assert mod.choose_dtype("auto") == ("fp32", "--dtype auto: the CPU has neither")
-    monkeypatch.setattr(fzero, "native_bf16", lambda: (True, "the CPU has AMX"))
+    monkeypatch.setattr(fzero.precision, "native_bf16", lambda: (True, "the CPU has AMX"))
     assert mod.choose_dtype("auto") == ("bf16", "--dtype auto: the CPU has AMX")
     assert mod.choose_dtype("fp16")[0] == "fp16"
     assert mod.parse_args([]).dtype == "auto"

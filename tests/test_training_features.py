@@ -20,7 +20,7 @@ def _state_and_step(model, comm, stage, **kw):
     model = copy.deepcopy(model)  # a stage-3 state takes the module's parameters (to meta)
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=stage, units=children,
                                    scaler=kw.pop("scaler", None))
-    return state, fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage, **kw)
+    return state, fzero.make_train_step(fzero.module_loss(model, mse), comm, **kw)
 
 
 @pytest.mark.parametrize("stage,defer", [(1, False), (2, False), (2, True), (3, False)])
@@ -46,7 +46,7 @@ def test_deferred_reduction_sends_no_gradients_on_micro_steps(stage, defer, expe
     reduces once; stage 3 always reduces (and gathers) every micro-step."""
     world, k = 2, 4
     model = mlp(torch.float32)
-    counting = fzero.CountingCommunicator(fzero.SimulatedWorld(world))
+    counting = fzero.comm.CountingCommunicator(fzero.SimulatedWorld(world))
     state, step = _state_and_step(model, counting, stage, accum_steps=k, defer_reduce=defer)
     counting.reset()
     step(state, counting.split_batch(batches(1, world, 2 * k, torch.float32)[0], micro_batches=k))

@@ -2,7 +2,7 @@
 output is unused, and the wrap policy's errors.
 
 Ranks that call different units (a branch one rank takes; a list of experts as units) raise
-:class:`fzero.UnitCallError` on gloo, within seconds, with the text the simulated world raises;
+:class:`fzero.units.UnitCallError` on gloo, within seconds, with the text the simulated world raises;
 a tiny Mixtral with whole decoder layers (its MoE layers inside) as units trains at stage 3 on
 gloo bitwise equal to the simulated world, and in float64 equal to the plain-torch oracle.
 """
@@ -85,8 +85,8 @@ def test_unit_call_error_carries_the_call_and_the_ranks():
     torch.manual_seed(0)
     model = cases.ExpertList()
     state = fzero.init_train_state(model, fzero.sgd(lr=0.1), comm, stage=3, units=cases.DIVERGENT["experts"][1])
-    step = fzero.make_train_step(fzero.module_loss(model, F.mse_loss), comm, stage=3)
-    with pytest.raises(fzero.UnitCallError) as info:
+    step = fzero.make_train_step(fzero.module_loss(model, F.mse_loss), comm)
+    with pytest.raises(fzero.units.UnitCallError) as info:
         step(state, comm.split_batch(cases._divergent_data(2, "experts")))
     assert info.value.call == 2 and info.value.calls == {0: "experts.1", 1: None}
 
@@ -97,7 +97,7 @@ def test_ranks_calling_the_same_units_in_a_data_dependent_model_train():
     torch.manual_seed(0)
     model = cases.BranchUnits()
     state = fzero.init_train_state(model, fzero.sgd(lr=0.1), comm, stage=3, units=cases.DIVERGENT["branch"][1])
-    step = fzero.make_train_step(fzero.module_loss(model, F.mse_loss), comm, stage=3)
+    step = fzero.make_train_step(fzero.module_loss(model, F.mse_loss), comm)
     x, y = cases._divergent_data(2, "branch")
     x[4, 0] = 1.0  # rank 1 takes the branch too
     state, m = step(state, comm.split_batch((x, y)))
@@ -129,7 +129,7 @@ def test_mixtral_stage3_float64_equals_the_oracle():
     mine = copy.deepcopy(model)
     state = fzero.init_train_state(mine, make_fz(), comm, stage=3)
     assert state.module.units == ("model.layers.0", "model.layers.1")
-    step = fzero.make_train_step(fzero.module_loss(mine), comm, stage=3)
+    step = fzero.make_train_step(fzero.module_loss(mine), comm)
     losses = []
     for b in data:
         state, m = step(state, comm.split_batch(b))
@@ -191,7 +191,7 @@ def test_zero_d_parameters_in_units_and_root_float64(dim):
     state = fzero.init_train_state(mine, make_fz(), comm, stage=3, units=(Tempered,))
     buckets = {s.path: s.bucket for s in state.layout.slots}
     assert buckets["scale"] == 0 and buckets["blocks.1.temperature"] == 2
-    step = fzero.make_train_step(fzero.module_loss(mine, F.mse_loss), comm, stage=3)
+    step = fzero.make_train_step(fzero.module_loss(mine, F.mse_loss), comm)
     losses = []
     for b in data:
         state, m = step(state, comm.split_batch(b))
@@ -211,7 +211,7 @@ def test_default_units_are_the_blocks_a_transformers_model_names(name, build, bl
     for units in (None, (block,)):
         model = build()
         state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3, units=units)
-        step = fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), comm, stage=3)
+        step = fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), comm)
         for b in data:
             state, _ = step(state, comm.split_batch(b))
         out[units is None] = state
@@ -285,7 +285,7 @@ def test_a_unit_whose_output_is_unused_float64(world):
     mine = copy.deepcopy(model)
     state = fzero.init_train_state(mine, make_fz(), comm, stage=3, units=(torch.nn.Linear,))
     assert state.module.units == ("a", "side", "b")
-    step = fzero.make_train_step(fzero.module_loss(mine, F.mse_loss), comm, stage=3)
+    step = fzero.make_train_step(fzero.module_loss(mine, F.mse_loss), comm)
     losses = []
     for b in data:
         state, m = step(state, comm.split_batch(b))

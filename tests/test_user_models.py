@@ -59,7 +59,7 @@ def fzero_run(model, optimizer, data, world, loss_kind, *, stage, compile=False,
     comm = fzero.SimulatedWorld(world)
     state = fzero.init_train_state(model, optimizer, comm, stage=stage, seed=seed)
     step = fzero.make_train_step(
-        _fzero_loss(model, loss_kind), comm, stage=stage, compile=compile, broadcast_buffers=broadcast
+        _fzero_loss(model, loss_kind), comm, compile=compile, broadcast_buffers=broadcast
     )
     losses = []
     for batch in data:
@@ -298,7 +298,7 @@ def test_criterion_batch_must_be_a_pair():
 
 def test_no_weight_decay_for_unknown_norms():
     model = um.llama()
-    pred = fzero.no_weight_decay_for(model)
+    pred = fzero.optim.no_weight_decay_for(model)
     names = [n for n, _ in model.named_parameters()]
     norms = [n for n in names if "norm" in n]
     assert norms and all(pred(n) for n in norms)

@@ -24,8 +24,8 @@ def _pair(model, world, *, optimizer=None, scaler=None, precision=fzero.MixedPre
     s2 = fzero.init_train_state(model, optimizer or fzero.adamw(lr=1e-2), comm, scaler=scaler, **kw)
     s3 = fzero.init_train_state(model, optimizer or fzero.adamw(lr=1e-2), comm, scaler=scaler, stage=3,
                                 units=children, **kw)
-    step2 = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=2)
-    step3 = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)
+    step2 = fzero.make_train_step(fzero.module_loss(model, mse), comm)
+    step3 = fzero.make_train_step(fzero.module_loss(model, mse), comm)
     return comm, (s2, step2), (s3, step3)
 
 
@@ -37,7 +37,7 @@ def _params(state, comm):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_stage3_equals_stage2_after_20_steps(world, dtype, tol):
     model = mlp(dtype)
-    opt = fzero.adamw(lr=1e-2, weight_decay=0.1, groups=[(fzero.no_weight_decay_for(model), {"weight_decay": 0.0})])
+    opt = fzero.adamw(lr=1e-2, weight_decay=0.1, groups=[(fzero.optim.no_weight_decay_for(model), {"weight_decay": 0.0})])
     comm, (s2, step2), (s3, step3) = _pair(model, world, optimizer=opt)
     assert s3.params == () and len(s3.layout.groups) > len(s2.layout.groups)
     for batch in batches(20, world, 2, dtype):
@@ -84,10 +84,10 @@ def test_stage3_compiled_equals_eager_without_recompiles():
     comm = fzero.SimulatedWorld(2)
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3, units=children,
                                    scaler=fzero.init_scaler(2.0**8, growth_interval=2))
-    eager = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)
+    eager = fzero.make_train_step(fzero.module_loss(model, mse), comm)
     torch._dynamo.reset()
     counters.clear()
-    compiled = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3, compile=True)
+    compiled = fzero.make_train_step(fzero.module_loss(model, mse), comm, compile=True)
     se, sc = state, state
     scales = set()
     for i, (x, y) in enumerate(batches(10, 2, 2, torch.float32)):
@@ -112,8 +112,8 @@ def test_stage3_donating_equals_pure():
     # a stage-3 state takes the module's parameters (they move to meta): one model per state
     pure = fzero.init_train_state(copy.deepcopy(model), fzero.adamw(lr=1e-2), comm, stage=3, units=children)
     donated = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3, units=children)
-    sp = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)
-    sd = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3, donate=True)
+    sp = fzero.make_train_step(fzero.module_loss(model, mse), comm)
+    sd = fzero.make_train_step(fzero.module_loss(model, mse), comm, donate=True)
     for batch in batches(4, 2, 2, torch.float32):
         b = comm.split_batch(batch)
         pure, _ = sp(pure, b)
@@ -125,9 +125,9 @@ def test_stage3_donating_equals_pure():
 @pytest.mark.parametrize("world", [2, 4])
 def test_stage3_communication_is_two_gathers_and_one_reduce_scatter(world):
     model = mlp(torch.float32)
-    counting = fzero.CountingCommunicator(fzero.SimulatedWorld(world))
+    counting = fzero.comm.CountingCommunicator(fzero.SimulatedWorld(world))
     state = fzero.init_train_state(model, fzero.adamw(), counting, stage=3, units=children)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), counting, stage=3)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), counting)
     counting.reset()
     step(state, counting.split_batch(batches(1, world, 2, torch.float32)[0]))
     psi = state.layout.num_padded
@@ -159,11 +159,11 @@ def test_stage3_root_travels_with_the_first_unit(world):
     block = lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())  # noqa: E731
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), block(), block(), block(), torch.nn.Linear(8, 3))
     units = lambda name, m: name in ("1", "2", "3")  # noqa: E731
-    counting = fzero.CountingCommunicator(fzero.SimulatedWorld(world))
+    counting = fzero.comm.CountingCommunicator(fzero.SimulatedWorld(world))
     s2 = fzero.init_train_state(model, fzero.adamw(lr=1e-2), fzero.SimulatedWorld(world), stage=2, units=units)
     s3 = fzero.init_train_state(model, fzero.adamw(lr=1e-2), counting, stage=3, units=units)
-    step3 = fzero.make_train_step(fzero.module_loss(model, mse), counting, stage=3)
-    step2 = fzero.make_train_step(fzero.module_loss(model, mse), fzero.SimulatedWorld(world), stage=2)
+    step3 = fzero.make_train_step(fzero.module_loss(model, mse), counting)
+    step2 = fzero.make_train_step(fzero.module_loss(model, mse), fzero.SimulatedWorld(world))
     for batch in batches(3, world, 2, torch.float32, d_in=4):
         counting.reset()
         s3, _ = step3(s3, counting.split_batch(batch))
@@ -181,7 +181,7 @@ def test_stage3_holds_at_most_two_units_of_gathered_parameters():
     model = torch.nn.Sequential(*blocks, torch.nn.Linear(64, 4))
     tracker = GatherTracker(fzero.SimulatedWorld(2))
     state = fzero.init_train_state(model, fzero.adamw(), tracker, stage=3, units=children, alignment=1)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), tracker, stage=3)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), tracker)
     tracker.reset_peak()
     x = torch.randn(2, 3, 64)
     state, _ = step(state, (x, torch.randn(2, 3, 4)))
@@ -223,7 +223,7 @@ def test_stage3_needs_units_and_a_stage3_state():
     plain = fzero.init_train_state(model, fzero.adamw(), comm, stage=3, units=children)
     without_units = dataclasses.replace(plain, module=dataclasses.replace(plain.module, units=()))
     with pytest.raises(ValueError, match="no shard units"):
-        fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=3)(
+        fzero.make_train_step(fzero.module_loss(model, mse), comm)(
             without_units, comm.split_batch(batches(1, 2, 2, torch.float32)[0]))
 
 
@@ -246,7 +246,7 @@ def _grouped_model(kind):
     if kind == "mixed":  # a float64 unit and a float32 unit: two master dtypes
         return torch.nn.Sequential(torch.nn.Linear(7, 5).double(), torch.nn.Linear(5, 3)), fzero.adamw()
     model = mlp(torch.float32, sizes=(7, 13, 5, 3))
-    return model, fzero.adamw(groups=[(fzero.no_weight_decay_for(model), {"weight_decay": 0.0})])
+    return model, fzero.adamw(groups=[(fzero.optim.no_weight_decay_for(model), {"weight_decay": 0.0})])
 
 
 @pytest.mark.parametrize("kind,groups", [("one", 1), ("two", 2), ("mixed", 2), ("many", 7)])
@@ -261,7 +261,7 @@ def test_one_collective_for_all_groups_equals_one_per_group(world, reduce_dtype,
     )
 
     model, opt = _grouped_model(kind)
-    comm = fzero.CountingCommunicator(fzero.SimulatedWorld(world))
+    comm = fzero.comm.CountingCommunicator(fzero.SimulatedWorld(world))
     state = fzero.init_train_state(model, opt, comm, stage=3, units=children, alignment=1)
     lay = state.layout
     assert len(lay.groups) == groups

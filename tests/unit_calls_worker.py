@@ -45,7 +45,7 @@ def train_mixtral(comm, steps: int = STEPS) -> dict:
     """Stage 3, default units (the decoder layers), AdamW, the model's own loss."""
     model = um.mixtral()
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3, seed=3)
-    step = fzero.make_train_step(fzero.module_loss(model), comm, stage=3)
+    step = fzero.make_train_step(fzero.module_loss(model), comm)
     losses = []
     for ids, _ in um.token_batches(steps, comm.world_size * 2, vocab=um.MIXTRAL_VOCAB):
         state, m = step(state, comm.split_batch({"input_ids": ids, "labels": ids}))

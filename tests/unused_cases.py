@@ -81,7 +81,7 @@ def run_fzero(comm: fzero.Communicator, opt: str, stage: int, compile: bool = Fa
     model = Gated(branch)
     units = dict(units=lambda name, m: name in UNITS) if stage == 3 else {}
     state = fzero.init_train_state(model, OPTIMIZERS[opt][0](), comm, stage=stage, alignment=4, **units)
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, stage=stage, compile=compile,
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, compile=compile,
                                  unused=unused, accum_steps=accum)
     for b in batches(comm.world_size * accum):
         state, _ = step(state, comm.split_batch(b, micro_batches=accum))

@@ -4,7 +4,7 @@
 The oracle is what a user would run with DDP, written without fzero: one model
 copy per rank, rank 0's buffers copied to every rank before each forward
 (``broadcast_buffers=True``), each rank's generator seeded with
-``fzero.rank_seed(seed, rank)``, per-rank forward and backward, gradients
+``fzero.rng.rank_seed(seed, rank)``, per-rank forward and backward, gradients
 summed over ranks and divided by W, then one ``torch.optim`` step.
 """
 
@@ -183,7 +183,7 @@ def oracle_run(
     replicas = [copy.deepcopy(model) for _ in range(world)]
     gens = []
     for r in range(world):
-        torch.manual_seed(fzero.rank_seed(seed, r))
+        torch.manual_seed(fzero.rng.rank_seed(seed, r))
         gens.append(torch.get_rng_state())
     saved = torch.get_rng_state()
     losses = []

@@ -23,7 +23,7 @@ STEPS = 4
 def _train(model, comm, data, *, compile=False, opt=None, loss="lm", seed=7, stage=2, units=None):
     state = fzero.init_train_state(model, opt or fzero.adamw(lr=1e-2), comm, seed=seed, stage=stage, units=units)
     crit = um.lm_criterion if loss == "lm" else torch.nn.functional.cross_entropy
-    step = fzero.make_train_step(fzero.module_loss(model, crit), comm, compile=compile, stage=stage)
+    step = fzero.make_train_step(fzero.module_loss(model, crit), comm, compile=compile)
     losses = []
     for batch in data:
         state, m = step(state, comm.split_batch(batch))
