@@ -36,7 +36,7 @@ from typing import Any, ClassVar, Iterator, Mapping, Optional, Sequence
 import torch
 
 from .comm import Communicator
-from .layout import FlatGroup, Layout
+from .layout import Layout
 from .optim import GroupSpec, Optimizer, _groups, _vector_dtype, vector_spans
 from .sharding import shard_pieces, trainable_index
 

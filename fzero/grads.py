@@ -23,6 +23,7 @@ Imports: buckets, layout, module, rng, scaler, sharding, state, units.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -130,9 +131,8 @@ def loss_grads(
                                       via_all_reduce=state.stage == 1, flat=True)
         return out._replace(grads=shards, reduced=True)
     prepare = None
-    if prior is not None or divide != 1:
-        def prepare(g: FlatGroup, flat: torch.Tensor) -> torch.Tensor:
-            return _accumulated(g, None if prior is None else prior[g.index], flat, divide)
+    if prior is not None or divide != 1:  # the same operations as the compiled path, bucket by bucket
+        prepare = functools.partial(_accumulated_group, prior=prior, divide=divide)
     buckets = buckets_of(state.layout)
     reduction = BucketReduction(
         buckets, comm, reduce_dtype, [(b,) for b in range(len(buckets) - 1, -1, -1)], in_order=True,
@@ -149,6 +149,11 @@ def _accumulated(g: FlatGroup, prior: Optional[torch.Tensor], flat: torch.Tensor
     a deferred accumulation at its last micro-batch, before it is reduced."""
     total = flat if prior is None else prior.to(g.master_dtype) + flat
     return total / divide if divide != 1 else total
+
+
+def _accumulated_group(g: FlatGroup, flat: torch.Tensor, *, prior: Optional[tuple[torch.Tensor, ...]],
+                       divide: int) -> torch.Tensor:
+    return _accumulated(g, None if prior is None else prior[g.index], flat, divide)
 
 
 def _unit_grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicator, workspace: Workspace) -> Grads:

@@ -307,12 +307,26 @@ class _Started(NamedTuple):
     sends_input: bool
 
 
+def _after_the_sum(result: int, shard: int, rdtype: torch.dtype, out_dtype: torch.dtype,
+                   world: int) -> list[tuple[int, int]]:
+    """What a reduction's result goes through once summed, as ``(bytes made, bytes dropped)``
+    in order: in 16 bits the division by FSDP's post-factor (a new ``shard``-element buffer),
+    then the cast to ``out_dtype``; ``result``: the summed result's bytes."""
+    steps = []
+    if rdtype in LOW_PRECISION and gradient_divide_factors(world)[1] > 1:
+        steps.append((shard * _size(rdtype), result))
+        result = shard * _size(rdtype)
+    if out_dtype != rdtype:
+        steps.append((shard * _size(out_dtype), result))
+    return steps
+
+
 def _collective(heap: "_Heap", comm: Communicator, stage: int, numel: int, in_dtype: torch.dtype,
                 rdtype: torch.dtype, out_dtype: torch.dtype) -> Optional[_Started]:
     """Start one reduction of a ``[R, numel]`` flat gradient in ``in_dtype`` (its
     allocations replayed now): what its wait does (:class:`_Started`)."""
     rows, world = comm.local_ranks, comm.world_size
-    pre, post = gradient_divide_factors(world)
+    pre, _ = gradient_divide_factors(world)
     low = rdtype in LOW_PRECISION
     fp = comm.reduction_footprint(numel, "sum" if low else "avg", via_all_reduce=stage == 1)
     if fp is None:
@@ -337,14 +351,10 @@ def _collective(heap: "_Heap", comm: Communicator, stage: int, numel: int, in_dt
     results = [] if fp.result_first else [fp.result * size]
     then, rest = [], [fp.held * size]
     result = fp.result * size
-    if low and post > 1:
-        then.append(shard * size)
-        rest.append(result)
-        result = shard * size
-    if out_dtype != rdtype:
-        then.append(shard * _size(out_dtype))
-        rest.append(result)
-        result = shard * _size(out_dtype)
+    for made, dropped in _after_the_sum(result, shard, rdtype, out_dtype, world):
+        then.append(made)
+        rest.append(dropped)
+        result = made
     # whether the collective keeps the caller's own tensor (not a copy) until the wait
     sends_input = fp.keeps_input and in_dtype == rdtype and not (low and pre > 1)
     return _Started((results, [send], then, rest), result, fp.keeps_input, sends_input)
@@ -1005,15 +1015,11 @@ class _RankReplay:
         """A reduced ``result`` (bytes) finished: divided after the sum in 16 bits, cast to
         ``out_dtype``, each of ``cuts`` cut out in its master dtype. Allocates what that makes;
         returns the bytes it leaves to free."""
-        size, heap, frees = _size(rdtype), self.rheap, []
-        if rdtype in LOW_PRECISION and gradient_divide_factors(self.world)[1] > 1:
-            heap.alloc(shard * size)
-            frees.append(result)
-            result = shard * size
-        if out_dtype != rdtype:
-            heap.alloc(shard * _size(out_dtype))
-            frees.append(result)
-            result = shard * _size(out_dtype)
+        heap, frees = self.rheap, []
+        for made, dropped in _after_the_sum(result, shard, rdtype, out_dtype, self.world):
+            heap.alloc(made)
+            frees.append(dropped)
+            result = made
         cast = [g.shard_numel * _size(g.master_dtype) for g in cuts if g.master_dtype != rdtype]
         for c in cast:
             heap.alloc(c)

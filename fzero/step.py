@@ -44,7 +44,7 @@ from .replicas import ReplicaDivergenceError, check_replicas, digest_parts, part
 from .scaler import unscale_and_clip, update_scale
 from .schedules import Schedule, apply_schedules
 from .scopes import UPDATE, step_scope
-from .sharding import all_gather_params, check_world, reduce_scatter_grads, shard_step
+from .sharding import all_gather_params, check_world, shard_step
 from .state import TrainState, consume, ensure_live
 from .units import CompiledUnits
 
@@ -291,12 +291,14 @@ def make_train_step(
     if compile:
         compiled = compiled_step(step, comm.local_ranks * K, workspace)
 
-        def core(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        def checked_compiled(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
             # before the graph: a bad shape raises our error, not a recompile that fails inside
             check_state(state, comm, stage)
             check_batch(batch, comm.local_ranks, K)
             check_compilable(state.opt.optimizer)
             return compiled(state, batch)
+
+        core = checked_compiled
     if check_replicas_every:
         core = checking_replicas(core, comm, check_replicas_every, replica_check)
     core = naming_step(core)
