@@ -64,11 +64,11 @@ def compiled_step(step: StepFn, backward_regions: int = 1, workspace: Optional[W
       with a ``context_fn`` is dropped (those regions recompute only the gather and views).
       States of another stage are compiled without them (a graph per stage).
     """
-    by_stage: dict[bool, Any] = {}
+    by_regather: dict[bool, Any] = {}
     warned: list[bool] = []
 
     def compiled_for(regather: bool) -> Any:
-        if regather not in by_stage:
+        if regather not in by_regather:
             dynamo_flags = {"trace_autograd_ops": True}
             if regather:
                 # compiled stage 3's units bind their gathered parameters inside a checkpointed
@@ -80,8 +80,8 @@ def compiled_step(step: StepFn, backward_regions: int = 1, workspace: Optional[W
             # and a context keeps every variable ever set in it, so a new patch per call grew the
             # heap by about 0.4 kB a step for the life of the process.
             patches = (torch._dynamo.config.patch(**dynamo_flags), torch._functorch.config.patch(**functorch_flags))
-            by_stage[regather] = (torch.compile(_with_own_code(step), fullgraph=True, dynamic=False), patches)
-        return by_stage[regather]
+            by_regather[regather] = (torch.compile(_with_own_code(step), fullgraph=True, dynamic=False), patches)
+        return by_regather[regather]
 
     def run(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         units = workspace.regather if workspace is not None and state.stage == 3 else None

@@ -47,9 +47,9 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 class Grads(NamedTuple):
     """One micro-batch's gradients, losses and what the forward left, per local rank.
 
-    ``grads``: per flat group, either (``reduced``) the average over ranks of the scaled
-    gradient, this rank's shard ``[R, shard_numel]`` in the master dtype, or (not
-    ``reduced``) each local rank's own scaled gradient, the whole flat buffer
+    ``grads``: per flat group, either (:func:`loss_grads` with ``reduce=True``) the average
+    over ranks of the scaled gradient, this rank's shard ``[R, shard_numel]`` in the master
+    dtype, or (``reduce=False``) each local rank's own scaled gradient, the whole flat buffer
     ``[R, padded_numel]`` in the compute dtype. ``losses``: ``[R]`` fp32, unscaled.
     ``buffers``: the module buffers the forward left, ``[R, ...]`` each; ``rng``: the
     generator states it left (or the state's). ``used``: ``[R, T]`` float64, 1 where the
@@ -62,7 +62,6 @@ class Grads(NamedTuple):
     rng: tuple[torch.Tensor, ...]
     used: torch.Tensor
     every: bool = False
-    reduced: bool = True
 
 
 class Workspace:
@@ -129,7 +128,7 @@ def loss_grads(
                           zip(state.layout.groups, prior or (None,) * len(flats), flats))
         shards = reduce_scatter_grads(state.shard, flats, comm, reduce_dtype=reduce_dtype,
                                       via_all_reduce=state.stage == 1, flat=True)
-        return out._replace(grads=shards, reduced=True)
+        return out._replace(grads=shards)
     prepare = None
     if prior is not None or divide != 1:  # the same operations as the compiled path, bucket by bucket
         prepare = functools.partial(_accumulated_group, prior=prior, divide=divide)
@@ -141,7 +140,7 @@ def loss_grads(
     )
     out = _rank_grads(loss_fn, state, batch, comm.local_ranks, reduction)
     shards = reduction.finish(state.params[0].device, state.precision.param_dtype)
-    return out._replace(grads=shards, reduced=True)
+    return out._replace(grads=shards)
 
 
 def _accumulated(g: FlatGroup, prior: Optional[torch.Tensor], flat: torch.Tensor, divide: int) -> torch.Tensor:
@@ -182,10 +181,10 @@ def _unit_grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicat
         gathered = all_gather_params(state.shard, comm, param_dtype, flat=True)
         out = _rank_grads(loss_fn, replace(state, params=gathered), batch, comm.local_ranks)
         shards = reduce_scatter_grads(state.shard, out.grads, comm, reduce_dtype=reduce_dtype, flat=True)
-        return out._replace(grads=shards, reduced=True)
+        return out._replace(grads=shards)
     else:
         out = unit_grads(loss_fn, state.shard, comm, batch, rng=state.rng[0] if state.rng else None, **common)
-    return Grads(out.shards, out.losses, out.buffers, out.rng or state.rng, out.used, out.every, reduced=True)
+    return Grads(out.shards, out.losses, out.buffers, out.rng or state.rng, out.used, out.every)
 
 
 def _rank_grads(
@@ -280,5 +279,4 @@ def _rank_grads(
         (stack_rows(new_rng),) if swap_rng else state.rng,
         torch.tensor(used, dtype=torch.float64, device=device),
         all(all(row) for row in used),
-        reduced=False,
     )

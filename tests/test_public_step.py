@@ -8,6 +8,8 @@ import ast
 import inspect
 import pathlib
 
+import pytest
+
 import fzero
 import fzero.step as step_module
 from fzero import sharding
@@ -93,3 +95,40 @@ def test_top_level_is_small_and_documented():
     # internals stay in their modules
     for internal in ("consume", "ensure_live", "check_batch", "build_layout", "NAMESPACE", "ParamSlot"):
         assert internal not in names
+
+
+def test_flat_and_started_forms_equal_the_tree_forms():
+    """``reduce_scatter_grads`` on the parameter tree, on the flat groups, and started then
+    waited for give the same bits; ``all_gather_params(flat=True)`` (new buffers and ``into=``)
+    holds exactly the tree form's parameters. Buckets of unequal sizes, W=3."""
+    import torch
+
+    from fzero.layout import flatten_group
+    from fzero.sharding import _grad_leaves
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    comm = fzero.SimulatedWorld(3)
+    state = fzero.init_train_state(model, fzero.sgd(lr=0.1), comm, stage=2, bucket_numel=20)
+    lay = state.layout
+    assert len(lay.groups) > 1
+    tree = {n: torch.randn(3, *p.shape) for n, p in model.named_parameters()}
+    leaves = _grad_leaves(lay, tree, 3)
+    flats = tuple(flatten_group(lay, g, leaves) for g in lay.groups)
+    by_tree = fzero.reduce_scatter_grads(state.shard, tree, comm)
+    by_flat = fzero.reduce_scatter_grads(state.shard, flats, comm, flat=True)
+    started = fzero.reduce_scatter_grads(state.shard, flats, comm, flat=True, start=True)
+    assert callable(started)
+    for a, b, c in zip(by_tree, by_flat, started()):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    params = fzero.all_gather_params(state.shard, comm)
+    flat = fzero.all_gather_params(state.shard, comm, flat=True)
+    into = tuple(torch.full_like(f, float("nan")) for f in flat)
+    assert fzero.all_gather_params(state.shard, comm, flat=True, into=into) is not None
+    for g, f, i in zip(lay.groups, flat, into):
+        assert torch.equal(f, i)
+        for k in g.slots:
+            s = lay.slots[k]
+            assert torch.equal(f[:, s.offset:s.offset + s.numel].reshape(3, *s.shape), params[s.path])
+    with pytest.raises(ValueError, match="flat group"):
+        fzero.reduce_scatter_grads(state.shard, flats[:-1], comm, flat=True)
