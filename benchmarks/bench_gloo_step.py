@@ -771,6 +771,10 @@ def report(args, cfg, n_params: int, results: dict, volume: dict | None, refs: d
     print(f"AdamW lr={LR} betas={BETAS} eps={EPS} weight_decay={WEIGHT_DECAY} (all params) for every system; "
           f"gloo, W={WORLD}, 1 thread/rank; {args.warmup} warm-up + {args.steps} timed steps "
           f"(interleaved in {max(1, min(args.rounds, args.steps))} rounds); times on rank 0")
+    from fzero.host_malloc import large_pages
+
+    on, why = large_pages()
+    print(f"huge pages {'on' if on else 'off'} in the ranks (every system alike): {why}")
     if volume:
         for stage in (1, 2):
             v = volume[stage]

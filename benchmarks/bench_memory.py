@@ -43,6 +43,12 @@ max over the 2 ranks unless said):
 * ``ms/step``: median wall time of the timed steps on rank 0 (they run back to back
   after one ``dist.barrier()``; a handful of steps: a rough figure, see
   ``bench_gloo_step.py`` for timings);
+* ``kflt/step``: rank 0's minor page faults per timed step (median, thousands): each first
+  touch of memory the step got fresh from the kernel, one per 4 KiB page, or per 2 MiB where
+  the ranks have huge pages. The table's last lines say whether they do and why
+  (:func:`fzero.host_malloc.large_pages`); the ranks inherit the launching environment, so
+  ``THP_MEM_ALLOC_ENABLE=1 python benchmarks/bench_memory.py ...`` runs every system with
+  PyTorch's huge-page allocation;
 * census (rank 0, one step after the timed ones, :class:`fzero.testing.census.Census`:
   CPU allocator bytes of tensor storages live at the step's allocation peak; not Python
   objects, not gloo's internal buffers, not malloc's slack): ``state`` the system's
@@ -60,6 +66,11 @@ max over the 2 ranks unless said):
   compare ``heap``. The census's step is not one of the timed
   steps and its profiler runs after every RSS number was read, so its overhead is in
   neither; the census step itself sees the same allocations as any other step.
+
+A compiled system's note says whether its warm-up found inductor's cache warm (hits and misses
+of the FX graph cache): compiling with a cold cache leaves the compiler's own memory in the
+process (about 100 MiB more held at 162M parameters, one launch each), so run a compiled system
+twice for its memory, or read the note.
 
 ``--long N`` runs N steps after warm-up instead (no census, no timing) and prints
 RSS and malloc's live heap (``mallinfo2``), minus the baseline, at steps N/4, N/2,
@@ -184,6 +195,27 @@ def model_args(args: argparse.Namespace) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- worker
+def minor_faults() -> int:
+    """Page faults this process took that needed no disk read (``getrusage().ru_minflt``): each
+    first touch of freshly mapped memory, one per page (4 KiB, or 2 MiB for a huge page)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def inductor_cache_use() -> Optional[tuple[int, int]]:
+    """``(hits, misses)`` of inductor's FX graph cache in this process so far, or ``None`` where
+    nothing was compiled. A compiled system whose warm-up compiled with a cold cache kept about
+    100 MiB more RSS at 162M parameters (the compiler's own memory; one launch each), so the
+    table says which it was."""
+    if "torch._dynamo" not in sys.modules:
+        return None
+    from torch._dynamo.utils import counters
+
+    hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    return (int(hits), int(misses)) if hits or misses else None
+
+
 def make_ctx(cfg: GPTConfig, args: argparse.Namespace, total: int, rank: int) -> dict:
     """``bench_gloo_step``'s context: the config, seed, model kind, ``total`` global
     batches and this rank's micro-batches. At most 16 distinct batches (reused in turn),
@@ -260,6 +292,7 @@ def measure(key: str, ctx: dict, args: argparse.Namespace) -> dict:
     out = {"init_peak": peak_rss_bytes() - base, "peak_reset": can_reset}
     for i in range(args.warmup):
         runner.step(i)
+    out["inductor_cache"] = inductor_cache_use()
     reset_peak_rss()
     dist.barrier()
     if args.long:
@@ -272,11 +305,12 @@ def measure(key: str, ctx: dict, args: argparse.Namespace) -> dict:
                 out["long"][n] = [rss_bytes() - base, heap - heap0 if heap is not None and heap0 is not None else None]
         out["step_peak"] = peak_rss_bytes() - base
         return out
-    times = []
+    times, faults = [], []
     for i in range(args.warmup, args.warmup + args.steps):
-        t = time.perf_counter()
+        f, t = minor_faults(), time.perf_counter()
         runner.step(i)
         times.append(time.perf_counter() - t)
+        faults.append(minor_faults() - f)
     out["step_peak"] = peak_rss_bytes() - base
     dist.barrier()
     time.sleep(SETTLE)
@@ -284,6 +318,7 @@ def measure(key: str, ctx: dict, args: argparse.Namespace) -> dict:
     heap = malloc_in_use()
     out["heap"] = heap - heap0 if heap is not None and heap0 is not None else None
     out["ms"] = statistics.median(times) * 1e3
+    out["faults"] = statistics.median(faults)
     out["census"] = census_step(runner, args.warmup + args.steps)
     out["note"] = runner.note
     return out
@@ -306,8 +341,11 @@ def worker(args: argparse.Namespace) -> None:
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, res)
     if rank == 0:
+        from fzero.host_malloc import large_pages
+
         n_params = sum(p.numel() for p in build(args.model, cfg, args.seed).parameters())
-        print(RESULT + json.dumps({"ranks": everyone, "n_params": n_params}), flush=True)
+        print(RESULT + json.dumps({"ranks": everyone, "n_params": n_params, "large_pages": large_pages()}),
+              flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -345,8 +383,8 @@ def _failure(res: dict) -> Optional[str]:
 
 def format_table(args: argparse.Namespace, results: dict[str, dict]) -> str:
     """The per-system table (module doc); ``results``: key -> a launch's result."""
-    cols = ["init peak", "step peak", "held", "heap", "ms/step", "state", "new st.", "module", "other", "total",
-            "/peak"]
+    cols = ["init peak", "step peak", "held", "heap", "ms/step", "kflt/step", "state", "new st.", "module", "other",
+            "total", "/peak"]
     head = f"{'system':<11} " + " ".join(f"{c:>9}" for c in cols) + "  note"
     lines = [head, "-" * len(head)]
     for key, res in results.items():
@@ -360,14 +398,22 @@ def format_table(args: argparse.Namespace, results: dict[str, dict]) -> str:
         c = ranks[0]["census"]
         cells = [_mib(top["init_peak"]), _mib(top["step_peak"]), _mib(top["held"]),
                  _mib(max(heaps)) if heaps else "-", f"{ranks[0]['ms']:.1f}",
+                 f"{ranks[0]['faults'] / 1e3:.1f}" if "faults" in ranks[0] else "-",
                  *(_mib(c[k]) for k in ("state", "new st.", "module", "other", "total")),
                  f"{c['total'] / max(ranks[0]['step_peak'], 1):.2f}"]
         note = ranks[0]["note"] + (f"; census missed {c['missed']} frees" if c["missed"] else "")
+        if ranks[0].get("inductor_cache"):
+            hits, misses = ranks[0]["inductor_cache"]
+            note += f"; inductor cache {'warm' if not misses else 'cold'} ({hits} hits, {misses} misses)"
         if not ranks[0].get("peak_reset", True):
             note += "; peak RSS could not be reset: peaks are since process start"
         lines.append(f"{key:<11} " + " ".join(f"{x:>9}" for x in cells) + f"  {note}")
     lines.append("heap: malloc's live bytes after the timed steps minus the baseline (mallinfo2); "
-                 "held - heap: freed memory malloc keeps")
+                 "held - heap: freed memory malloc keeps; kflt/step: rank 0's minor page faults per timed step "
+                 "(median, thousands)")
+    pages = {tuple(r["large_pages"]) for r in results.values() if "large_pages" in r}
+    for on, why in sorted(pages):
+        lines.append(f"huge pages {'on' if on else 'off'} in the ranks: {why}")
     return "\n".join(lines)
 
 

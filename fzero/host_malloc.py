@@ -27,6 +27,18 @@ a setting of the whole process, as the many applications that pin it at start
 do; fzero logs it (logger ``fzero``, INFO). Elsewhere (another C library, a
 preloaded jemalloc or tcmalloc) nothing is changed.
 
+Large pages. Pinned or not, a block of many MiB comes fresh from the kernel each time a step
+allocates it, and its first touch faults every 4 KiB page in: measured on this project's machine,
+filling a fresh 162 MB tensor took 101 ms against 27 ms for memory already mapped; with
+transparent huge pages (2 MiB) 37 ms. A compiled stage-2 step of a 162M-parameter model on gloo
+W=2 faults about 730 000 pages a step (2.9 GB: its gradients, the collectives' receive buffers,
+the gathered parameters), DDP's about 190 000-310 000. A process cannot turn huge pages on for
+itself once it runs: the kernel gives them to mappings that ask (``madvise`` mode, the default of
+most distributions), and who asks is decided at start: PyTorch's ``THP_MEM_ALLOC_ENABLE=1``
+(read at the first allocation of 2 MiB or more: in the launch's environment) or glibc's
+``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``. :func:`large_pages` says whether this process has
+them and why; a CPU state logs it once (logger ``fzero``, INFO) with the setting to launch with.
+
 Imports: torch only (none of fzero).
 """
 
@@ -37,9 +49,10 @@ import ctypes.util
 import logging
 import os
 import platform
-from typing import Optional
+from typing import Mapping, Optional
 
-__all__ = ["DEFAULT_MMAP_THRESHOLD", "pin_mmap_threshold", "keep_host_malloc", "apply_host_malloc_policy"]
+__all__ = ["DEFAULT_MMAP_THRESHOLD", "pin_mmap_threshold", "keep_host_malloc", "apply_host_malloc_policy",
+           "large_pages", "THP_ENV"]
 
 # Above every activation and per-parameter gradient of a small model and below the
 # blocks that fragment a large one's heap (gathered units, flat gradients and their
@@ -47,6 +60,10 @@ __all__ = ["DEFAULT_MMAP_THRESHOLD", "pin_mmap_threshold", "keep_host_malloc", "
 DEFAULT_MMAP_THRESHOLD = 4 << 20
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+
+# PyTorch's own switch: allocations of 2 MiB or more aligned to 2 MiB and advised as huge pages
+THP_ENV = "THP_MEM_ALLOC_ENABLE"
+_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 _log = logging.getLogger("fzero")
 _decided: Optional[str] = None  # "pinned", "kept", "environment", "unsupported"
@@ -100,4 +117,52 @@ def apply_host_malloc_policy(device_type: str) -> Optional[str]:
         elif pin_mmap_threshold(DEFAULT_MMAP_THRESHOLD):
             _log.info("fzero: pinned glibc's mmap threshold at %d bytes (fzero.host_malloc; "
                       "fzero.host_malloc.keep_host_malloc() before init_train_state leaves it alone)", DEFAULT_MMAP_THRESHOLD)
+        on, why = large_pages()
+        _log.info("fzero: large tensors %s huge pages: %s", "get" if on else "do not get", why)
     return _decided
+
+
+def _kernel_thp_mode(path: str = _THP_MODE) -> Optional[str]:
+    """The kernel's transparent-huge-page mode (``always``, ``madvise``, ``never``), or ``None``."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None
+
+
+def _asked_in_environment(env: Mapping[str, str]) -> Optional[str]:
+    """Which setting of the launch's environment asks for huge pages, if one does."""
+    if env.get(THP_ENV) == "1":  # PyTorch takes "1" and ignores anything else but "0"
+        return f"{THP_ENV}={env[THP_ENV]} (PyTorch's allocator advises its blocks of 2 MiB or more)"
+    for tunable in env.get("GLIBC_TUNABLES", "").split(":"):
+        name, _, value = tunable.partition("=")
+        if name.strip() == "glibc.malloc.hugetlb" and value.strip() in ("1", "2"):
+            return f"GLIBC_TUNABLES {tunable.strip()} (glibc's malloc advises its mappings)"
+    return None
+
+
+def large_pages(env: Optional[Mapping[str, str]] = None, mode: Optional[str] = "read") -> tuple[bool, str]:
+    """Whether large CPU tensors of this process are backed by transparent huge pages, and why.
+
+    ``env``: the environment the process started with (default ``os.environ``); ``mode``: the
+    kernel's THP mode (default: read from ``/sys/kernel/mm/transparent_hugepage/enabled``).
+    ``always``: yes. ``madvise``: when the launch asked (``THP_MEM_ALLOC_ENABLE=1`` or glibc's
+    ``hugetlb`` tunable; set after the process's first large allocation, PyTorch's switch is
+    not read any more). ``never``, or no THP: no."""
+    env = os.environ if env is None else env
+    mode = _kernel_thp_mode() if mode == "read" else mode
+    if mode is None:
+        return False, "the kernel has no transparent huge pages (or does not say: no " + _THP_MODE + ")"
+    if mode == "always":
+        return True, "the kernel backs every large mapping with huge pages (THP mode 'always')"
+    if mode == "never":
+        return False, "the kernel's THP mode is 'never'"
+    asked = _asked_in_environment(env)
+    if asked:
+        return True, f"the kernel gives them to mappings that ask (THP mode '{mode}') and the launch asked: {asked}"
+    return False, (f"the kernel gives them only to mappings that ask (THP mode '{mode}') and nothing asked: "
+                   f"launch with {THP_ENV}=1 (every fresh block of a step then faults in 2 MiB pages, "
+                   f"not 4 KiB ones; fzero.host_malloc)")

@@ -34,6 +34,7 @@ def test_bench_memory_prints_a_row_of_numbers_per_system():
     for key in ("ddp", "fzero-s2"):
         row = next((ln for ln in out.splitlines() if ln.startswith(key + " ")), None)
         assert row is not None and "FAILED" not in row, out
-        assert re.match(re.escape(key) + f"({number}){{11}}", row), row   # 11 numeric columns
+        assert re.match(re.escape(key) + f"({number}){{12}}", row), row   # 12 numeric columns
         assert f"census of {key}" in out
+    assert re.search(r"^huge pages (on|off) in the ranks: ", out, re.M), out
     assert "parameters" in out.splitlines()[0]

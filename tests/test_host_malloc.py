@@ -75,3 +75,47 @@ def test_pin_rejects_a_threshold_glibc_cannot_take():
 
     with pytest.raises(ValueError, match="32 MiB"):
         host_malloc.pin_mmap_threshold(64 << 20)
+
+
+def test_large_pages_says_what_the_launch_asked_for():
+    from fzero.host_malloc import THP_ENV, large_pages
+
+    assert large_pages({}, mode="always")[0]
+    assert not large_pages({THP_ENV: "1"}, mode="never")[0]
+    assert not large_pages({THP_ENV: "1"}, mode=None)[0]
+    off, why = large_pages({}, mode="madvise")
+    assert not off and f"{THP_ENV}=1" in why  # the advice names the setting
+    assert large_pages({THP_ENV: "1"}, mode="madvise")[0]
+    assert not large_pages({THP_ENV: "0"}, mode="madvise")[0]
+    assert not large_pages({THP_ENV: "yes"}, mode="madvise")[0]  # PyTorch ignores anything but 0/1
+    assert large_pages({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4096:glibc.malloc.hugetlb=1"}, mode="madvise")[0]
+    assert not large_pages({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, mode="madvise")[0]
+
+
+# Faults in a fresh 64 MiB block filled once: one per page touched.
+_FAULTS = r"""
+import json, resource, torch
+from fzero.host_malloc import large_pages
+f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+x = torch.empty(16 << 20)
+x.fill_(1.0)
+print(json.dumps({"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f, "on": large_pages()[0]}))
+"""
+
+
+def test_the_advised_setting_gives_a_fresh_block_huge_pages():
+    from fzero.host_malloc import THP_ENV, _kernel_thp_mode
+
+    if _kernel_thp_mode() != "madvise":
+        pytest.skip("the kernel's THP mode is not 'madvise': the launch's setting decides nothing")
+    env = {k: v for k, v in os.environ.items() if k not in (THP_ENV, "GLIBC_TUNABLES")}
+    got = {}
+    for asked in (False, True):
+        run_env = {**env, THP_ENV: "1"} if asked else env
+        out = subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True, timeout=120,
+                             env=run_env, check=True)
+        got[asked] = json.loads(out.stdout.strip().splitlines()[-1])
+    pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert not got[False]["on"] and got[False]["faults"] > pages // 2, got
+    # 32 huge pages; the kernel may fall back to small pages for a few (fragmented memory)
+    assert got[True]["on"] and got[True]["faults"] < pages // 8, got
