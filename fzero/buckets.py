@@ -2,7 +2,7 @@
 
 A *bucket* is a set of parameters whose gradients are reduced together, in
 one collective for all the flat groups of the bucket (the layout keys flat
-groups by (bucket, optimizer group, dtype); groups that reduce in different
+groups by (bucket, optimizer group, dtype, keep_dtype); groups that reduce in different
 dtypes go one by one). Stage 3 takes its buckets from the shard
 units (:mod:`fzero.units`); stages 1 and 2 cut the parameters into buckets of
 about ``bucket_numel`` elements (:func:`size_buckets`), as DDP's reducer
@@ -38,7 +38,7 @@ import functools
 import torch
 
 from .comm import Communicator
-from .layout import FlatGroup, Layout, named_leaves
+from .layout import FlatGroup, Layout, compute_dtype, named_leaves
 from .scopes import GRAD_BUCKETS, GRAD_REDUCTION, step_scope
 from .sharding import average_flat_groups_start, stack_rows
 
@@ -210,7 +210,7 @@ class BucketReduction:
         until the ranks write their rows)."""
         if bucket not in self.own:
             self.own[bucket] = tuple(
-                self.pool.take(self.rows * g.padded_numel, self.dtype or g.dtype, self.device)
+                self.pool.take(self.rows * g.padded_numel, compute_dtype(g, self.dtype), self.device)
                 for g in self.groups[bucket]
             )
         return tuple(base[: self.rows * g.padded_numel].view(self.rows, g.padded_numel)
@@ -281,7 +281,7 @@ class BucketReduction:
                             buf[r].zero_()
                         got[r] = None
                     else:
-                        got[r] = tuple(torch.zeros(g.padded_numel, dtype=dtype or g.dtype, device=device)
+                        got[r] = tuple(torch.zeros(g.padded_numel, dtype=compute_dtype(g, dtype), device=device)
                                        for g in self.groups[b])
             self._launch(i)
         self.next = len(self.launches)

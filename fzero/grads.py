@@ -240,7 +240,8 @@ def _rank_grads(
         if bufs:
             tensors = {**tensors, **dict(zip(names, bufs))}
         bound = loss_fn.bound(tensors) if isinstance(loss_fn, ModuleLoss) else contextlib.nullcontext()
-        forward = loss_fn.forward_loss if isinstance(loss_fn, ModuleLoss) else loss_fn
+        forward = functools.partial(loss_fn.forward_loss, dtype=dtype) if isinstance(loss_fn, ModuleLoss) \
+            else loss_fn
         try:
             with rank_rng(state.rng[0][r] if swap_rng else None, device, new_rng), torch.enable_grad(), bound:
                 loss = forward(tensors, batch_r)

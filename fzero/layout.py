@@ -1,9 +1,10 @@
 """The flat parameter layout: which parameter lives where in which flat buffer.
 
 Trainable parameters are packed, in tree order, into one flat buffer per
-*flat group*: parameters that share an optimizer parameter group and a dtype
-(DeepSpeed's and Megatron's flat groups). Each buffer is padded at its end so
-that it splits into ``world_size`` equal contiguous shards whose length is a
+*flat group*: parameters that share an optimizer parameter group, a dtype and whether
+they keep that dtype for compute (DeepSpeed's and Megatron's flat groups; ``keep_dtype``:
+FSDP1's norm layers kept in full precision, see :func:`compute_dtype`). Each buffer is
+padded at its end so that it splits into ``world_size`` equal contiguous shards whose length is a
 multiple of ``alignment`` elements; rank ``r`` owns elements
 ``[r * shard_numel, (r + 1) * shard_numel)``. Padding is zero in every buffer
 fzero builds, so it never reaches parameters, gradients or norms. Frozen
@@ -32,6 +33,7 @@ __all__ = [
     "build_layout",
     "named_leaves",
     "path_str",
+    "compute_dtype",
 ]
 
 
@@ -94,6 +96,8 @@ class ParamSlot:
     """One parameter: where it lives. ``group == -1`` for frozen parameters.
 
     ``bucket``: the stage-3 shard unit it belongs to (0: the root, or unbucketed).
+    ``keep_dtype``: gathered and computed in its own ``dtype`` whatever the policy's
+    ``param_dtype`` (a parameter of a module class in ``MixedPrecision.keep_dtype``).
     """
 
     path: str
@@ -103,11 +107,13 @@ class ParamSlot:
     offset: int
     numel: int
     bucket: int = 0
+    keep_dtype: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class FlatGroup:
-    """One flat buffer: parameters of one bucket, one optimizer group and one dtype.
+    """One flat buffer: parameters of one bucket, one optimizer group, one dtype and one
+    ``keep_dtype`` (see :class:`ParamSlot`).
 
     ``numel``: parameter elements; ``padded_numel = world_size * shard_numel``;
     ``slots``: indices into :attr:`Layout.slots`, in buffer order.
@@ -121,6 +127,7 @@ class FlatGroup:
     padded_numel: int
     shard_numel: int
     bucket: int = 0
+    keep_dtype: bool = False
 
     @property
     def master_dtype(self) -> torch.dtype:
@@ -171,12 +178,12 @@ class Layout:
         return sum(g.padded_numel for g in self.groups)
 
     def describe(self) -> tuple[tuple[Any, ...], ...]:
-        """Rows ``(path, shape, dtype, flat group, optimizer group)`` after a header row
-        ``(world size, alignment, tree structure)``: what the fingerprint hashes."""
+        """Rows ``(path, shape, dtype, keep_dtype, flat group, optimizer group, bucket)`` after
+        a header row ``(world size, alignment, tree structure)``: what the fingerprint hashes."""
         head = ("world_size", self.world_size, "alignment", self.alignment, str(self.spec))
         return (head,) + tuple(
             (
-                s.path, s.shape, str(s.dtype), s.group,
+                s.path, s.shape, str(s.dtype), s.keep_dtype, s.group,
                 self.groups[s.group].opt_group if s.group >= 0 else -1, s.bucket,
             )
             for s in self.slots
@@ -228,7 +235,7 @@ def first_difference(
     for i in (0, 2):
         if a[i + 1] != b[i + 1]:
             return f"{a[i]} differs: {a[i + 1]} vs {b[i + 1]}"
-    fields = ("path", "shape", "dtype", "flat group", "optimizer group", "bucket")
+    fields = ("path", "shape", "dtype", "keep_dtype", "flat group", "optimizer group", "bucket")
     for i, (x, y) in enumerate(zip(mine[1:], theirs[1:])):
         if x[0] != y[0]:
             return f"parameter #{i} is {x[0]!r} vs {y[0]!r}"
@@ -252,14 +259,14 @@ def _pack(
     slots: Iterable[ParamSlot], spec: tp.TreeSpec, world_size: int, alignment: int
 ) -> Layout:
     """Assign flat groups and offsets to slots whose ``group`` is an opt-group index (-1: frozen)."""
-    keys: dict[tuple[int, int, torch.dtype], list[int]] = {}
+    keys: dict[tuple[int, int, torch.dtype, bool], list[int]] = {}
     slots = list(slots)
     for i, s in enumerate(slots):
         if s.group >= 0:
-            keys.setdefault((s.bucket, s.group, s.dtype), []).append(i)
+            keys.setdefault((s.bucket, s.group, s.dtype, s.keep_dtype), []).append(i)
     groups = []
     new_slots = list(slots)
-    for gi, ((bucket, opt_group, dtype), members) in enumerate(sorted(keys.items(), key=lambda kv: kv[0][0])):
+    for gi, ((bucket, opt_group, dtype, keep), members) in enumerate(sorted(keys.items(), key=lambda kv: kv[0][0])):
         offset = 0
         for i in members:
             s = slots[i]
@@ -267,7 +274,7 @@ def _pack(
             offset += s.numel
         shard = max(_round_up(-(-offset // world_size), alignment), alignment)
         groups.append(
-            FlatGroup(gi, opt_group, dtype, tuple(members), offset, shard * world_size, shard, bucket)
+            FlatGroup(gi, opt_group, dtype, tuple(members), offset, shard * world_size, shard, bucket, keep)
         )
     return Layout(tuple(new_slots), tuple(groups), spec, world_size, alignment)
 
@@ -279,6 +286,7 @@ def build_layout(
     trainable: Optional[Callable[[str], bool]] = None,
     group_of: Optional[Callable[[str], int]] = None,
     bucket_of: Optional[Callable[[str], int]] = None,
+    keep_dtype: Optional[Callable[[str], bool]] = None,
     alignment: int = 16,
 ) -> Layout:
     """Lay out ``params`` (an ``nn.Module`` or a pytree of tensors) for ``world_size`` ranks.
@@ -287,7 +295,9 @@ def build_layout(
     leaf of a pytree, ``requires_grad`` parameters of a module. ``group_of(path)``:
     the optimizer parameter group of a trainable leaf (default 0).
     ``bucket_of(path)``: the stage-3 shard unit of a leaf (default 0, the root).
-    Flat groups are keyed by (bucket, optimizer group, dtype), ordered by bucket.
+    ``keep_dtype(path)``: whether a leaf keeps its own dtype for compute whatever the policy's
+    ``param_dtype`` (default: none does; see :meth:`fzero.MixedPrecision.keeps`).
+    Flat groups are keyed by (bucket, optimizer group, dtype, keep_dtype), ordered by bucket.
     ``alignment``: every shard's length is a multiple of it (elements).
 
     Raises ``TypeError`` for a non-tensor, sparse or non-floating leaf (naming
@@ -305,13 +315,21 @@ def build_layout(
         train = (x.requires_grad if is_module else True) if trainable is None else bool(trainable(path))
         group = (group_of(path) if group_of is not None else 0) if train else -1
         bucket = bucket_of(path) if bucket_of is not None else 0
-        slots.append(ParamSlot(path, tuple(x.shape), x.dtype, group, 0, x.numel(), bucket))
+        keep = bool(keep_dtype(path)) if keep_dtype is not None else False
+        slots.append(ParamSlot(path, tuple(x.shape), x.dtype, group, 0, x.numel(), bucket, keep))
     if not any(s.group >= 0 for s in slots):
         raise ValueError(
             "no trainable parameters: every parameter is frozen (requires_grad=False or "
             "excluded by `trainable`)" if slots else "no trainable parameters: the parameter tree is empty"
         )
     return _pack(slots, spec, world_size, alignment)
+
+
+def compute_dtype(x: "ParamSlot | FlatGroup", param_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """The dtype a parameter (or a flat group's parameters) is gathered and computed in under a
+    policy's ``param_dtype``: its own dtype when ``param_dtype`` is None or it keeps its dtype
+    (``x.keep_dtype``), else ``param_dtype``."""
+    return x.dtype if param_dtype is None or x.keep_dtype else param_dtype
 
 
 def flat_shard(layout: Layout, group: FlatGroup, leaves: Sequence[torch.Tensor], rank: int,

@@ -187,7 +187,7 @@ def memory_report(
         full, shard, pad = g.padded_numel, g.shard_numel, g.padding
         master = _size(g.master_dtype)
         rows = {
-            "params": (_size(precision.compute_dtype(g.dtype)), stage == 3),
+            "params": (_size(precision.compute_dtype(g)), stage == 3),
             "grads": (_size(precision.reduce_dtype or g.master_dtype), stage >= 2),
             "master": (master, True),
             "moments": (k * master, True),
@@ -218,7 +218,7 @@ def bucket_buffer_bytes(layout: Layout, precision: MixedPrecision = MixedPrecisi
     for groups in buckets_of(layout):
         lone = local_ranks == 1 and len(groups) == 1 and len(groups[0].slots) == 1 and not groups[0].padding
         if groups and not lone:
-            sizes.append(sum(_size(precision.compute_dtype(g.dtype)) * local_ranks * g.padded_numel for g in groups))
+            sizes.append(sum(_size(precision.compute_dtype(g)) * local_ranks * g.padded_numel for g in groups))
     return float(sum(sorted(sizes, reverse=True)[: MAX_IN_FLIGHT + 1])) / local_ranks
 
 
@@ -391,10 +391,10 @@ def _replay_reductions(
         """A bucket's gradient: autograd's own for a lone parameter filling its group on a
         real rank (:class:`fzero.buckets.BucketWatcher`), else a pool buffer per group."""
         if rows == 1 and len(groups) == 1 and len(groups[0].slots) == 1 and not groups[0].padding:
-            nbytes = groups[0].padded_numel * _size(precision.compute_dtype(groups[0].dtype))
+            nbytes = groups[0].padded_numel * _size(precision.compute_dtype(groups[0]))
             every.alloc(nbytes)
             return [], nbytes
-        return [pool.take(rows * g.padded_numel, _size(precision.compute_dtype(g.dtype))) for g in groups], 0
+        return [pool.take(rows * g.padded_numel, _size(precision.compute_dtype(g))) for g in groups], 0
 
     order = [gs for gs in reversed(buckets_of(layout)) if gs]
     # Several local ranks run their backward one after another: the first one reaches every
@@ -410,7 +410,7 @@ def _replay_reductions(
             rdtype = precision.reduce_dtype or groups[0].master_dtype
             joined = rows * sum(g.padded_numel for g in groups) * _size(rdtype)
             casts = sum(rows * g.padded_numel * _size(rdtype)
-                        for g in groups if precision.compute_dtype(g.dtype) != rdtype)
+                        for g in groups if precision.compute_dtype(g) != rdtype)
             heap.alloc(casts)  # each group cast, then joined
             heap.alloc(joined)
             heap.free(casts)
@@ -431,7 +431,7 @@ def _replay_reductions(
             continue
         phases: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
         for g in groups:
-            one = _collective(heap, comm, stage, g.padded_numel, precision.compute_dtype(g.dtype),
+            one = _collective(heap, comm, stage, g.padded_numel, precision.compute_dtype(g),
                              precision.reduce_dtype or g.master_dtype, g.master_dtype)
             if one is None:
                 return None
@@ -485,7 +485,7 @@ def _replay_stage3(
     gheap, rheap = _Heap(also=every), _Heap(also=every)
 
     def csize(g: FlatGroup) -> int:
-        return _size(precision.compute_dtype(g.dtype))
+        return _size(precision.compute_dtype(g))
 
     def received(numel: int, g: FlatGroup) -> Optional[int]:
         got = comm.gather_footprint(numel)
@@ -495,11 +495,11 @@ def _replay_stage3(
         """:func:`fzero.units._start_gather` of buckets ``bs``: per bucket, its take (the
         buffers its flats hold)."""
         groups = [g for b in bs for g in buckets[b]]
-        if len(groups) == 1 or len({precision.compute_dtype(g.dtype) for g in groups}) != 1 \
+        if len(groups) == 1 or len({precision.compute_dtype(g) for g in groups}) != 1 \
                 or not travel_joined(groups):
             per = {}
             for g in groups:
-                cast = rows * g.shard_numel * csize(g) if precision.compute_dtype(g.dtype) != g.master_dtype else 0
+                cast = rows * g.shard_numel * csize(g) if precision.compute_dtype(g) != g.master_dtype else 0
                 gheap.alloc(cast)
                 got = received(g.shard_numel, g)
                 if got is None:
@@ -507,7 +507,7 @@ def _replay_stage3(
                 per[g.index] = _Buf(gheap, got)
                 gheap.free(cast)
             return {b: (lambda b=b: [per[g.index] for g in buckets[b]]) for b in bs}
-        casts = [rows * g.shard_numel * csize(g) for g in groups if precision.compute_dtype(g.dtype) != g.master_dtype]
+        casts = [rows * g.shard_numel * csize(g) for g in groups if precision.compute_dtype(g) != g.master_dtype]
         for c in casts:
             gheap.alloc(c)
         sent = rows * sum(g.shard_numel for g in groups) * csize(groups[0])
@@ -562,7 +562,7 @@ def _replay_stage3(
             pre = gradient_divide_factors(world)[0]
             joined = rows * sum(g.padded_numel for g in groups) * _size(rdtype)
             casts = sum(rows * g.padded_numel * _size(rdtype)
-                        for g in groups if precision.compute_dtype(g.dtype) != rdtype)
+                        for g in groups if precision.compute_dtype(g) != rdtype)
             rheap.alloc(casts)
             rheap.alloc(joined)
             rheap.free(casts)
@@ -587,7 +587,7 @@ def _replay_stage3(
         else:
             phases = ([], [], [], [])
             for i, g in enumerate(groups):
-                one = _collective(rheap, comm, 3, g.padded_numel, precision.compute_dtype(g.dtype),
+                one = _collective(rheap, comm, 3, g.padded_numel, precision.compute_dtype(g),
                                   rdtype_of[g.index], g.master_dtype)
                 if one is None:
                     return False
@@ -755,7 +755,7 @@ class _RankReplay:
 
     # -- what the communicator allocates
     def cdtype(self, g: FlatGroup) -> torch.dtype:
-        return self.precision.compute_dtype(g.dtype)
+        return self.precision.compute_dtype(g)
 
     def footprint(self, numel: int) -> GatherFootprint:
         fp = self.comm.gather_footprint(numel)

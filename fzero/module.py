@@ -270,9 +270,15 @@ class ModuleLoss:
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         return self.module(*(cast(a) for a in args))
 
-    def forward_loss(self, tensors: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:
-        """The loss, with the module already bound to ``tensors`` (see :meth:`bound`)."""
-        dtype = next((tensors[n].dtype for n in self._param_names if n in tensors), None)
+    def forward_loss(self, tensors: Mapping[str, torch.Tensor], batch: Any,
+                     dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The loss, with the module already bound to ``tensors`` (see :meth:`bound`).
+
+        ``dtype``: the dtype floating inputs are cast to (default: the first parameter's). The
+        step passes its policy's ``param_dtype``: a model whose first parameter keeps its own
+        dtype (``MixedPrecision.keep_dtype``: a BatchNorm first) still gets 16-bit inputs."""
+        if dtype is None:
+            dtype = next((tensors[n].dtype for n in self._param_names if n in tensors), None)
         if self.criterion is None:
             loss = model_output(self._run(dtype, batch), "loss")
             if loss.dim() != 0:

@@ -18,6 +18,7 @@ from .layout import (
     Layout,
     build_layout,
     check_floating_tensor,
+    compute_dtype,
     flat_shard,
     flatten_group,
     group_views,
@@ -75,17 +76,18 @@ def init_shard(
     trainable: Optional[Any] = None,
     optimizer: Optional[Optimizer] = None,
     bucket_of: Optional[Any] = None,
+    keep_dtype: Optional[Any] = None,
     alignment: int = 16,
 ) -> ShardState:
     """Lay out ``params`` (``nn.Module`` or pytree) for ``comm`` and build this process's shards.
 
     Each local rank materialises only the slice it owns. ``optimizer`` assigns
-    parameter groups by path. Collective: ``comm.check_layout`` (on a real
-    process group, one ``all_gather_object`` that makes every rank raise if
-    the ranks built different layouts).
+    parameter groups by path; ``keep_dtype(path)``: see :func:`fzero.layout.build_layout`.
+    Collective: ``comm.check_layout`` (on a real process group, one ``all_gather_object``
+    that makes every rank raise if the ranks built different layouts).
     """
     layout = shard_layout(params, comm, trainable=trainable, optimizer=optimizer, bucket_of=bucket_of,
-                          alignment=alignment)
+                          keep_dtype=keep_dtype, alignment=alignment)
     leaves = [x for _, x in named_leaves(params)[0]]
     master = tuple(_master_rows(layout, g, leaves, comm.ranks) for g in layout.groups)
     # A module's frozen parameters are shared with it, never written (one copy in memory); a
@@ -113,6 +115,7 @@ def shard_layout(
     trainable: Optional[Any] = None,
     optimizer: Optional[Optimizer] = None,
     bucket_of: Optional[Any] = None,
+    keep_dtype: Optional[Any] = None,
     alignment: int = 16,
 ) -> Layout:
     """The layout :func:`init_shard` builds for ``params`` and ``comm`` (shapes only: a meta
@@ -123,6 +126,7 @@ def shard_layout(
         trainable=trainable,
         group_of=optimizer.group_of if optimizer is not None else None,
         bucket_of=bucket_of,
+        keep_dtype=keep_dtype,
         alignment=alignment,
     )
     comm.check_layout(layout)
@@ -273,7 +277,8 @@ def gather_flat_params(
 ) -> tuple[torch.Tensor, ...]:
     """Full flat parameter buffers ``[R, padded_numel]`` per flat group, in ``dtype``.
 
-    ``dtype``: the compute dtype (default: each group's parameter dtype). The
+    ``dtype``: the compute dtype (default: each group's parameter dtype; a group that keeps its
+    dtype gets its own, :func:`fzero.layout.compute_dtype`, as everywhere below). The
     master shard is cast *before* the ``all_gather`` (one per flat group), so
     16-bit compute moves 16-bit data. ``then(group, flat)`` runs as each group
     arrives, before the next is gathered (init hands a module's parameters over
@@ -282,7 +287,7 @@ def gather_flat_params(
     check_world(shard, comm)
     out = []
     for g, m in zip(shard.layout.groups, shard.master):
-        out.append(comm.all_gather(m.to(dtype or g.dtype)))
+        out.append(comm.all_gather(m.to(compute_dtype(g, dtype))))
         if then is not None:
             then(g, out[-1])
     return tuple(out)
@@ -317,7 +322,7 @@ def gather_flat_params_into(
     the next forward then reads in place). One ``all_gather`` per flat group, all started before
     any is waited for. Returns ``out``."""
     check_world(shard, comm)
-    pairs = [(m.to(dtype or g.dtype), o) for g, m, o in zip(shard.layout.groups, shard.master, out)]
+    pairs = [(m.to(compute_dtype(g, dtype)), o) for g, m, o in zip(shard.layout.groups, shard.master, out)]
     if torch.compiler.is_compiling():
         # traced, each gather lands in a buffer of its own before it is copied in: one at a
         # time, so one group's buffer is alive at once, not the whole model's
@@ -361,9 +366,9 @@ def gather_flat_groups_start(
     :data:`GATHER_AT_ONCE_NUMEL` elements in all, gather one by one (all started at once).
     """
     rows, world = comm.local_ranks, comm.world_size
-    dtypes = {dtype or g.dtype for g in groups}
+    dtypes = {compute_dtype(g, dtype) for g in groups}
     if len(groups) == 1 or len(dtypes) != 1 or not travel_joined(groups):
-        started = [comm.all_gather_start(shard.master[g.index].to(dtype or g.dtype)) for g in groups]
+        started = [comm.all_gather_start(shard.master[g.index].to(compute_dtype(g, dtype))) for g in groups]
         return lambda: tuple(done() for done in started)
     travel = dtypes.pop()
     joined = comm.all_gather_start(torch.cat([shard.master[g.index].to(travel) for g in groups], dim=1))
@@ -445,15 +450,14 @@ def merge_params(
     dtype: Optional[torch.dtype] = None,
 ) -> Any:
     """The full parameter tree in the user's structure: trainable leaves from
-    ``trainable`` (by path), frozen leaves from ``frozen`` cast to ``dtype`` if given."""
+    ``trainable`` (by path), frozen leaves from ``frozen`` cast to their compute dtype under ``dtype``."""
     frozen_iter = iter(frozen)
     leaves = []
     for s in layout.slots:
         if s.group >= 0:
             leaves.append(trainable[s.path])
         else:
-            f = next(frozen_iter)
-            leaves.append(f.to(dtype) if dtype is not None else f)
+            leaves.append(next(frozen_iter).to(compute_dtype(s, dtype)))
     return tp.tree_unflatten(leaves, layout.spec)
 
 
@@ -491,8 +495,7 @@ def all_gather_params(
     frozen_iter = iter(shard.frozen)
     for i, s in enumerate(lay.slots):
         if s.group < 0:
-            f = next(frozen_iter)
-            f = f.to(dtype) if dtype is not None else f
+            f = next(frozen_iter).to(compute_dtype(s, dtype))
             leaves[i] = f.unsqueeze(0).expand(comm.local_ranks, *f.shape)
     return tp.tree_unflatten(leaves, lay.spec)
 

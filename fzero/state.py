@@ -116,6 +116,11 @@ def init_train_state(
     :func:`~fzero.scaler.init_scaler` when computing in fp16 and to a static
     scale of 1 otherwise.
 
+    ``precision``: with a ``param_dtype``, the parameters of its ``keep_dtype`` module
+    classes (BatchNorm by default) keep their own dtype, in flat groups of their own
+    (:meth:`MixedPrecision.keeps`; a ``ValueError`` for a BatchNorm left out whose
+    statistics are not in ``param_dtype``).
+
     A module's buffers (BatchNorm statistics, ...) become ``state.buffers``,
     one copy per rank. ``seed``: rank ``r``'s generator starts from
     ``rank_seed(seed, r)`` (see :mod:`fzero.rng`); ``None``: the step draws
@@ -154,7 +159,8 @@ def init_train_state(
         buckets = unit_buckets(params, unit_names)
         bucket_of = buckets.__getitem__
     check_init(params, init)
-    layout_kw = dict(trainable=trainable, optimizer=optimizer, alignment=alignment, bucket_of=bucket_of)
+    layout_kw = dict(trainable=trainable, optimizer=optimizer, alignment=alignment, bucket_of=bucket_of,
+                     keep_dtype=precision.keeps(params))
     if init is None:
         shard, made_buffers = init_shard(params, comm, **layout_kw), None
     else:

@@ -67,7 +67,7 @@ import torch
 import torch.utils._pytree as tp
 
 from .comm import Communicator
-from .layout import FlatGroup, Layout, split_views
+from .layout import FlatGroup, Layout, compute_dtype, split_views
 from .module import ModuleLoss, check_loss, row_of
 from .rng import rank_rng
 from .buckets import BucketReduction
@@ -381,9 +381,9 @@ def _start_tagged(plan: "_Plan", shard: ShardState, comm: Communicator, dtype: O
     size check, tells them. Groups of another travel dtype than the first go in a collective
     of their own (untagged). The received buffer is cut into the flat buffers (one copy)."""
     groups = plan.groups[bucket] if bucket is not None else ()
-    travel = (dtype or groups[0].dtype) if groups else torch.float32
-    first = [g for g in groups if (dtype or g.dtype) == travel]
-    rest = [g for g in groups if (dtype or g.dtype) != travel]
+    travel = compute_dtype(groups[0], dtype) if groups else torch.float32
+    first = [g for g in groups if compute_dtype(g, dtype) == travel]
+    rest = [g for g in groups if compute_dtype(g, dtype) != travel]
     with step_scope(GATHER):
         code = _encode_tag(tag, travel).unsqueeze(0)
         joined = comm.all_gather_start(torch.cat([code, *(shard.master[g.index].to(travel) for g in first)], dim=1))
@@ -766,10 +766,10 @@ def unit_grads(
         if b:
             unit_slots[b].append((table, attr, name))
     released = {
-        s.path: _released(s.path, s.shape, param_dtype or s.dtype, shard.master[0].device)
+        s.path: _released(s.path, s.shape, compute_dtype(s, param_dtype), shard.master[0].device)
         for s in lay.slots if s.group >= 0 and s.bucket > 0
     }
-    frozen = {s.path: (f.to(param_dtype) if param_dtype is not None else f)
+    frozen = {s.path: f.to(compute_dtype(s, param_dtype))
               for s, f in zip(lay.frozen_slots, shard.frozen)}
     device = shard.master[0].device
     # The root's gradient completes last (its embeddings ran first), just after the first
@@ -800,7 +800,7 @@ def unit_grads(
                 tensors = {**root, **frozen, **released,
                            **dict(zip(buffer_names, bufs))}
                 with loss_fn.bound(tensors):
-                    loss = loss_fn.forward_loss(tensors, batch_r)
+                    loss = loss_fn.forward_loss(tensors, batch_r, param_dtype)
                     check_loss(loss)
                     loss = loss.float()
                     # every rank has called the same units: checked before backward's collectives
@@ -926,7 +926,7 @@ class _CompiledRun:
         collective per flat group: a joined gather would cut its groups out by copies)."""
         lay, tensors = self.plan.layout, {}
         for g in self.plan.groups[bucket]:
-            flat = _GatherShard.apply(self.leaves[g.index], self.comm, self.dtype or g.dtype,
+            flat = _GatherShard.apply(self.leaves[g.index], self.comm, compute_dtype(g, self.dtype),
                                       self.reduce_dtype or g.master_dtype)
             for i, view in zip(g.slots, split_views(lay, g, flat)):
                 tensors[lay.slots[i].path] = view
@@ -1034,7 +1034,7 @@ def compiled_unit_grads(
             unit_slots[b].append((table, attr, name))
     leaves = [m[0].detach().requires_grad_(True) for m in shard.master]
     run = _CompiledRun(plan, leaves, comm, param_dtype, reduce_dtype, unit_slots)
-    frozen = {s.path: (f.to(param_dtype) if param_dtype is not None else f)
+    frozen = {s.path: f.to(compute_dtype(s, param_dtype))
               for s, f in zip(lay.frozen_slots, shard.frozen)}
     bufs = [b[0].clone() for b in buffers]
     with torch.enable_grad():
@@ -1044,16 +1044,16 @@ def compiled_unit_grads(
         nan = {}
         for s in lay.slots:
             if s.group >= 0 and s.bucket > 0:
-                dt = param_dtype or s.dtype
+                dt = compute_dtype(s, param_dtype)
                 if dt not in nan:
                     nan[dt] = torch.full((), float("nan"), dtype=dt, device=leaves[0].device)
-        stand_ins = {s.path: nan[param_dtype or s.dtype].expand(s.shape) for s in lay.slots
+        stand_ins = {s.path: nan[compute_dtype(s, param_dtype)].expand(s.shape) for s in lay.slots
                      if s.group >= 0 and s.bucket > 0}
         tensors = {**stand_ins, **run.gathered(0), **frozen, **dict(zip(buffer_names, bufs))}
         units_run.run = run
         try:
             with loss_fn.bound(tensors):
-                loss = loss_fn.forward_loss(tensors, row_of(batch, 0))
+                loss = loss_fn.forward_loss(tensors, row_of(batch, 0), param_dtype)
                 check_loss(loss)
                 loss = loss.float()
                 with _backward_phase():
