@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import fzero
 import user_models as um
+from helpers import max_rel_err
 from fzero.layout import compute_dtype
 from fzero.scopes import GATHER, GRAD_BUCKETS, GRAD_REDUCTION
 from fzero.testing import Census
@@ -160,8 +161,7 @@ def run(model, optimizer, data, *, stage, units=None, compile=False, comm=None, 
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+    return max_rel_err(a.double(), b.double())
 
 
 def assert_matches_oracle(state, comm, ref, replicas, tol):
