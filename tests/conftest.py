@@ -49,10 +49,11 @@ def one_thread():
 
 # Test files whose module-scoped launches run for minutes, longest first: they are handed out
 # first. CI runs the suite as `-n 2 --dist loadfile`; xdist would otherwise order files by
-# their number of tests, and the long-run memory launch (12 tests, about 5 minutes beside
-# another worker) started last in measured runs, one worker running it alone at the end.
+# their number of tests, and the long-run memory launch (then one file of 12 tests, about 5
+# minutes beside another worker) started last in measured runs, one worker running it alone
+# at the end. It is now two launches in two files, one per worker at the start.
 START_FIRST = (
-    "test_long_run_memory.py", "test_stage3_modules.py", "test_zero3.py", "test_distributed.py",
+    "test_long_run_memory_eager.py", "test_long_run_memory_compiled.py", "test_stage3_modules.py", "test_zero3.py", "test_distributed.py",
     "test_checkpoint_fuzz.py", "test_checkpoint.py", "test_unused_params.py", "test_unit_calls.py",
     "test_torch_optim_rules.py", "test_user_models_gloo.py",
 )

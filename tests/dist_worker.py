@@ -1,6 +1,7 @@
 """Worker run by torchrun in the multi-process tests: runs named cases, saves per-case results.
 
-Usage: dist_worker.py OUT_DIR CASE [CASE ...]. A case that raises records the
+Usage: dist_worker.py OUT_DIR CASE [CASE ...], where a CASE may be ``name=arg,arg`` (its
+results are saved under that whole string). A case that raises records the
 error text instead of a result, so one failure does not hide the others.
 """
 
@@ -253,14 +254,22 @@ def case_live_tensors(comm):
     return {f"s{stage}": cases.live_tensors(comm, stage) for stage in (1, 2, 3)}
 
 
-def case_cyclic_garbage(comm):
-    return {f"s{stage}{'c' if compiled else ''}": cases.cyclic_garbage(comm, stage, compiled)
-            for stage, compiled in ((1, False), (2, False), (3, False), (1, True), (2, True), (3, True))}
+MEMORY_KEYS = ("s1", "s2", "s3", "s1c", "s2c", "s3c")  # stage 1-3, eager; then compiled ("c")
 
 
-def case_memory_growth(comm):
-    return {f"s{stage}{'c' if compiled else ''}": cases.memory_growth(comm, stage, compiled)
-            for stage, compiled in ((1, False), (2, False), (3, False), (1, True), (2, True), (3, True))}
+def _by_key(run, comm, keys):
+    """``run(comm, stage, compiled)`` for each key of ``MEMORY_KEYS`` asked for, in that order."""
+    if unknown := set(keys) - set(MEMORY_KEYS):
+        raise ValueError(f"unknown keys {sorted(unknown)}: not in {MEMORY_KEYS}")
+    return {k: run(comm, int(k[1]), k.endswith("c")) for k in MEMORY_KEYS if k in keys}
+
+
+def case_cyclic_garbage(comm, *keys):
+    return _by_key(cases.cyclic_garbage, comm, keys or MEMORY_KEYS)
+
+
+def case_memory_growth(comm, *keys):
+    return _by_key(cases.memory_growth, comm, keys or MEMORY_KEYS)
 
 
 def case_branchy(comm):
@@ -294,4 +303,10 @@ def case_unused(comm):
 if __name__ == "__main__":
     from dist_harness import worker_main
 
-    worker_main(lambda name, comm: globals()[f"case_{name}"](comm), sys.argv[1:])
+    def run_case(name, comm):
+        # "case" or "case=a,b": the latter passes the arguments a and b (the keys of a case that
+        # runs several configurations, so that two launches can share them)
+        case, _, args = name.partition("=")
+        return globals()[f"case_{case}"](comm, *(args.split(",") if args else ()))
+
+    worker_main(run_case, sys.argv[1:])

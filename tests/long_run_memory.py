@@ -1,7 +1,9 @@
-"""Memory over a long run on real ranks: flat, without ``gc.collect()``.
+"""Memory over a long run on real ranks: flat, without ``gc.collect()``. The launch and the
+checks of ``test_long_run_memory_eager.py`` and ``test_long_run_memory_compiled.py``.
 
-One torchrun of 2 gloo ranks trains an MLP (about 1.1M parameters) for 1000
-steps at stages 1-3, eager and compiled, and reads each rank's live malloc
+A torchrun of 2 gloo ranks trains an MLP (about 1.1M parameters) for 1000
+steps at stages 1-3, eager (one test file) and compiled (the other: two launches, so that
+``-n 2 --dist loadfile`` runs them on both workers at once), and reads each rank's live malloc
 bytes (``mallinfo2``) and RSS after steps 250, 500, 750 and 1000. A step whose
 buffers stay in a reference cycle until Python's cyclic collector runs makes
 the live heap grow step after step (it did: the gradient hooks at stages 1-2,
@@ -23,26 +25,24 @@ import pytest
 from dist_harness import run_torchrun
 from test_distributed import _case
 
-pytestmark = pytest.mark.distributed
 
-@pytest.fixture(scope="module")
-def readings():
+def launch(keys: list[str]) -> list[dict]:
+    """One torchrun of 2 gloo ranks: ``cyclic_garbage`` then ``memory_growth`` for ``keys`` (of
+    ``dist_worker.MEMORY_KEYS``); every rank's results, each case under its name alone."""
     # Its own processes: dynamo's caches filled by other cases' compiled steps would recompile
     # this one inside the measured steps. Without c10d's flight recorder, a ring buffer of
     # the last collectives (TORCH_FR_BUFFER_SIZE, 2000 entries by default) that fills during
     # the first thousand steps: measured on this MLP, it grew DDP's live heap by 1.6 kB a step
     # from step 500 to 1000 (and the first fzero loop of a process by 0.5 kB a step), then
     # nothing; with it off both stay within 20 B a step.
+    cases = [f"{case}={','.join(keys)}" for case in ("cyclic_garbage", "memory_growth")]
     with pytest.MonkeyPatch.context() as env:
         env.setenv("TORCH_FR_BUFFER_SIZE", "0")
-        return run_torchrun(2, "dist_worker.py", ["cyclic_garbage", "memory_growth"], timeout=900)
+        results = run_torchrun(2, "dist_worker.py", cases, timeout=900)
+    return [{case.partition("=")[0]: res[case] for case in cases} for res in results]
 
 
-KEYS = ["s1", "s2", "s3", "s1c", "s2c", "s3c"]
-
-
-@pytest.mark.parametrize("key", KEYS)
-def test_gloo_steps_leave_no_cyclic_garbage(readings, key):
+def check_no_cyclic_garbage(readings: list[dict], key: str) -> None:
     """With Python's cyclic collector off, a step on a real rank leaves no tensor that only the
     collector could free. (The gradient hooks once tied each step's leaves, and the gathered
     parameters they view, into a cycle, and so did gloo's batched collectives at stage 3.)"""
@@ -55,8 +55,7 @@ def test_gloo_steps_leave_no_cyclic_garbage(readings, key):
             assert got["tensors"] == 0, (r, key, got)
 
 
-@pytest.mark.parametrize("key", KEYS)
-def test_live_heap_from_step_250_to_1000_grows_less_than_1_percent_of_the_model(readings, key):
+def check_heap_growth(readings: list[dict], key: str) -> None:
     """A leak grows the heap in every quarter of the run; a one-time allocation (a library's
     lazily built table, an arena the allocator opens once: 6.7 MB once on one rank in a CI
     run, the readings before and after it flat) lands in one quarter only. So the median of
