@@ -10,7 +10,7 @@ precision and autocast runs ``batch_norm`` in float32: torch's ``batch_norm`` ta
 input with float32 weight, bias and running statistics, but not 16-bit weights with float32
 running statistics.
 
-Imports: torch only.
+Imports: layout (its ``compute_dtype``, the one rule for a slot or flat group).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from .layout import compute_dtype
 
 __all__ = ["MixedPrecision", "native_bf16"]
 
@@ -61,7 +63,7 @@ class MixedPrecision:
         ``FlatGroup`` (one that keeps its dtype, ``keep_dtype``, computes in its own)."""
         if isinstance(of, torch.dtype):
             return self.param_dtype or of
-        return of.dtype if of.keep_dtype else (self.param_dtype or of.dtype)
+        return compute_dtype(of, self.param_dtype)
 
     def keeps(self, params: object) -> Optional[Callable[[str], bool]]:
         """Which parameters of ``params`` keep their own dtype, by path (``named_parameters``
