@@ -256,7 +256,8 @@ def cyclic_garbage(comm: fzero.Communicator, stage: int, compiled: bool, steps: 
     data = [comm.split_batch(b) for b in batches(steps + 1, comm.world_size, 2, torch.float32, d_in=sizes[0],
                                                   d_out=sizes[-1])]
     state, _ = step(state, data[0])  # compiles, and creates what lives for the whole run
-    return {**unreachable_after(step, state, data[1:]), "model_bytes": 4 * state.layout.num_params}
+    found, _ = unreachable_after(step, state, data[1:])
+    return {**found, "model_bytes": 4 * state.layout.num_params}
 
 
 def _has_memory(t: torch.Tensor) -> bool:
@@ -267,10 +268,11 @@ def _has_memory(t: torch.Tensor) -> bool:
     return True
 
 
-def unreachable_after(step: Any, state: Any, data: list) -> dict:
+def unreachable_after(step: Any, state: Any, data: list) -> tuple[dict, Any]:
     """Run ``step`` over ``data`` with Python's cyclic collector off, then collect: the number of
     tensors the collector freed (only a reference cycle kept them) and their bytes (storages
-    counted once).
+    counted once); and the state the last step returned (live, so none of its tensors is
+    counted).
 
     Every tensor alive before the collection is watched by a weak reference (with its storage's
     address and size read while it is alive); the ones whose reference the collection clears
@@ -285,7 +287,7 @@ def unreachable_after(step: Any, state: Any, data: list) -> dict:
     try:
         for batch in data:
             state, metrics = step(state, batch)
-        del metrics, state
+        del metrics
         # (weak proxies too); not the compiler's fake tensors, which own no memory
         watched = [(weakref.ref(o), o.untyped_storage().data_ptr(), o.untyped_storage().nbytes())
                    for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and _has_memory(o)]
@@ -300,7 +302,7 @@ def unreachable_after(step: Any, state: Any, data: list) -> dict:
     finally:
         if was_enabled:
             gc.enable()
-    return {"tensors": len(freed), "bytes": sum(dict(freed).values())}
+    return {"tensors": len(freed), "bytes": sum(dict(freed).values())}, state
 
 
 def _rss_bytes() -> int:
@@ -314,7 +316,11 @@ def memory_growth(comm: fzero.Communicator, stage: int, compiled: bool, steps: i
     ``gc.collect()``), reading malloc's live bytes (``mallinfo2``) and the RSS after steps
     ``steps // 4``, ``steps // 2``, ``3 * steps // 4`` and the last one. Returns both lists of
     readings and the model's fp32 size in bytes. Stages 1-2 in buckets of 200000 elements
-    (the gradient hooks of several buckets)."""
+    (the gradient hooks of several buckets).
+
+    Steps 2-4 run with Python's cyclic collector off (:func:`unreachable_after`): under
+    ``"cyclic"``, what the collector then freed. The same model and compiled graph as the long
+    run, so a launch compiles each step once."""
     from fzero.testing.census import malloc_in_use
 
     model = mlp(torch.float32, sizes=sizes)
@@ -326,7 +332,9 @@ def memory_growth(comm: fzero.Communicator, stage: int, compiled: bool, steps: i
                                                   d_out=sizes[-1])]
     marks = [steps * k // 4 for k in (1, 2, 3, 4)]
     heap, rss, seen = [], [], {}
-    for i in range(1, steps + 2):
+    state, metrics = step(state, data[1])  # compiles, and creates what lives for the whole run
+    cyclic, state = unreachable_after(step, state, [data[i % len(data)] for i in range(2, 5)])
+    for i in range(5, steps + 2):
         state, metrics = step(state, data[i % len(data)])
         if i in marks or i - 1 in marks:
             metrics["loss"].item()  # the step has finished
@@ -343,7 +351,7 @@ def memory_growth(comm: fzero.Communicator, stage: int, compiled: bool, steps: i
             else:
                 got.append(malloc_in_use())
                 heap.append(min(got))
-    return {"heap": heap, "rss": rss, "model_bytes": 4 * state.layout.num_params}
+    return {"heap": heap, "rss": rss, "cyclic": cyclic, "model_bytes": 4 * state.layout.num_params}
 
 
 def _settle() -> None:

@@ -58,8 +58,20 @@ def run_torchrun_script(nproc: int, script: str, args: list[str], timeout: float
     if rc is None:
         raise TimeoutError(f"torchrun with {nproc} ranks exceeded {timeout}s and was killed:\n{text[-4000:]}")
     if rc != 0:
-        raise RuntimeError(f"torchrun with {nproc} ranks failed (exit {rc}):\n{text[-6000:]}")
+        raise RuntimeError(f"torchrun with {nproc} ranks failed (exit {rc}):\n{crash_stacks(text)}{text[-6000:]}")
     return text
+
+
+def crash_stacks(text: str) -> str:
+    """The Python stacks a rank killed by a signal printed (``PYTHONFAULTHANDLER``), each up to
+    its list of extension modules: a long list (one module per compiled kernel) and torchrun's
+    report would push them out of the output's tail."""
+    out, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Fatal Python error"):
+            end = next((j for j in range(i, len(lines)) if lines[j].startswith("Extension modules")), len(lines))
+            out += lines[i:min(end, i + 200)]
+    return "\n".join(out) + "\n...\n" if out else ""
 
 
 def run_torchrun(nproc: int, script: str, args: list[str], timeout: float = 300.0) -> list[dict[str, Any]]:

@@ -264,10 +264,6 @@ def _by_key(run, comm, keys):
     return {k: run(comm, int(k[1]), k.endswith("c")) for k in MEMORY_KEYS if k in keys}
 
 
-def case_cyclic_garbage(comm, *keys):
-    return _by_key(cases.cyclic_garbage, comm, keys or MEMORY_KEYS)
-
-
 def case_memory_growth(comm, *keys):
     return _by_key(cases.memory_growth, comm, keys or MEMORY_KEYS)
 

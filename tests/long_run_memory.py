@@ -4,7 +4,8 @@ checks of ``test_long_run_memory_eager.py`` and ``test_long_run_memory_compiled.
 A torchrun of 2 gloo ranks trains an MLP (about 1.1M parameters) for 1000
 steps at stages 1-3, eager (one test file) and compiled (the other: two launches, so that
 ``-n 2 --dist loadfile`` runs them on both workers at once), and reads each rank's live malloc
-bytes (``mallinfo2``) and RSS after steps 250, 500, 750 and 1000. A step whose
+bytes (``mallinfo2``) and RSS after steps 250, 500, 750 and 1000; steps 2-4 run with
+Python's cyclic collector off, and what it then frees is checked too. A step whose
 buffers stay in a reference cycle until Python's cyclic collector runs makes
 the live heap grow step after step (it did: the gradient hooks at stages 1-2,
 about 2 MB a step on a 7M-parameter model, and gloo's batched collectives at
@@ -27,27 +28,27 @@ from test_distributed import _case
 
 
 def launch(keys: list[str]) -> list[dict]:
-    """One torchrun of 2 gloo ranks: ``cyclic_garbage`` then ``memory_growth`` for ``keys`` (of
-    ``dist_worker.MEMORY_KEYS``); every rank's results, each case under its name alone."""
+    """One torchrun of 2 gloo ranks: ``memory_growth`` for ``keys`` (of
+    ``dist_worker.MEMORY_KEYS``); every rank's results, under ``"memory_growth"``."""
     # Its own processes: dynamo's caches filled by other cases' compiled steps would recompile
     # this one inside the measured steps. Without c10d's flight recorder, a ring buffer of
     # the last collectives (TORCH_FR_BUFFER_SIZE, 2000 entries by default) that fills during
     # the first thousand steps: measured on this MLP, it grew DDP's live heap by 1.6 kB a step
     # from step 500 to 1000 (and the first fzero loop of a process by 0.5 kB a step), then
     # nothing; with it off both stay within 20 B a step.
-    cases = [f"{case}={','.join(keys)}" for case in ("cyclic_garbage", "memory_growth")]
+    case = f"memory_growth={','.join(keys)}"
     with pytest.MonkeyPatch.context() as env:
         env.setenv("TORCH_FR_BUFFER_SIZE", "0")
-        results = run_torchrun(2, "dist_worker.py", cases, timeout=900)
-    return [{case.partition("=")[0]: res[case] for case in cases} for res in results]
+        results = run_torchrun(2, "dist_worker.py", [case], timeout=900)
+    return [{"memory_growth": res[case]} for res in results]
 
 
 def check_no_cyclic_garbage(readings: list[dict], key: str) -> None:
     """With Python's cyclic collector off, a step on a real rank leaves no tensor that only the
-    collector could free. (The gradient hooks once tied each step's leaves, and the gathered
+    collector could free (steps 2-4 of the long run: ``dist_cases.memory_growth``). (The gradient hooks once tied each step's leaves, and the gathered
     parameters they view, into a cycle, and so did gloo's batched collectives at stage 3.)"""
-    for r, res in enumerate(_case(readings, "cyclic_garbage")):
-        got = res[key]
+    for r, res in enumerate(_case(readings, "memory_growth")):
+        got = {**res[key]["cyclic"], "model_bytes": res[key]["model_bytes"]}
         # a cycle holding a step's parameters or gradients holds at least a bucket of them;
         # compiled steps may leave a few bytes of 0-d tensors in dynamo's own cycles
         assert got["bytes"] < 0.01 * got["model_bytes"], (r, key, got)

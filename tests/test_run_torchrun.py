@@ -64,3 +64,22 @@ def test_a_rank_killed_by_a_signal_prints_its_python_stack(tmp_path):
     assert rc not in (None, 0), text
     assert "Fatal Python error: Aborted" in text, text
     assert "crash_inside_c_code" in text, text
+
+
+
+def test_a_failed_launch_reports_the_crashed_ranks_stack_before_the_tail():
+    """A rank of a compiled step imports one extension module per kernel: the faulthandler's list
+    of them and torchrun's report once filled the 6000-character tail a failed launch reports,
+    and the stack of a rank that segfaulted was lost. The harness puts the stacks first."""
+    from dist_harness import crash_stacks
+
+    stack = ("Fatal Python error: Segmentation fault\n\nThread 0x0001 (most recent call first):\n"
+             '  File "/w/dist_cases.py", line 344 in memory_growth\n'
+             '  File "/w/dist_harness.py", line 43 in worker_main\n\n')
+    modules = "Extension modules: " + ", ".join(f"c{i:050d}.kernel" for i in range(200)) + " (total: 200)\n"
+    text = "[rank1]: waiting at the barrier\n" + stack + modules + "torchrun's report\n" * 100
+    assert "memory_growth" not in text[-6000:]
+    got = crash_stacks(text)
+    assert "Segmentation fault" in got and "line 344 in memory_growth" in got and "worker_main" in got
+    assert "Extension modules" not in got and "barrier" not in got
+    assert crash_stacks("torchrun's report\n" * 3) == ""
