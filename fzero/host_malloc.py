@@ -27,6 +27,18 @@ a setting of the whole process, as the many applications that pin it at start
 do; fzero logs it (logger ``fzero``, INFO). Elsewhere (another C library, a
 preloaded jemalloc or tcmalloc) nothing is changed.
 
+The heap's top. glibc's dynamic adjustment also raises the *trim threshold* (free memory at the
+heap's top beyond it goes back to the kernel at ``free``) to twice the mmap threshold; pinned,
+it stays at its start, 128 KiB. Then the blocks under the mmap threshold that a step allocates
+and frees at the top of the heap (activations, small shards and their copies) go back to the
+kernel at every step and fault in again at the next. So the pin sets the trim threshold too,
+at :data:`DEFAULT_TRIM_THRESHOLD`, unless the environment chose one (``MALLOC_TRIM_THRESHOLD_``,
+``glibc.malloc.trim_threshold``). Measured on an MLP of 1.1M parameters, gloo W=2, eager stage
+2, per rank and step: 5300 page faults and 32.7 ms with the trim threshold at 128 KiB, 4200 at
+8 MiB, 2500 and 29.2 ms at 16 MiB, 2500 at 32 MiB, 2700 at 64 MiB (stage 3: 6600 faults and
+48.6 ms, 4200 and 43.6 ms at 16 MiB). At 162M parameters the step's blocks are mostly above
+the mmap threshold, and faults, peak and held RSS were the same both ways.
+
 Large pages. Pinned or not, a block of many MiB comes fresh from the kernel each time a step
 allocates it, and its first touch faults every 4 KiB page in: measured on this project's machine,
 filling a fresh 162 MB tensor took 101 ms against 27 ms for memory already mapped; with
@@ -51,15 +63,19 @@ import os
 import platform
 from typing import Mapping, Optional
 
-__all__ = ["DEFAULT_MMAP_THRESHOLD", "pin_mmap_threshold", "keep_host_malloc", "apply_host_malloc_policy",
-           "large_pages", "THP_ENV"]
+__all__ = ["DEFAULT_MMAP_THRESHOLD", "DEFAULT_TRIM_THRESHOLD", "pin_mmap_threshold", "keep_host_malloc",
+           "apply_host_malloc_policy", "large_pages", "THP_ENV"]
 
 # Above every activation and per-parameter gradient of a small model and below the
 # blocks that fragment a large one's heap (gathered units, flat gradients and their
 # receive buffers are 10-30 MiB for GPT-2-small blocks)
 DEFAULT_MMAP_THRESHOLD = 4 << 20
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+# The free memory the heap's top keeps: the smallest measured that took the whole gain (module doc)
+DEFAULT_TRIM_THRESHOLD = 16 << 20
+
+_M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
+_M_MMAP_THRESHOLD = -3
 
 # PyTorch's own switch: allocations of 2 MiB or more aligned to 2 MiB and advised as huge pages
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
@@ -79,21 +95,31 @@ def _glibc() -> Optional[ctypes.CDLL]:
     return libc if hasattr(libc, "mallopt") else None
 
 
-def _environment_chose() -> bool:
-    return "MALLOC_MMAP_THRESHOLD_" in os.environ or "malloc.mmap_threshold" in os.environ.get("GLIBC_TUNABLES", "")
+def _environment_chose(setting: str = "mmap_threshold") -> bool:
+    """Whether the environment set glibc's ``setting`` (its ``MALLOC_<SETTING>_`` variable or
+    ``GLIBC_TUNABLES``'s ``glibc.malloc.<setting>``)."""
+    return f"MALLOC_{setting.upper()}_" in os.environ or f"malloc.{setting}" in os.environ.get("GLIBC_TUNABLES", "")
 
 
-def pin_mmap_threshold(nbytes: int = DEFAULT_MMAP_THRESHOLD) -> bool:
+def pin_mmap_threshold(nbytes: int = DEFAULT_MMAP_THRESHOLD,
+                       trim_bytes: Optional[int] = DEFAULT_TRIM_THRESHOLD) -> bool:
     """Serve every ``malloc`` of at least ``nbytes`` bytes from a mapping of its own, returned
     to the system when freed, and turn glibc's dynamic threshold off (the whole process).
-    Returns whether it was set (``False`` where the C library is not glibc)."""
+    ``trim_bytes``: the free memory the heap's top keeps (``M_TRIM_THRESHOLD``; the dynamic
+    adjustment would have raised it, see the module doc), unless the environment set it;
+    ``None`` leaves it. Returns whether the mmap threshold was set (``False`` where the C
+    library is not glibc)."""
     global _decided
     if not 0 < nbytes <= 32 << 20:
         raise ValueError(f"pin_mmap_threshold: nbytes must be in (0, 32 MiB] (glibc's limit), got {nbytes}")
+    if trim_bytes is not None and not 0 <= trim_bytes < 1 << 31:
+        raise ValueError(f"pin_mmap_threshold: trim_bytes must be in [0, 2 GiB) (mallopt takes an int), got {trim_bytes}")
     libc = _glibc()
     if libc is None or not libc.mallopt(_M_MMAP_THRESHOLD, int(nbytes)):
         _decided = "unsupported"
         return False
+    if trim_bytes is not None and not _environment_chose("trim_threshold"):
+        libc.mallopt(_M_TRIM_THRESHOLD, int(trim_bytes))
     _decided = "pinned"
     return True
 
@@ -115,8 +141,10 @@ def apply_host_malloc_policy(device_type: str) -> Optional[str]:
         if _environment_chose():
             _decided = "environment"
         elif pin_mmap_threshold(DEFAULT_MMAP_THRESHOLD):
-            _log.info("fzero: pinned glibc's mmap threshold at %d bytes (fzero.host_malloc; "
-                      "fzero.host_malloc.keep_host_malloc() before init_train_state leaves it alone)", DEFAULT_MMAP_THRESHOLD)
+            trim = "" if _environment_chose("trim_threshold") else f" and its trim threshold at {DEFAULT_TRIM_THRESHOLD}"
+            _log.info("fzero: pinned glibc's mmap threshold at %d bytes%s (fzero.host_malloc; "
+                      "fzero.host_malloc.keep_host_malloc() before init_train_state leaves them alone)",
+                      DEFAULT_MMAP_THRESHOLD, trim)
         on, why = large_pages()
         _log.info("fzero: large tensors %s huge pages: %s", "get" if on else "do not get", why)
     return _decided
