@@ -113,7 +113,8 @@ def pin_mmap_threshold(nbytes: int = DEFAULT_MMAP_THRESHOLD,
     if not 0 < nbytes <= 32 << 20:
         raise ValueError(f"pin_mmap_threshold: nbytes must be in (0, 32 MiB] (glibc's limit), got {nbytes}")
     if trim_bytes is not None and not 0 <= trim_bytes < 1 << 31:
-        raise ValueError(f"pin_mmap_threshold: trim_bytes must be in [0, 2 GiB) (mallopt takes an int), got {trim_bytes}")
+        raise ValueError(f"pin_mmap_threshold: trim_bytes must be in [0, 2 GiB) (mallopt takes an int), "
+                         f"got {trim_bytes}")
     libc = _glibc()
     if libc is None or not libc.mallopt(_M_MMAP_THRESHOLD, int(nbytes)):
         _decided = "unsupported"
@@ -141,7 +142,8 @@ def apply_host_malloc_policy(device_type: str) -> Optional[str]:
         if _environment_chose():
             _decided = "environment"
         elif pin_mmap_threshold(DEFAULT_MMAP_THRESHOLD):
-            trim = "" if _environment_chose("trim_threshold") else f" and its trim threshold at {DEFAULT_TRIM_THRESHOLD}"
+            trim = ("" if _environment_chose("trim_threshold")
+                    else f" and its trim threshold at {DEFAULT_TRIM_THRESHOLD}")
             _log.info("fzero: pinned glibc's mmap threshold at %d bytes%s (fzero.host_malloc; "
                       "fzero.host_malloc.keep_host_malloc() before init_train_state leaves them alone)",
                       DEFAULT_MMAP_THRESHOLD, trim)

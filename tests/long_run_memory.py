@@ -45,8 +45,9 @@ def launch(keys: list[str]) -> list[dict]:
 
 def check_no_cyclic_garbage(readings: list[dict], key: str) -> None:
     """With Python's cyclic collector off, a step on a real rank leaves no tensor that only the
-    collector could free (steps 2-4 of the long run: ``dist_cases.memory_growth``). (The gradient hooks once tied each step's leaves, and the gathered
-    parameters they view, into a cycle, and so did gloo's batched collectives at stage 3.)"""
+    collector could free (steps 2-4 of the long run: ``dist_cases.memory_growth``). (The
+    gradient hooks once tied each step's leaves, and the gathered parameters they view, into a
+    cycle, and so did gloo's batched collectives at stage 3.)"""
     for r, res in enumerate(_case(readings, "memory_growth")):
         got = {**res[key]["cyclic"], "model_bytes": res[key]["model_bytes"]}
         # a cycle holding a step's parameters or gradients holds at least a bucket of them;
