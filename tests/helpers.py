@@ -50,6 +50,16 @@ def reference_run(
     return model
 
 
+def run_steps(step, state: fzero.TrainState, comm: fzero.Communicator, data) -> tuple[fzero.TrainState, list[float]]:
+    """``step`` over every global batch of ``data`` (split over ``comm``'s ranks): the last state
+    and each step's loss."""
+    losses = []
+    for batch in data:
+        state, m = step(state, comm.split_batch(batch))
+        losses.append(m["loss"].item())
+    return state, losses
+
+
 def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import fzero
 import user_models as um
-from helpers import max_rel_err
+from helpers import max_rel_err, run_steps
 from fzero.layout import compute_dtype
 from fzero.scopes import GATHER, GRAD_BUCKETS, GRAD_REDUCTION
 from fzero.testing import Census
@@ -153,10 +153,7 @@ def run(model, optimizer, data, *, stage, units=None, compile=False, comm=None, 
     state = fzero.init_train_state(model, optimizer, comm, stage=stage, units=units,
                                    precision=fzero.MixedPrecision(param_dtype=BF16, **precision))
     step = fzero.make_train_step(fzero.module_loss(model, F.cross_entropy), comm, compile=compile)
-    losses = []
-    for batch in data:
-        state, m = step(state, comm.split_batch(batch))
-        losses.append(m["loss"].item())
+    state, losses = run_steps(step, state, comm, data)
     return state, comm, losses
 
 

@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 
 import fzero
 import user_models as um
+from helpers import max_rel_err, run_steps
 
 pytest.importorskip("transformers")
 
@@ -61,16 +62,12 @@ def fzero_run(model, optimizer, data, world, loss_kind, *, stage, compile=False,
     step = fzero.make_train_step(
         _fzero_loss(model, loss_kind), comm, compile=compile, broadcast_buffers=broadcast
     )
-    losses = []
-    for batch in data:
-        state, m = step(state, comm.split_batch(batch))
-        losses.append(m["loss"].item())
+    state, losses = run_steps(step, state, comm, data)
     return state, comm, losses
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+    return max_rel_err(a.double(), b.double())
 
 
 def assert_params_match(state, comm, model, tol):
