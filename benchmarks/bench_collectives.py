@@ -11,8 +11,11 @@ for the gathers). Ways, each on the same input:
   every rank sent to rank ``k`` by ``dist.all_to_all_single``, summed there:
   ``TorchCommunicator``'s default on gloo), ``all_reduce`` (the whole sum,
   then a slice);
-* ``all-gather``: ``native`` (``dist.all_gather_single``) and
-  ``all_to_all`` (the shard repeated W times, exchanged);
+* ``all-gather``: ``native`` (``dist.all_gather_single``; gloo allocates a
+  buffer of the output's size in every call and copies out of it),
+  ``all_to_all`` (the shard repeated W times, exchanged) and
+  ``point_to_point`` (``isend``/``irecv`` of the shard straight into the
+  output: ``TorchCommunicator``'s default on gloo, ``all_gather_via``);
 * ``all-reduce``: ``native``, for reference.
 
 Each size runs every way ``--reps`` times per round over ``--rounds`` rounds in
@@ -58,6 +61,7 @@ def ways(n: int, world: int) -> dict[tuple[str, str], Callable[[], object]]:
     import torch.distributed as dist
 
     from fzero.dist import _c10d_all_gather, _c10d_reduce_scatter  # the *_single names where torch has them
+    from fzero.dist import _point_to_point_gather
 
     full = torch.randn(n)  # a reduction's input
     chunk = n // world
@@ -79,6 +83,8 @@ def ways(n: int, world: int) -> dict[tuple[str, str], Callable[[], object]]:
         ("reduce-scatter", "all_reduce"): rs_all_reduce,
         ("all-gather", "native"): lambda: _c10d_all_gather(gathered, shard),
         ("all-gather", "all_to_all"): lambda: dist.all_to_all_single(repeated, shard.repeat(world)),
+        ("all-gather", "point_to_point"): lambda: _point_to_point_gather(gathered, shard, None, dist.get_rank(),
+                                                                        world, 1).wait(),
         ("all-reduce", "native"): lambda: dist.all_reduce(total),
     }
 
@@ -105,14 +111,14 @@ def worker(args: argparse.Namespace) -> None:
                     times.setdefault((n, *key), []).append(time.perf_counter() - t0)
     if rank == 0:
         print(f"gloo, W={world}, float32, median us per call ({args.rounds} rounds x {args.reps} calls)")
-        print(f"{'elements/rank':>13}  {'collective':<15} {'way':<11} {'us':>8}  {'/ native':>8}")
+        print(f"{'elements/rank':>13}  {'collective':<15} {'way':<14} {'us':>8}  {'/ native':>8}")
         for n in sizes:
             for (m, coll, way), ts in times.items():
                 if m != n:
                     continue
                 med = statistics.median(ts) * 1e6
                 ref = statistics.median(times[(n, coll, "native")]) * 1e6
-                print(f"{n:>13}  {coll:<15} {way:<11} {med:8.0f}  {med / ref:8.2f}")
+                print(f"{n:>13}  {coll:<15} {way:<14} {med:8.0f}  {med / ref:8.2f}")
     dist.destroy_process_group()
 
 

@@ -37,6 +37,8 @@ from typing import Any, Callable, ContextManager, Literal, Optional, Sequence
 import torch
 import torch.utils._pytree as tp
 
+from . import scratch
+
 __all__ = [
     "CollectiveError",
     "Communicator",
@@ -351,9 +353,11 @@ class SimulatedWorld(Communicator):
         self._check_rows(x, "all_gather")
         if x.dim() != 2:
             raise ValueError(f"all_gather: expected shape [R, n], got {tuple(x.shape)}")
-        # repeat always allocates, as a real all-gather does: the output must never alias
-        # its input (with W=1, expand().contiguous() would return the input itself).
-        return x.reshape(1, -1).repeat(self.world_size, 1)
+        # a new buffer always, as a real all-gather's: the output must never alias its input
+        # (with W=1, expand().contiguous() would return the input itself)
+        row = x.reshape(1, -1)
+        out = scratch.empty((self.world_size, row.shape[1]), x.dtype, x.device)
+        return out.copy_(row.expand(self.world_size, -1))
 
     def all_gather_into_start(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], torch.Tensor]:
         self._check_into(x, out)

@@ -28,6 +28,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
+from . import scratch
 from .buckets import BucketReduction, BucketWatcher, BufferPool, buckets_of
 from .comm import Communicator
 from .layout import FlatGroup, flatten_one
@@ -35,6 +36,7 @@ from .module import ModuleLoss, check_loss, row_of
 from .pytree import replace
 from .rng import rank_rng
 from .scaler import scale
+from .scratch import ScratchPool
 from .sharding import all_gather_params, merge_params, reduce_scatter_grads, stack_rows, trainable_views
 from .state import TrainState
 from .units import CompiledUnits, compiled_unit_grads, unit_grads
@@ -73,12 +75,14 @@ class Workspace:
 
     def __init__(self, regather: Optional[CompiledUnits] = None):
         self.pool = BufferPool()
+        self.scratch = ScratchPool()
         self.regather = regather
 
     def clear(self) -> None:
         """Between steps a rank holds its state, not scratch buffers (eager only)."""
         if not torch.compiler.is_compiling():
             self.pool.clear()
+            self.scratch.clear()
 
 
 def loss_grads(
@@ -138,8 +142,11 @@ def loss_grads(
         via_all_reduce=state.stage == 1, prepare=prepare, pool=workspace.pool,
         dtype=state.precision.param_dtype, device=state.params[0].device,
     )
-    out = _rank_grads(loss_fn, state, batch, comm.local_ranks, reduction)
-    shards = reduction.finish(state.params[0].device, state.precision.param_dtype)
+    # the reductions' receive buffers come from the workspace's scratch pool (fzero.scratch)
+    with scratch.using(workspace.scratch):
+        out = _rank_grads(loss_fn, state, batch, comm.local_ranks, reduction)
+        shards = reduction.finish(state.params[0].device, state.precision.param_dtype)
+        scratch.release_free()
     return out._replace(grads=shards)
 
 
@@ -183,7 +190,8 @@ def _unit_grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicat
         shards = reduce_scatter_grads(state.shard, out.grads, comm, reduce_dtype=reduce_dtype, flat=True)
         return out._replace(grads=shards)
     else:
-        out = unit_grads(loss_fn, state.shard, comm, batch, rng=state.rng[0] if state.rng else None, **common)
+        with scratch.using(workspace.scratch):
+            out = unit_grads(loss_fn, state.shard, comm, batch, rng=state.rng[0] if state.rng else None, **common)
     return Grads(out.shards, out.losses, out.buffers, out.rng or state.rng, out.used, out.every)
 
 

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import torch
 import torch.utils._pytree as tp
 
+from . import scratch
 from .comm import Communicator, gradient_divide_factors
 from .layout import (
     FlatGroup,
@@ -371,13 +372,13 @@ def gather_flat_groups_start(
         started = [comm.all_gather_start(shard.master[g.index].to(compute_dtype(g, dtype))) for g in groups]
         return lambda: tuple(done() for done in started)
     travel = dtypes.pop()
-    joined = comm.all_gather_start(torch.cat([shard.master[g.index].to(travel) for g in groups], dim=1))
+    joined = comm.all_gather_start(scratch.cat([shard.master[g.index].to(travel) for g in groups], dim=1))
 
     def cut() -> tuple[torch.Tensor, ...]:
         full = joined().view(rows, world, -1)
         out, offset = [], 0
         for g in groups:
-            out.append(full[:, :, offset : offset + g.shard_numel].reshape(rows, g.padded_numel))
+            out.append(scratch.reshaped(full[:, :, offset : offset + g.shard_numel], (rows, g.padded_numel)))
             offset += g.shard_numel
         return tuple(out)
 

@@ -66,6 +66,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 import torch.utils._pytree as tp
 
+from . import scratch
 from .comm import Communicator
 from .layout import FlatGroup, Layout, compute_dtype, split_views
 from .module import ModuleLoss, check_loss, row_of
@@ -386,7 +387,7 @@ def _start_tagged(plan: "_Plan", shard: ShardState, comm: Communicator, dtype: O
     rest = [g for g in groups if compute_dtype(g, dtype) != travel]
     with step_scope(GATHER):
         code = _encode_tag(tag, travel).unsqueeze(0)
-        joined = comm.all_gather_start(torch.cat([code, *(shard.master[g.index].to(travel) for g in first)], dim=1))
+        joined = comm.all_gather_start(scratch.cat([code, *(shard.master[g.index].to(travel) for g in first)], dim=1))
         others = gather_flat_groups_start(shard, rest, comm, dtype) if rest else (lambda: ())
     got: list[torch.Tensor] = []
     decoded: list[list[list[int]]] = []
@@ -410,7 +411,7 @@ def _start_tagged(plan: "_Plan", shard: ShardState, comm: Communicator, dtype: O
         full, out, offset = received(), {}, t
         with step_scope(GATHER):
             for g in first:
-                out[g.index] = full[:, offset : offset + g.shard_numel].reshape(g.padded_numel)
+                out[g.index] = scratch.reshaped(full[:, offset : offset + g.shard_numel], (g.padded_numel,))
                 offset += g.shard_numel
             for g, f in zip(rest, others()):
                 out[g.index] = f[0]
@@ -806,6 +807,7 @@ def unit_grads(
                     # every rank has called the same units: checked before backward's collectives
                     run.event(_END)
                     run.backward = True
+                    scratch.release_free()  # forward's gathers are of other sizes than backward's
                     torch.autograd.grad(scale_loss(loss), [run.anchor], allow_unused=True)
                 del tensors
             run.finish_rank()
@@ -817,6 +819,7 @@ def unit_grads(
         for i, b in enumerate(bufs):
             new_buffers[i].append(b)
     shards = reduction.finish(device, param_dtype)
+    scratch.release_free()  # before the update, which allocates its own
     return UnitGrads(
         shards,
         torch.stack(losses),

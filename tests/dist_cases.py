@@ -26,6 +26,7 @@ def train(
     scaler: fzero.ScalerState | None = None,
     precision: fzero.MixedPrecision = fzero.MixedPrecision(),
     poison: Any = None,
+    donate: bool = False,
 ) -> tuple[fzero.TrainState, list[dict[str, float]], list[bool]]:
     """Train the test MLP; returns the state, per-step metrics and whether the master changed.
 
@@ -37,7 +38,7 @@ def train(
         model, optimizer or fzero.adamw(lr=1e-2), comm, scaler=scaler, precision=precision, alignment=4,
         stage=stage, units=units,
     )
-    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, compile=compiled)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, compile=compiled, donate=donate)
     history, changed = [], []
     for i, batch in enumerate(batches(steps, comm.world_size, 2, torch.float32)):
         x, y = comm.split_batch(batch)
@@ -46,7 +47,7 @@ def train(
             for row, r in enumerate(comm.ranks):
                 if poison(i, r):
                     x[row, 0, 0] = float("inf")
-        before = state.shard.master
+        before = [m.clone() for m in state.shard.master] if donate else state.shard.master
         state, m = step(state, (x, y))
         history.append({k: float(v) for k, v in m.items()})
         changed.append(any(not torch.equal(a, b) for a, b in zip(before, state.shard.master)))
@@ -108,6 +109,37 @@ def one_step_volume(comm: fzero.Communicator, stage: int, precision=fzero.MixedP
         "ops": [(r.op, str(r.dtype), r.elements) for r in counting.records],
         "all": counting.totals(),
     }
+
+
+def pooled_stage3(comm: fzero.Communicator, min_bytes: int = 0, steps: int = 3) -> dict:
+    """Eager stage 3 on an MLP of three units of one size, with every step buffer of at least
+    ``min_bytes`` through the step's scratch pool (``fzero.scratch``; 0: all of them): its
+    masters, and how many of the pool's requests an earlier buffer served."""
+    import fzero.grads
+    import fzero.scratch as scratch
+
+    pools: list = []
+
+    class Recorded(scratch.ScratchPool):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+
+    saved = scratch.MIN_BYTES, fzero.grads.ScratchPool
+    scratch.MIN_BYTES, fzero.grads.ScratchPool = min_bytes, Recorded
+    try:
+        model = mlp(sizes=(64, 128, 128, 128, 128, 16))
+        state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3,
+                                       units=lambda n, m: n in ("3", "5", "7"))
+        step = fzero.make_train_step(fzero.module_loss(model, mse), comm)
+        g = torch.Generator().manual_seed(2)
+        for _ in range(steps):
+            batch = (torch.randn(4 * comm.world_size, 64, generator=g), torch.randn(4 * comm.world_size, 16, generator=g))
+            state, _ = step(state, comm.split_batch(batch))
+    finally:
+        scratch.MIN_BYTES, fzero.grads.ScratchPool = saved
+    return {"masters": masters(state), "reused": sum(p.reused for p in pools),
+            "held": sum(p.held_bytes() for p in pools), "threads": torch.get_num_threads()}
 
 
 def reduce_scatter_inputs(world: int, dtype: torch.dtype, chunk: int = 1000) -> torch.Tensor:
@@ -366,9 +398,11 @@ class C10dCalls:
     """Counts the c10d collectives fzero's TorchCommunicator issues eagerly while active
     (``with C10dCalls() as calls``): ``calls.counts`` by collective."""
 
-    # label -> (module attribute TorchCommunicator calls through, on fzero.dist or torch.distributed)
-    PATCHED = {"all_to_all": ("dist", "all_to_all_single"), "all_reduce": ("dist", "all_reduce"),
-               "all_gather": ("fdist", "_c10d_all_gather"), "reduce_scatter": ("fdist", "_c10d_reduce_scatter")}
+    # (label, the module attribute TorchCommunicator calls through, on fzero.dist or torch.distributed):
+    # an all-gather is gloo's own or point to point (TorchCommunicator's all_gather_via)
+    PATCHED = [("all_to_all", "dist", "all_to_all_single"), ("all_reduce", "dist", "all_reduce"),
+               ("all_gather", "fdist", "_c10d_all_gather"), ("all_gather", "fdist", "_point_to_point_gather"),
+               ("reduce_scatter", "fdist", "_c10d_reduce_scatter")]
 
     def __init__(self):
         self.counts: dict[str, int] = {}
@@ -377,7 +411,7 @@ class C10dCalls:
     def __enter__(self) -> "C10dCalls":
         import fzero.dist as fdist
 
-        for label, (where, name) in self.PATCHED.items():
+        for label, where, name in self.PATCHED:
             owner = fdist if where == "fdist" else fdist.dist
             original = getattr(owner, name)
 
@@ -393,6 +427,35 @@ class C10dCalls:
         for owner, name, original in self._saved:
             setattr(owner, name, original)
         self._saved.clear()
+
+
+def gather_shards(world: int, rank: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Rank ``rank``'s shards ``[1, n]`` of three gathers (sizes 7, 3000 and 1)."""
+    return [(torch.arange(n, dtype=torch.float64) * (rank + 1) + 1000 * k).to(dtype).unsqueeze(0)
+            for k, n in enumerate((7, 3000, 1))]
+
+
+def gather_ways(comm: fzero.Communicator) -> dict:
+    """Every all-gather path of ``TorchCommunicator`` (``all_gather_via``): three gathers
+    started at once and waited for last to first, and one into a given buffer, per dtype."""
+    from fzero.dist import ALL_GATHER_PATHS, TorchCommunicator
+
+    out: dict = {"default": comm.all_gather_via}
+    try:
+        TorchCommunicator(all_gather_via="ring")
+    except ValueError as e:
+        out["unknown"] = str(e)
+    for via in ALL_GATHER_PATHS:
+        c = TorchCommunicator(all_gather_via=via)
+        got = []
+        for dtype in (torch.float32, torch.bfloat16):
+            shards = gather_shards(c.world_size, c.rank, dtype)
+            started = [c.all_gather_start(x) for x in shards]
+            got.append([done() for done in reversed(started)][::-1])
+            into = torch.empty(1, c.world_size * shards[1].shape[1], dtype=dtype)
+            got.append([c.all_gather_into_start(shards[1], into)()])
+        out[via] = got
+    return out
 
 
 def batched_collectives(comm: fzero.Communicator) -> dict:

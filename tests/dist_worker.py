@@ -126,6 +126,18 @@ def case_eager_s3(comm):
     return _sim_compare(comm, stage=3)
 
 
+def case_eager_s3_pooled(comm):
+    return cases.pooled_stage3(comm)
+
+
+def case_gather_ways(comm):
+    return cases.gather_ways(comm)
+
+
+def case_compiled_s2_donating(comm):
+    return _sim_compare(comm, stage=2, compiled=True, donate=True)
+
+
 def case_compiled_s3(comm):
     return _compiled_compare(comm, stage=3)
 

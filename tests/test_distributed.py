@@ -23,10 +23,10 @@ W2_CASES = [
     "eager_s2", "eager_s1", "compiled_s2", "eager_s3", "compiled_s3", "fsdp_full_vs_stage3", "ddp_adamw", "zero_sgd", "zero_adam", "fsdp",
     "inf_even", "volume", "mismatch", "padding_only", "fp16_40000", "overlap", "branchy",
     "live_tensors", "reduce_scatter_ways", "batched", "stage3_calls", "reduction_buffers", "torch_nadam",
-    "muon", "adafactor",
+    "muon", "adafactor", "eager_s3_pooled", "gather_ways", "compiled_s2_donating",
 ]
 W4_CASES = ["eager_s2", "compiled_s2", "inf_even", "volume", "padding_only", "fp16_40000", "ddp_adamw",
-            "reduce_scatter_ways", "batched", "reduction_buffers"]
+            "reduce_scatter_ways", "batched", "reduction_buffers", "gather_ways"]
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +79,30 @@ def _compare(per_rank, sim_masters, exact, tol=1e-6):
 
 @pytest.mark.parametrize(
     "case,stage,compiled",
-    [("eager_s2", 2, False), ("eager_s1", 1, False), ("compiled_s2", 2, True), ("eager_s3", 3, False), ("compiled_s3", 3, True)],
+    [("eager_s2", 2, False), ("eager_s1", 1, False), ("compiled_s2", 2, True), ("eager_s3", 3, False), ("compiled_s3", 3, True),
+     ("compiled_s2_donating", 2, True)],
 )
 def test_gloo_equals_simulated_world_w2_bitwise(w2, case, stage, compiled):
-    sim, _, _ = _sim(2, stage=stage, compiled=compiled)
+    """The donating compiled step gathers into the parameters with the point-to-point operator
+    in its graph (``fzero::gather_point_to_point``)."""
+    sim, _, _ = _sim(2, stage=stage, compiled=compiled, donate=case.endswith("donating"))
     _compare(_case(w2, case), sim, exact=True)
+
+
+def test_gloo_stage3_through_the_scratch_pool_equals_the_simulated_world_bitwise(w2):
+    """Every step buffer through the pool on real ranks (the tagged gathers, backward's joined
+    all-to-all): the pool reuses buffers, holds none between steps, and changes no bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(SIM_THREADS)
+    try:
+        sim = cases.pooled_stage3(fzero.SimulatedWorld(2), min_bytes=1 << 62)
+    finally:
+        torch.set_num_threads(threads)
+    assert sim["reused"] == 0
+    per_rank = _case(w2, "eager_s3_pooled")
+    for res in per_rank:
+        assert res["reused"] > 0 and res["held"] == 0, res
+    _compare(per_rank, sim["masters"], exact=True)
 
 
 def test_gloo_torch_optim_class_equals_simulated_world_w2_bitwise(w2):
@@ -211,6 +230,24 @@ def test_gloo_reduce_scatter_ways_equal_the_simulated_world(fixture, world, requ
                 terms = sim.reduce_scatter(cases.reduce_scatter_inputs(world, dtype).abs().double(), "sum")[r]
                 eps = torch.finfo(dtype).eps
                 assert ((at_once[0].double() - want.double()).abs() <= 4 * eps * terms).all(), (r, key)
+
+
+@pytest.mark.parametrize("fixture,world", [("w2", 2), ("w4", 4)])
+def test_gloo_all_gather_paths_give_every_rank_every_shard(fixture, world, request):
+    """gloo's own all-gather and the point-to-point one (gloo's default): several in flight at
+    once, waited for out of order, and one into a given buffer, fp32 and bf16; a path that
+    does not exist is named."""
+    for r, res in enumerate(_case(request.getfixturevalue(fixture), "gather_ways")):
+        assert res["default"] == "point_to_point", r
+        assert res["unknown"] == "all_gather_via must be one of ('all_gather', 'point_to_point'), got 'ring'", r
+        for via in ("all_gather", "point_to_point"):
+            got = res[via]
+            for d, dtype in enumerate((torch.float32, torch.bfloat16)):
+                want = [torch.cat([cases.gather_shards(world, k, dtype)[i] for k in range(world)], dim=1)
+                        for i in range(3)]
+                for a, b in zip(got[2 * d], want):
+                    assert a.dtype == dtype and torch.equal(a, b), (r, via, dtype)
+                assert torch.equal(got[2 * d + 1][0], want[1]), (r, via, dtype)
 
 
 @pytest.mark.parametrize("fixture", ["w2", "w4"])
