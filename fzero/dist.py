@@ -177,6 +177,21 @@ def _(out: torch.Tensor, sent: torch.Tensor, group_name: str) -> None:
     return None
 
 
+@torch.library.custom_op("fzero::all_gather_point_to_point", mutates_args=())
+def _all_gather_point_to_point_op(sent: torch.Tensor, world: int, group_name: str) -> torch.Tensor:
+    """:func:`_point_to_point_gather` of ``sent`` (``[n]``) into a new ``[world * n]``: the
+    functional form, which a compiled stage-3 step recomputes in backward instead of keeping
+    the unit (``fzero.units``' regather policy)."""
+    out = sent.new_empty(world * sent.numel())
+    _gather_point_to_point_op(out, sent, group_name)
+    return out
+
+
+@_all_gather_point_to_point_op.register_fake
+def _(sent: torch.Tensor, world: int, group_name: str) -> torch.Tensor:
+    return sent.new_empty(world * sent.numel())
+
+
 def _wait(work: Any, bound: _Bound) -> None:
     """``work.wait()``; with a bound, c10d's ``wait(timeout)``, and a failure (the timeout, or
     a peer that died) as :class:`~fzero.comm.CollectiveError` naming the collective."""
@@ -411,8 +426,7 @@ class TorchCommunicator(Communicator):
         if x.dim() != 2:
             raise ValueError(f"all_gather: expected shape [R, n], got {tuple(x.shape)}")
         if not _eager() and self.all_gather_via == "point_to_point" and self.world_size > 1:
-            out = x.new_empty(self.world_size * x.shape[1])
-            torch.ops.fzero.gather_point_to_point(out, x[0].contiguous(), self._name)
+            out = torch.ops.fzero.all_gather_point_to_point(x[0].contiguous(), self.world_size, self._name)
             return lambda: out.unsqueeze(0)
         if not _eager():
             started = _all_gather(x[0].contiguous(), 0, self._name)

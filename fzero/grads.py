@@ -142,11 +142,8 @@ def loss_grads(
         via_all_reduce=state.stage == 1, prepare=prepare, pool=workspace.pool,
         dtype=state.precision.param_dtype, device=state.params[0].device,
     )
-    # the reductions' receive buffers come from the workspace's scratch pool (fzero.scratch)
-    with scratch.using(workspace.scratch):
-        out = _rank_grads(loss_fn, state, batch, comm.local_ranks, reduction)
-        shards = reduction.finish(state.params[0].device, state.precision.param_dtype)
-        scratch.release_free()
+    out = _rank_grads(loss_fn, state, batch, comm.local_ranks, reduction)
+    shards = reduction.finish(state.params[0].device, state.precision.param_dtype)
     return out._replace(grads=shards)
 
 

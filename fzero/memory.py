@@ -90,10 +90,11 @@ Imports: ``fzero.buckets``, ``fzero.comm``, ``fzero.layout``, ``fzero.optim``, `
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
+from . import scratch
 from .buckets import MAX_IN_FLIGHT, buckets_of
 from .comm import Communicator, GatherFootprint, gradient_divide_factors
 from .layout import FlatGroup, Layout
@@ -450,7 +451,7 @@ def _replay_reductions(
 class _Buf:
     """A replayed buffer freed when its last holder lets it go."""
 
-    def __init__(self, heap: _Heap, nbytes: int, holders: int = 1):
+    def __init__(self, heap: Union[_Heap, "_Spares"], nbytes: int, holders: int = 1):
         self.heap, self.nbytes, self.holders = heap, nbytes, holders
         heap.alloc(nbytes)
 
@@ -675,12 +676,43 @@ class _Chain:
                 b.drop()
 
 
+class _Spares:
+    """:class:`fzero.scratch.ScratchPool` replayed on sizes, over ``heap``: a freed buffer of at
+    least ``scratch.MIN_BYTES`` stays allocated as a spare (at most ``per_size`` of one size)
+    until an allocation of its size takes it, or :meth:`release`. Exact sizes only: the
+    buffers it replays (backward's joined all-to-alls) are of one size for units of one size."""
+
+    def __init__(self, heap: _Heap, per_size: int = 2):
+        self.heap, self.per_size, self.min_bytes = heap, per_size, scratch.MIN_BYTES
+        self.spare: dict[int, int] = {}
+
+    def alloc(self, nbytes: int) -> None:
+        if nbytes >= self.min_bytes and self.spare.get(nbytes, 0):
+            self.spare[nbytes] -= 1
+            return
+        self.heap.alloc(nbytes)
+
+    def free(self, nbytes: int) -> None:
+        if nbytes >= self.min_bytes and self.spare.get(nbytes, 0) < self.per_size:
+            self.spare[nbytes] = self.spare.get(nbytes, 0) + 1
+            return
+        self.heap.free(nbytes)
+
+    def release(self) -> None:
+        """The pool's ``release_free`` at the end of backward: every spare goes."""
+        for nbytes, k in self.spare.items():
+            for _ in range(k):
+                self.heap.free(nbytes)
+        self.spare.clear()
+
+
 class _Joint:
     """A batch's joined all-to-all (:meth:`fzero.dist.TorchCommunicator.batched`), replayed: the
     send buffer goes at the first wait of its collectives, the receive buffer once every one
-    has been waited for and let go."""
+    has been waited for and let go (both into the step's scratch pool: ``heap`` a
+    :class:`_Spares`)."""
 
-    def __init__(self, heap: _Heap, nbytes: int, parts: int):
+    def __init__(self, heap: Union[_Heap, _Spares], nbytes: int, parts: int):
         self.heap, self.nbytes, self.sent = heap, nbytes, True
         heap.alloc(nbytes)
         self.received = _Buf(heap, nbytes, holders=parts)
@@ -745,6 +777,7 @@ class _RankReplay:
         self.n, self.world = len(buckets), comm.world_size
         self.every = _Heap()
         self.gheap, self.rheap = _Heap(also=self.every), _Heap(also=self.every)
+        self.joints = _Spares(self.rheap)  # the joined all-to-alls' buffers, reused (fzero.scratch)
         self.batch: Optional[list[_Part]] = None  # the parts of the batch under way
         self.started: list[list[tuple[Callable[[], None], Callable[[], None]]]] = []  # reductions
         self.ahead: dict[int, _Take] = {}  # started gathers by bucket
@@ -783,7 +816,7 @@ class _RankReplay:
             if len(group) == 1:
                 group[0].alone()
                 continue
-            joint = _Joint(self.rheap, sum(p.nbytes for p in group), len(group))
+            joint = _Joint(self.joints, sum(p.nbytes for p in group), len(group))
             for p in group:
                 p.joint = joint
 
@@ -1088,6 +1121,7 @@ class _RankReplay:
         self.batched(lambda: self.launch((0, 1)))
         while self.started:
             self.wait_oldest()
+        self.joints.release()
 
 
 def _held(kind: str, stage: int) -> bool:

@@ -860,12 +860,15 @@ def _regather_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import CheckpointPolicy
 
     if getattr(op, "namespace", None) == "_c10d_functional" or getattr(op, "is_view", False) \
-            or op in _REGATHER_OPS:
+            or op in _REGATHER_OPS or getattr(op, "name", lambda: "")() in _REGATHER_NAMED:
         return CheckpointPolicy.MUST_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE
 
 
 _REGATHER_OPS = frozenset({torch.ops.aten.repeat.default, torch.ops.aten._to_copy.default})
+# gathers of fzero's own (fzero.dist: gloo's point-to-point all-gather), by name: units does not
+# import the communicator that registers them
+_REGATHER_NAMED = frozenset({"fzero::all_gather_point_to_point"})
 
 
 def _regather_context() -> Any:

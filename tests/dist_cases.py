@@ -134,7 +134,8 @@ def pooled_stage3(comm: fzero.Communicator, min_bytes: int = 0, steps: int = 3) 
         step = fzero.make_train_step(fzero.module_loss(model, mse), comm)
         g = torch.Generator().manual_seed(2)
         for _ in range(steps):
-            batch = (torch.randn(4 * comm.world_size, 64, generator=g), torch.randn(4 * comm.world_size, 16, generator=g))
+            world = comm.world_size
+            batch = (torch.randn(4 * world, 64, generator=g), torch.randn(4 * world, 16, generator=g))
             state, _ = step(state, comm.split_batch(batch))
     finally:
         scratch.MIN_BYTES, fzero.grads.ScratchPool = saved

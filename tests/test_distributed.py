@@ -79,8 +79,8 @@ def _compare(per_rank, sim_masters, exact, tol=1e-6):
 
 @pytest.mark.parametrize(
     "case,stage,compiled",
-    [("eager_s2", 2, False), ("eager_s1", 1, False), ("compiled_s2", 2, True), ("eager_s3", 3, False), ("compiled_s3", 3, True),
-     ("compiled_s2_donating", 2, True)],
+    [("eager_s2", 2, False), ("eager_s1", 1, False), ("compiled_s2", 2, True), ("eager_s3", 3, False),
+     ("compiled_s3", 3, True), ("compiled_s2_donating", 2, True)],
 )
 def test_gloo_equals_simulated_world_w2_bitwise(w2, case, stage, compiled):
     """The donating compiled step gathers into the parameters with the point-to-point operator
