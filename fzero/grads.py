@@ -69,7 +69,8 @@ class Grads(NamedTuple):
 class Workspace:
     """What the gradient computation of one step function reuses from call to call: the
     bucket buffers of eager stages 1-2 (a :class:`fzero.buckets.BufferPool`, emptied by
-    :meth:`clear` between steps) and, for compiled stage 3 on one local rank with one
+    :meth:`clear` between steps), eager stage 3's gathers and joined all-to-alls (a
+    :class:`fzero.scratch.ScratchPool`, emptied likewise) and, for compiled stage 3 on one local rank with one
     micro-batch, the unit forwards that regather in backward (``regather``, a
     :class:`fzero.units.CompiledUnits`, installed around the compiled call)."""
 

@@ -10,7 +10,7 @@ at 162M parameters on gloo W=2, 47 gather buffers (1.8 GB) and 22 joined sends a
 (1.7 GB) a step, most of the 5.2 GB an eager stage-3 step faults in.
 
 A :class:`ScratchPool` keeps the buffers it handed out and gives one out again, for a request
-of the same size, once no tensor, view, autograd node or collective refers to its storage any
+that fits (its size, up to :data:`SLACK` times), once no tensor, view, autograd node or collective refers to its storage any
 more (the storage's reference count: nothing is ever reused while anything can still read or
 write it, so reuse cannot change a value). It is scratch memory of one step function, never
 part of the state: :meth:`ScratchPool.clear` drops every buffer when the step ends, and
@@ -21,10 +21,13 @@ its size is among the sizes asked for recently, at most :attr:`ScratchPool.per_s
 
 Only host memory is pooled, in blocks of at least :data:`MIN_BYTES` (smaller ones come from
 glibc's heap, which keeps freed memory mapped; a GPU's caching allocator already reuses its
-blocks). The pool is made current with :func:`using`; :func:`empty` and :func:`cat` allocate from the
-current pool, or from the allocator as usual where there is none (and always while dynamo
-traces: a compiled graph's buffers are its own). The collectives (:mod:`fzero.dist`), the
-gathers (:mod:`fzero.sharding`, :mod:`fzero.units`) call them for the buffers they own.
+blocks). The pool is made current with :func:`using` (by :func:`fzero.grads.loss_grads`
+around an eager stage-3 gradient computation); :func:`empty`, :func:`cat` and :func:`reshaped`
+allocate from the current pool, or from the allocator as usual where there is none (and
+always while dynamo traces: a compiled graph's buffers are its own). The collectives
+(:mod:`fzero.dist`, the simulated world's gather) and the gathers (:mod:`fzero.sharding`,
+:mod:`fzero.units`) call them for the buffers they own. Stages 1-2 do not make it current:
+there it saved little and raised the step's peak (design.md, "Fresh memory").
 
 Imports: torch only.
 """
