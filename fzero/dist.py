@@ -443,7 +443,7 @@ class TorchCommunicator(Communicator):
 
         if self._batch is not None:  # every rank receives this rank's row
             return self._batch.add(_Part(x[0].expand(self.world_size, x.shape[1]),
-                                         lambda got: scratch.reshaped(got, (1, -1)), alone, GATHER))
+                                         lambda got: scratch.reshaped(got, (1, got.numel())), alone, GATHER))
         return alone()
 
     def all_gather_into_start(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -678,12 +678,11 @@ class _Chain:
 
 class _Spares:
     """:class:`fzero.scratch.ScratchPool` replayed on sizes, over ``heap``: a freed buffer of at
-    least ``scratch.MIN_BYTES`` stays allocated as a spare (at most ``per_size`` of one size)
-    until an allocation of its size takes it, or :meth:`release`. Exact sizes only: the
-    buffers it replays (backward's joined all-to-alls) are of one size for units of one size."""
+    least ``scratch.MIN_BYTES`` stays allocated as a spare (at most ``scratch.PER_SIZE`` of one
+    size) until an allocation of its size takes it, or :meth:`release`."""
 
-    def __init__(self, heap: _Heap, per_size: int = 2):
-        self.heap, self.per_size, self.min_bytes = heap, per_size, scratch.MIN_BYTES
+    def __init__(self, heap: _Heap):
+        self.heap, self.per_size, self.min_bytes = heap, scratch.PER_SIZE, scratch.MIN_BYTES
         self.spare: dict[int, int] = {}
 
     def alloc(self, nbytes: int) -> None:

@@ -10,14 +10,14 @@ at 162M parameters on gloo W=2, 47 gather buffers (1.8 GB) and 22 joined sends a
 (1.7 GB) a step, most of the 5.2 GB an eager stage-3 step faults in.
 
 A :class:`ScratchPool` keeps the buffers it handed out and gives one out again, for a request
-that fits (its size, up to :data:`SLACK` times), once no tensor, view, autograd node or collective refers to its storage any
+of the same size, once no tensor, view, autograd node or collective refers to its storage any
 more (the storage's reference count: nothing is ever reused while anything can still read or
 write it, so reuse cannot change a value). It is scratch memory of one step function, never
 part of the state: :meth:`ScratchPool.clear` drops every buffer when the step ends, and
 :meth:`ScratchPool.release_free` drops those no longer in use where the step changes phase
 (forward to backward, backward to the update), so buffers of a finished phase do not stay
 alive on top of the next phase's peak. Between two requests, a free buffer is kept only while
-its size is among the sizes asked for recently, at most :attr:`ScratchPool.per_size` of each.
+its size is among the sizes asked for recently, at most :data:`PER_SIZE` of each.
 
 Only host memory is pooled, in blocks of at least :data:`MIN_BYTES` (smaller ones come from
 glibc's heap, which keeps freed memory mapped; a GPU's caching allocator already reuses its
@@ -41,13 +41,13 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-__all__ = ["ScratchPool", "using", "current", "empty", "cat", "reshaped", "release_free", "MIN_BYTES", "SLACK"]
+__all__ = ["ScratchPool", "using", "current", "empty", "cat", "reshaped", "release_free", "MIN_BYTES", "PER_SIZE"]
 
 # Smaller blocks come from the heap, which keeps freed memory mapped (fzero.host_malloc)
 MIN_BYTES = 1 << 20
 
-# A request may take a free buffer up to this many times its size
-SLACK = 1.25
+# The most free buffers of one size kept between requests (fzero.memory replays the same rule)
+PER_SIZE = 2
 
 _LOCAL = threading.local()
 
@@ -66,12 +66,13 @@ def _storage_refs(t: torch.Tensor) -> int:
 class ScratchPool:
     """Buffers of one step function's eager steps, reused by size (see the module doc).
 
-    ``per_size``: the most free buffers of one size kept between requests; ``recent``: a free
+    ``per_size``: the most free buffers of one size kept between requests (default
+    :data:`PER_SIZE`); ``recent``: a free
     buffer is kept only while its size is among the last ``recent`` distinct sizes requested;
     ``min_bytes``: smaller requests go to the allocator (default :data:`MIN_BYTES`, read when
     the pool is made). Not thread-safe (one step at a time, like the step itself)."""
 
-    def __init__(self, per_size: int = 2, recent: int = 4, min_bytes: Optional[int] = None):
+    def __init__(self, per_size: int = PER_SIZE, recent: int = 4, min_bytes: Optional[int] = None):
         self.per_size, self.recent = per_size, recent
         self.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
         # (nbytes, device) -> the buffers of that size handed out (1-D uint8 bases), oldest first
@@ -84,8 +85,8 @@ class ScratchPool:
         return _storage_refs(base) <= 1  # the pool's own base only
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """An uninitialised contiguous tensor of ``shape`` and ``dtype``: a free buffer that fits
-        (:meth:`_fitting`) if the pool has one, else a new one the pool keeps."""
+        """An uninitialised contiguous tensor of ``shape`` and ``dtype``: a free buffer of its size
+        if the pool has one, else a new one the pool keeps."""
         numel = 1
         for s in shape:
             numel *= int(s)
@@ -94,30 +95,21 @@ class ScratchPool:
         if nbytes < self.min_bytes or device.type != "cpu" or _USE_COUNT is None:
             # other devices' allocators cache blocks themselves
             return torch.empty(tuple(shape), dtype=dtype, device=device)
-        base = self._fitting(nbytes, device)
+        key = (nbytes, device)
+        self._asked(key)
+        have = self.bufs.setdefault(key, [])
+        base = next((b for b in have if self._free(b)), None)
         if base is None:
             base = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            self.bufs.setdefault((nbytes, device), []).append(base)
-            self._asked((nbytes, device))
+            have.append(base)
             self.fresh += 1
         else:
             self.reused += 1
         self._trim()
         return torch.empty(0, dtype=dtype, device=device).set_(base.untyped_storage(), 0, tuple(shape))
 
-    def _fitting(self, nbytes: int, device: torch.device) -> Optional[torch.Tensor]:
-        """The smallest free buffer of at least ``nbytes`` and at most :data:`SLACK` times
-        that (buckets of a stage-2 step differ in size by a few percent)."""
-        sizes = sorted(k[0] for k in self.bufs if k[1] == device and nbytes <= k[0] <= nbytes * SLACK)
-        for size in sizes:
-            base = next((b for b in self.bufs[(size, device)] if self._free(b)), None)
-            if base is not None:
-                self._asked((size, device))
-                return base
-        return None
-
     def _asked(self, key: tuple[int, torch.device]) -> None:
-        """``key``'s size served a request: the most recent."""
+        """``key``'s size was asked for: the most recent."""
         self.sizes.pop(key, None)
         self.sizes[key] = None
         while len(self.sizes) > self.recent:
@@ -196,14 +188,10 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
 
 
 def reshaped(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """``x.reshape(shape)``: a view where ``x`` is contiguous, else a copy into a buffer of
-    the current pool if there is one."""
+    """``x.reshape(shape)`` (``shape`` given in full): a view where ``x`` is contiguous, else a
+    copy into a buffer of the current pool if there is one."""
     if x.is_contiguous():
         return x.view(tuple(shape))
-    known = 1
-    for s in shape:
-        known *= int(s) if s != -1 else 1
-    shape = tuple(x.numel() // known if s == -1 else int(s) for s in shape)
     out = empty(shape, x.dtype, x.device)
     out.view(x.shape).copy_(x)
     return out

