@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 import fzero
-from fzero.compiled import compiled_step
+from fzero.compiled import Compile, compile_arguments, compiled_step
 from fzero.grads import Workspace
 from fzero.module import broadcast_buffers
 from fzero.pytree import replace
@@ -37,13 +37,14 @@ from fzero.units import CompiledUnits
 
 
 def hand_step(loss_fn: Any, comm: fzero.Communicator, *, clip_norm: Optional[float] = None,
-              accum_steps: int = 1, compile: bool = False) -> Callable:
+              accum_steps: int = 1, compile: Compile = False) -> Callable:
     """``make_train_step(loss_fn, comm, clip_norm=..., accum_steps=..., compile=...)``,
     composed by hand."""
     K = accum_steps
     # reused from call to call: gradient bucket buffers; compiled stage 3 on one rank with one
     # micro-batch, the unit forwards that gather again in backward
-    regather = CompiledUnits(loss_fn.module) if compile and comm.local_ranks * K == 1 else None
+    compiling = compile_arguments(compile) is not None  # True, or torch.compile's backend, mode, options
+    regather = CompiledUnits(loss_fn.module) if compiling and comm.local_ranks * K == 1 else None
     workspace = Workspace(regather)
 
     def step(state: fzero.TrainState, batch: Any) -> tuple[fzero.TrainState, dict[str, torch.Tensor]]:
@@ -80,7 +81,7 @@ def hand_step(loss_fn: Any, comm: fzero.Communicator, *, clip_norm: Optional[flo
                    "grad_norm": agreed.grad_norm.float(), "lr": state.opt.hyper[0]["lr"].float()}
         return new_state, metrics
 
-    return compiled_step(step, comm.local_ranks * K, workspace) if compile else step
+    return compiled_step(step, comm.local_ranks * K, workspace, compile) if compiling else step
 
 
 def main(steps: int = 30, stage: int = 2) -> list[float]:

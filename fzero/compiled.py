@@ -12,7 +12,7 @@ import contextlib
 import logging
 import types
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
@@ -23,13 +23,49 @@ from .rng import rank_rng
 from .sharding import plain_update_known
 from .state import TrainState
 
-__all__ = ["compiled_step", "no_missed_steps", "StepFn"]
+__all__ = ["compiled_step", "compile_arguments", "no_missed_steps", "StepFn", "Compile"]
 
 StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]
 
+# make_train_step's ``compile=``: False (eager), True (torch.compile's defaults: inductor), or
+# torch.compile's own keyword arguments among TORCH_COMPILE_KEYS
+Compile = Union[bool, Mapping[str, Any]]
+TORCH_COMPILE_KEYS = ("backend", "mode", "options")
 
-def compiled_step(step: StepFn, backward_regions: int = 1, workspace: Optional[Workspace] = None) -> StepFn:
+
+def compile_arguments(compile: Compile) -> Optional[dict[str, Any]]:
+    """``compile=`` as ``torch.compile`` keyword arguments, or ``None`` for an eager step.
+
+    ``True`` is ``{}`` (inductor, default mode); a mapping is checked and copied: ``backend``
+    (e.g. ``"aot_eager"``: dynamo and AOTAutograd without inductor's code generation, for
+    debugging or a cheap compile), ``mode``, ``options``. ``fullgraph`` and ``dynamic`` are
+    fzero's own (:func:`compiled_step`) and are refused, as is any other key, with a
+    ``ValueError`` that names it."""
+    if compile is False or compile is None:
+        return None
+    if compile is True:
+        return {}
+    if not isinstance(compile, Mapping):
+        raise TypeError(f"compile= takes True, False or a dict of torch.compile arguments "
+                        f"{TORCH_COMPILE_KEYS}, not {type(compile).__name__}")
+    fixed = sorted(set(compile) & {"fullgraph", "dynamic"})
+    if fixed:
+        raise ValueError(f"compile={dict(compile)!r}: {fixed} are fzero's own (fullgraph=True, dynamic=False: "
+                         "a step is one graph and specialises on shapes); give only "
+                         f"{TORCH_COMPILE_KEYS}")
+    unknown = sorted(set(compile) - set(TORCH_COMPILE_KEYS))
+    if unknown:
+        raise ValueError(f"compile={dict(compile)!r}: unknown torch.compile arguments {unknown}; "
+                         f"fzero passes on {TORCH_COMPILE_KEYS}")
+    return dict(compile)
+
+
+def compiled_step(step: StepFn, backward_regions: int = 1, workspace: Optional[Workspace] = None,
+                  compile: Compile = True) -> StepFn:
     """``torch.compile(step, fullgraph=True)`` with what fzero's step needs around it.
+
+    ``compile``: ``True``, or ``torch.compile``'s ``backend``/``mode``/``options``
+    (:func:`compile_arguments`).
 
     * ``torch._dynamo.config.trace_autograd_ops=True`` while tracing: torch
       2.13's dynamo graph-breaks on ``torch.autograd.grad`` otherwise (it
@@ -66,6 +102,9 @@ def compiled_step(step: StepFn, backward_regions: int = 1, workspace: Optional[W
     """
     by_regather: dict[bool, Any] = {}
     warned: list[bool] = []
+    arguments = compile_arguments(compile)
+    if arguments is None:
+        raise ValueError("compiled_step: compile=False; call the step itself for an eager step")
 
     def compiled_for(regather: bool) -> Any:
         if regather not in by_regather:
@@ -80,7 +119,8 @@ def compiled_step(step: StepFn, backward_regions: int = 1, workspace: Optional[W
             # and a context keeps every variable ever set in it, so a new patch per call grew the
             # heap by about 0.4 kB a step for the life of the process.
             patches = (torch._dynamo.config.patch(**dynamo_flags), torch._functorch.config.patch(**functorch_flags))
-            by_regather[regather] = (torch.compile(_with_own_code(step), fullgraph=True, dynamic=False), patches)
+            by_regather[regather] = (torch.compile(_with_own_code(step), fullgraph=True, dynamic=False, **arguments),
+                                    patches)
         return by_regather[regather]
 
     def run(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:

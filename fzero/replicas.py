@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import sys
 from collections import Counter
 from typing import Any, Callable, Literal, Optional, Sequence
 
@@ -158,7 +159,19 @@ def _frozen_paths(state: Any) -> list[str]:
 _SCALER_STATIC = ("growth_factor", "backoff_factor", "growth_interval", "min_scale", "hysteresis", "dynamic")
 
 
-@torch.compiler.assume_constant_result
+def _constant_under_compile(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result(fn)``: dynamo calls ``fn`` while tracing and
+    puts its result in the graph as a constant. That function imports ``torch._dynamo``, 1.5 s
+    of every ``import fzero`` (2.6 s without it) in every rank and tool that never compiles; so
+    unless dynamo is loaded already, ``fn`` gets the mark it sets, ``_dynamo_marked_constant``
+    (``tests/test_replicas.py`` checks that the two agree)."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@_constant_under_compile
 def _signature_of(layout: Any, optimizer: Any, scaler_static: tuple, precision: Any) -> int:
     """A 64-bit hash of the static metadata (a constant when compiled: every argument is
     static pytree metadata, never a tensor)."""

@@ -35,7 +35,7 @@ import torch
 import torch.utils._pytree as tp
 
 from .comm import CollectiveError, Communicator
-from .compiled import StepFn, compiled_step
+from .compiled import Compile, StepFn, compile_arguments, compiled_step
 from .grads import Grads, LossFn, Workspace, loss_grads
 from .module import ModuleLoss, broadcast_buffers as broadcast_module_buffers, module_loss
 from .optim import check_compilable
@@ -140,7 +140,7 @@ def make_train_step(
     defer_reduce: bool = False,
     schedules: Optional[Mapping[str, Schedule]] = None,
     donate: bool = False,
-    compile: bool = False,
+    compile: Compile = False,
     broadcast_buffers: bool = True,
     check_replicas_every: int = 0,
     replica_check: str = "raise",
@@ -180,7 +180,10 @@ def make_train_step(
     buffers; the input state is *consumed*: its tensors are emptied, and
     passing it to a step or to fzero's functions raises ``ValueError``.
     ``compile=True``: the step is ``torch.compile(fullgraph=True)``-ed inside
-    that bookkeeping (compile a donating step this way, not from outside).
+    that bookkeeping (compile a donating step this way, not from outside);
+    ``compile={"backend": ..., "mode": ..., "options": ...}`` passes those on to
+    ``torch.compile`` (``{"backend": "aot_eager"}``: traced and partitioned as with
+    inductor, run by torch's eager kernels).
     Donated and pure steps give bitwise the same numbers.
 
     ``broadcast_buffers=True`` (DDP's default): before every forward, each
@@ -233,7 +236,8 @@ def make_train_step(
     # compiled stage 3 with one backward per graph (one local rank, one micro-batch): the units
     # regather in backward (fzero.units.CompiledUnits); otherwise every bucket is gathered at once
     one_backward = comm.local_ranks * K == 1 and isinstance(loss_fn, ModuleLoss)
-    workspace = Workspace(CompiledUnits(loss_fn.module) if compile and one_backward else None)
+    compiling = compile_arguments(compile) is not None
+    workspace = Workspace(CompiledUnits(loss_fn.module) if compiling and one_backward else None)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         check_state(state, comm, stage)
@@ -288,8 +292,8 @@ def make_train_step(
         return new_state, metrics
 
     core: StepFn = step
-    if compile:
-        compiled = compiled_step(step, comm.local_ranks * K, workspace)
+    if compiling:
+        compiled = compiled_step(step, comm.local_ranks * K, workspace, compile)
 
         def checked_compiled(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
             # before the graph: a bad shape raises our error, not a recompile that fails inside

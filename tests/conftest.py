@@ -12,6 +12,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from helpers import CHEAP_COMPILE, LONG  # noqa: F401 - the profile's flags (helpers.py), for the tests
+
 settings.register_profile(
     "ci",
     derandomize=True,
@@ -28,8 +30,6 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("FZERO_HYPOTHESIS_PROFILE", "ci"))
-# The long profile also runs the full matrices that CI samples (tests that import LONG).
-LONG = os.environ.get("FZERO_HYPOTHESIS_PROFILE", "ci") == "long"
 
 # Keep CPU tests reproducible and light on a 2-core machine: under pytest-xdist (the README's
 # `-n 2`) the workers already fill both cores, and a second intra-op thread each would only

@@ -15,7 +15,7 @@ import torch
 import fzero
 from fzero.dist import TorchCommunicator
 import dist_cases as cases
-from helpers import batches, mlp
+from helpers import CHEAP_COMPILE, batches, mlp
 
 mse = torch.nn.functional.mse_loss
 
@@ -304,7 +304,10 @@ def case_unused(comm):
         for stage in (1, 2, 3):
             out[f"s{stage}_{opt}"] = uc.run_fzero(comm, opt, stage)
     for stage in (1, 2, 3):
-        out[f"s{stage}c_adamw"] = uc.run_fzero(comm, "adamw", stage, compile=True, branch=True)
+        # inductor at stage 2 (the masked update, gloo's traced collectives); stages 1 and 3:
+        # helpers.CHEAP_COMPILE (aot_eager in CI)
+        how = True if stage == 2 else CHEAP_COMPILE
+        out[f"s{stage}c_adamw"] = uc.run_fzero(comm, "adamw", stage, compile=how, branch=True)
     return out
 
 

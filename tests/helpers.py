@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import copy
+import os
 from typing import Callable
 
 import torch
 
 import fzero
+
+# The hypothesis profile (conftest.py): the long one also runs the full matrices that CI
+# samples (tests that import LONG).
+LONG = os.environ.get("FZERO_HYPOTHESIS_PROFILE", "ci") == "long"
+# ``make_train_step(compile=...)`` for compiled tests whose subject is dynamo's side of a step
+# (one graph, no graph breaks, no recompiles, guards, warnings around the call) and not the
+# code inductor generates: in CI, backend "aot_eager" (the same dynamo graph and AOTAutograd
+# partition, run by torch's eager kernels). Inductor spends 0.6 s of g++ per kernel, 30-90 s a
+# test; the long profile compiles them with inductor. Every compiled path keeps an inductor
+# test in CI beside its cheap ones (each file says which).
+CHEAP_COMPILE = True if LONG else {"backend": "aot_eager"}
 
 
 def mlp(dtype: torch.dtype = torch.float32, seed: int = 0, sizes=(6, 9, 5, 3)) -> torch.nn.Module:

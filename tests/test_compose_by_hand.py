@@ -95,21 +95,27 @@ def test_hand_step_equals_make_train_step_eagerly(kind, stage):
     _assert_bitwise(got, want)
 
 
-# Compiling costs about 40 s of CPU per graph here (two per case). The suite compiles every
-# stage and model once: stage 1 on the ResNet, stage 2 on GPT-2, stage 3 on one rank with one
-# micro-batch (the units regather in backward) on GPT-2 and on several (every unit gathered
-# at once) on the ResNet; the long profile (FZERO_HYPOTHESIS_PROFILE=long) compiles all of them.
+# Compiling with inductor costs about 40 s of CPU per graph here (two per case), most of it in
+# g++ (0.6 s per kernel). The suite compiles every stage and model once: stage 1 on the ResNet,
+# stage 2 on GPT-2, stage 3 on one rank with one micro-batch (the units regather in backward) on
+# GPT-2 and on several (every unit gathered at once) on the ResNet. In CI only the regathering
+# case goes through inductor; the others compile with backend "aot_eager" (the same dynamo
+# graph and AOTAutograd partition, run by eager kernels: about 8 s a graph), which is where a
+# hand composition could differ from make_train_step's. The long profile
+# (FZERO_HYPOTHESIS_PROFILE=long) compiles all of them with inductor.
 COMPILED = [(kind, stage, 2, 2) for kind, stage in CASES] + [("gpt2", 3, 1, 1)]
 COMPILED_CI = [("resnet", 1, 2, 2), ("gpt2", 2, 2, 2), ("gpt2", 3, 1, 1), ("resnet", 3, 2, 2)]
+INDUCTOR_CI = [("gpt2", 3, 1, 1)]
 
 
 @pytest.mark.parametrize("kind,stage,world,accum", COMPILED if LONG else COMPILED_CI)
 def test_hand_step_equals_make_train_step_compiled(kind, stage, world, accum):
     hand = _example().hand_step
     clip = 0.5
+    how = True if LONG or (kind, stage, world, accum) in INDUCTOR_CI else {"backend": "aot_eager"}
     torch._dynamo.reset()
-    want = _run(lambda loss, comm: fzero.make_train_step(loss, comm, clip_norm=clip, accum_steps=accum, compile=True),
+    want = _run(lambda loss, comm: fzero.make_train_step(loss, comm, clip_norm=clip, accum_steps=accum, compile=how),
                 kind, stage, world, accum)
-    got = _run(lambda loss, comm: hand(loss, comm, clip_norm=clip, accum_steps=accum, compile=True),
+    got = _run(lambda loss, comm: hand(loss, comm, clip_norm=clip, accum_steps=accum, compile=how),
                kind, stage, world, accum)
     _assert_bitwise(got, want)

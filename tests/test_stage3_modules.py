@@ -23,6 +23,7 @@ from test_user_models import OPTIMIZERS, _data, assert_buffers_match, assert_par
 transformers = pytest.importorskip("transformers")
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: E402
+from helpers import CHEAP_COMPILE
 
 
 class TupleBlock(torch.nn.Module):
@@ -258,7 +259,9 @@ def test_stage3_compiled_equals_eager_without_recompiles():
     torch._dynamo.reset()
     counters.clear()
     opt = fzero.sgd(lr=0.1, momentum=0.9)
-    compiled, _, lc = run(model, (GPT2Block,), "lm", data, 2, stage=3, opt=opt, compile=True)
+    # inductor on compiled stage 3 with every unit gathered at once: test_zero3's MLP; on GPT-2
+    # with its blocks regathered: test_compose_by_hand and test_user_models_gloo
+    compiled, _, lc = run(model, (GPT2Block,), "lm", data, 2, stage=3, opt=opt, compile=CHEAP_COMPILE)
     eager, _, le = run(model, (GPT2Block,), "lm", data, 2, stage=3, opt=opt)
     assert lc == pytest.approx(le, rel=1e-4)
     for x, y in zip(compiled.shard.master, eager.shard.master):

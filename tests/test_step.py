@@ -61,6 +61,40 @@ def test_compiled_equals_eager_without_recompiles(stage):
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+def test_compile_passes_torch_compile_arguments_on():
+    """``compile={"backend": ...}`` reaches ``torch.compile``: a backend of our own sees the one
+    graph, and the step runs it (equal to the eager step: the graph runs torch's own kernels)."""
+    model, comm, state, eager = _setup(2, stage=2)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = fzero.make_train_step(fzero.module_loss(model, mse), comm, compile={"backend": backend})
+    got, want = state, state
+    for batch in batches(3, 2, 3, torch.float32):
+        got, m = compiled(got, comm.split_batch(batch))
+        want, me = eager(want, comm.split_batch(batch))
+        torch.testing.assert_close(m["loss"], me["loss"], rtol=1e-6, atol=0)
+    assert len(graphs) == 1
+    for a, b in zip(got.shard.master, want.shard.master):
+        assert max_rel_err(a, b) <= 1e-6
+
+
+@pytest.mark.parametrize("compile,error,named", [
+    ({"fullgraph": False}, ValueError, "fullgraph"),
+    ({"dynamic": True, "mode": "default"}, ValueError, "dynamic"),
+    ({"backnd": "aot_eager"}, ValueError, "backnd"),
+    ("inductor", TypeError, "str"),
+])
+def test_compile_arguments_fzero_owns_or_does_not_know_are_named(compile, error, named):
+    model, comm, state, _ = _setup(1)
+    with pytest.raises(error, match=named):
+        fzero.make_train_step(fzero.module_loss(model, mse), comm, compile=compile)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_inf_on_one_rank_skips_everywhere(stage):
     world = 3

@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 
 import fzero
 import unused_cases as uc
+from helpers import CHEAP_COMPILE
 
 SIM_THREADS_RESTORE = torch.get_num_threads()
 
@@ -61,7 +62,9 @@ def test_zeros_option_keeps_the_flat_behaviour(opt):
 def test_compiled_unused_parameters_without_recompiles(stage):
     want = uc.run_oracle(2, "adamw", branch=True)
     counters.clear()
-    got = uc.run_fzero(fzero.SimulatedWorld(2), "adamw", stage, compile=True, branch=True)
+    # inductor at stage 2 (the masked update of a flat group); stages 1 and 3: CHEAP_COMPILE
+    got = uc.run_fzero(fzero.SimulatedWorld(2), "adamw", stage, compile=True if stage == 2 else CHEAP_COMPILE,
+                       branch=True)
     _assert_matches(got["params"], want)
     assert got["steps"]["aux.weight"] == 0 and got["steps"]["a.weight"] == uc.STEPS
     assert counters["stats"]["unique_graphs"] == 1
@@ -184,7 +187,7 @@ def _switch_run(compile_from: int, steps: int = 5) -> dict[str, torch.Tensor]:
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2, weight_decay=0.1), comm)
     loss = fzero.module_loss(model, torch.nn.functional.mse_loss)
     eager = fzero.make_train_step(loss, comm)
-    compiled = fzero.make_train_step(loss, comm, compile=True)
+    compiled = fzero.make_train_step(loss, comm, compile=CHEAP_COMPILE)  # the subject: dynamo's guard
     g = torch.Generator().manual_seed(3)
     for i in range(1, steps + 1):
         model.use_b = i > 2

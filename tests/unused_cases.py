@@ -74,7 +74,7 @@ OPTIMIZERS: dict[str, tuple[Callable[[], fzero.Optimizer], Callable[[Any], torch
 UNITS = ("aux", "b")
 
 
-def run_fzero(comm: fzero.Communicator, opt: str, stage: int, compile: bool = False,
+def run_fzero(comm: fzero.Communicator, opt: str, stage: int, compile: fzero.compiled.Compile = False,
               unused: str = "skip", accum: int = 1, branch: Optional[bool] = None) -> dict[str, Any]:
     """Train :class:`Gated`; every parameter (row 0 of this process) and each parameter's own
     step count (``opt.step - opt.missed``)."""
