@@ -35,6 +35,7 @@ Imports: torch only.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections import OrderedDict
 from typing import Iterator, Optional, Sequence
@@ -91,10 +92,7 @@ class ScratchPool:
     def empty(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised contiguous tensor of ``shape`` and ``dtype``: a free buffer that fits
         (:meth:`_fitting`) if the pool has one, else a new one the pool keeps."""
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        nbytes = numel * dtype.itemsize
+        nbytes = math.prod(int(s) for s in shape) * dtype.itemsize
         device = torch.device(device)
         if nbytes < self.min_bytes or device.type != "cpu" or _USE_COUNT is None:
             # other devices' allocators cache blocks themselves

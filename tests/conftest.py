@@ -12,8 +12,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from helpers import CHEAP_COMPILE, LONG  # noqa: F401 - the profile's flags (helpers.py), for the tests
-
 settings.register_profile(
     "ci",
     derandomize=True,

@@ -430,7 +430,7 @@ class C10dCalls:
         self._saved.clear()
 
 
-def gather_shards(world: int, rank: int, dtype: torch.dtype) -> list[torch.Tensor]:
+def gather_shards(rank: int, dtype: torch.dtype) -> list[torch.Tensor]:
     """Rank ``rank``'s shards ``[1, n]`` of three gathers (sizes 7, 3000 and 1)."""
     return [(torch.arange(n, dtype=torch.float64) * (rank + 1) + 1000 * k).to(dtype).unsqueeze(0)
             for k, n in enumerate((7, 3000, 1))]
@@ -450,7 +450,7 @@ def gather_ways(comm: fzero.Communicator) -> dict:
         c = TorchCommunicator(all_gather_via=via)
         got = []
         for dtype in (torch.float32, torch.bfloat16):
-            shards = gather_shards(c.world_size, c.rank, dtype)
+            shards = gather_shards(c.rank, dtype)
             started = [c.all_gather_start(x) for x in shards]
             got.append([done() for done in reversed(started)][::-1])
             into = torch.empty(1, c.world_size * shards[1].shape[1], dtype=dtype)

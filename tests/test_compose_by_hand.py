@@ -18,7 +18,7 @@ import torch.utils._pytree as tp
 
 import fzero
 import user_models as um
-from conftest import LONG
+from helpers import LONG
 
 pytest.importorskip("transformers")
 

@@ -243,7 +243,7 @@ def test_gloo_all_gather_paths_give_every_rank_every_shard(fixture, world, reque
         for via in ("all_gather", "point_to_point"):
             got = res[via]
             for d, dtype in enumerate((torch.float32, torch.bfloat16)):
-                want = [torch.cat([cases.gather_shards(world, k, dtype)[i] for k in range(world)], dim=1)
+                want = [torch.cat([cases.gather_shards(k, dtype)[i] for k in range(world)], dim=1)
                         for i in range(3)]
                 for a, b in zip(got[2 * d], want):
                     assert a.dtype == dtype and torch.equal(a, b), (r, via, dtype)

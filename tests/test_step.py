@@ -63,7 +63,8 @@ def test_compiled_equals_eager_without_recompiles(stage):
 
 def test_compile_passes_torch_compile_arguments_on():
     """``compile={"backend": ...}`` reaches ``torch.compile``: a backend of our own sees the one
-    graph, and the step runs it (equal to the eager step: the graph runs torch's own kernels)."""
+    graph, and the step runs it: the eager step's numbers within a few fp32 roundings (the
+    graph runs torch's own kernels, but not all the ones the eager step calls)."""
     model, comm, state, eager = _setup(2, stage=2)
     graphs = []
 
@@ -77,10 +78,10 @@ def test_compile_passes_torch_compile_arguments_on():
     for batch in batches(3, 2, 3, torch.float32):
         got, m = compiled(got, comm.split_batch(batch))
         want, me = eager(want, comm.split_batch(batch))
-        torch.testing.assert_close(m["loss"], me["loss"], rtol=1e-6, atol=0)
+        torch.testing.assert_close(m["loss"], me["loss"], rtol=5e-7, atol=0)  # measured 1.5e-7
     assert len(graphs) == 1
     for a, b in zip(got.shard.master, want.shard.master):
-        assert max_rel_err(a, b) <= 1e-6
+        assert max_rel_err(a, b) <= 1e-7  # measured 2.9e-8
 
 
 @pytest.mark.parametrize("compile,error,named", [
