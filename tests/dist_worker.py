@@ -288,6 +288,10 @@ def case_stage3_memory_compiled(comm):
     return cases.stage3_step_memory(comm, compiled=True)
 
 
+def case_stage3_gather_schedule(comm):
+    return cases.stage3_gather_schedule(comm)
+
+
 def case_stage3_memory_eager(comm):
     return cases.stage3_step_memory(comm, compiled=False)
 
