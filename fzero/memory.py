@@ -79,9 +79,12 @@ of several flat groups prefetched in a batch or of groups in several compute dty
 ==========================  ===========  ===================================================
 
 Not counted at all (they depend on the model and the batch, not on Ψ alone):
-activations; compiled, or deferring accumulation, the full local gradients; in stage 3
-compiled, every unit from its forward to its backward (``GatherTracker`` measures the
-gathered parameters, ``benchmarks/bench_zero3_memory.py``).
+activations; deferring accumulation, the full local gradients; compiled steps' own
+buffers (the graph's: every local gradient at stages 1-2, the gathered units at stage 3).
+Inductor schedules and frees those, and gloo's own thread lets a traced collective's
+buffers go, where the census sees no free, so no prediction could be checked (design.md,
+"Memory report"). ``GatherTracker`` measures the gathered parameters
+(``benchmarks/bench_zero3_memory.py``).
 
 Imports: ``fzero.buckets``, ``fzero.comm``, ``fzero.layout``, ``fzero.optim``, ``fzero.precision``,
 ``fzero.scopes``, ``fzero.sharding``.
