@@ -4,9 +4,12 @@ One process is one rank: the local-rank axis has size 1. Eagerly, collectives
 are c10d calls with ``async_op=True`` (the ``*_start`` methods return a
 function that waits for the ``Work``); under ``torch.compile(fullgraph=True)``
 they are ``torch.distributed._functional_collectives`` calls, which trace (the
-c10d calls break the graph). Both run the process group's own algorithm, so
-eager and compiled steps reduce to the same bits. Works with any backend;
-launched by ``torchrun``.
+c10d calls break the graph), except on gloo, where a step's reductions and
+point-to-point gathers are custom operators of fzero's that run the eager c10d
+calls inside the graph and wait for them there: within the communicator's
+timeout, one at a time, every buffer freed on the calling thread. Both run the
+process group's own algorithm, so eager and compiled steps reduce to the same
+bits. Works with any backend; launched by ``torchrun``.
 
 Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.scopes``.
 """
@@ -163,33 +166,97 @@ def _point_to_point_gather(out: torch.Tensor, sent: torch.Tensor, group: Optiona
 
 
 @torch.library.custom_op("fzero::gather_point_to_point", mutates_args=("out",))
-def _gather_point_to_point_op(out: torch.Tensor, sent: torch.Tensor, group_name: str) -> None:
-    """:func:`_point_to_point_gather` of ``sent`` into ``out``, waited for: the form a compiled
-    graph calls (an opaque operator that writes ``out``; dynamo keeps no ``isend``)."""
+def _gather_point_to_point_op(out: torch.Tensor, sent: torch.Tensor, group_name: str, timeout: float) -> None:
+    """:func:`_point_to_point_gather` of ``sent`` into ``out``, waited for (at most ``timeout``
+    seconds, 0: the process group's own): the form a compiled graph calls (an opaque operator
+    that writes ``out``; dynamo keeps no ``isend``)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     group = _resolve_process_group(group_name)
-    _point_to_point_gather(out, sent, group, dist.get_rank(group), dist.get_world_size(group), 0).wait()
+    works = _point_to_point_gather(out, sent, group, dist.get_rank(group), dist.get_world_size(group), 0)
+    _wait(works, _traced_bound(f"all_gather of {out.numel()} {out.dtype}", group, timeout))
 
 
 @_gather_point_to_point_op.register_fake
-def _(out: torch.Tensor, sent: torch.Tensor, group_name: str) -> None:
+def _(out: torch.Tensor, sent: torch.Tensor, group_name: str, timeout: float) -> None:
     return None
 
 
 @torch.library.custom_op("fzero::all_gather_point_to_point", mutates_args=())
-def _all_gather_point_to_point_op(sent: torch.Tensor, world: int, group_name: str) -> torch.Tensor:
+def _all_gather_point_to_point_op(sent: torch.Tensor, world: int, group_name: str, timeout: float) -> torch.Tensor:
     """:func:`_point_to_point_gather` of ``sent`` (``[n]``) into a new ``[world * n]``: the
     functional form, which a compiled stage-3 step recomputes in backward instead of keeping
     the unit (``fzero.units``' regather policy)."""
     out = sent.new_empty(world * sent.numel())
-    _gather_point_to_point_op(out, sent, group_name)
+    _gather_point_to_point_op(out, sent, group_name, timeout)
     return out
 
 
 @_all_gather_point_to_point_op.register_fake
-def _(sent: torch.Tensor, world: int, group_name: str) -> torch.Tensor:
+def _(sent: torch.Tensor, world: int, group_name: str, timeout: float) -> torch.Tensor:
     return sent.new_empty(world * sent.numel())
+
+
+def _traced_bound(what: str, group: dist.ProcessGroup, timeout: float) -> _Bound:
+    """A traced operator's bound: ``timeout`` 0 is none (the process group's own)."""
+    return (what, dist.get_rank(group), timeout) if timeout > 0 else None
+
+
+# Traced gloo reductions. A functional collective's buffers (what it sends, what it receives)
+# are let go by gloo's own thread when it completes, and inductor places its start and its wait
+# as its passes decide: at 162M a compiled stage-2 step held every group's received buffer at
+# once, and a census could not tell when any of them was freed. These operators run the eager
+# code inside the graph, waited for before they return: every buffer is allocated and freed on
+# the calling thread, one reduction at a time, within the communicator's timeout (which a
+# functional collective does not take).
+
+
+@torch.library.custom_op("fzero::reduce_scatter_all_to_all", mutates_args=())
+def _reduce_scatter_all_to_all_op(sent: torch.Tensor, world: int, op: str, group_name: str,
+                                  timeout: float) -> torch.Tensor:
+    """Rank ``k``'s chunk of every rank's ``sent`` (``[world * n]``) arrives at rank ``k`` and is
+    summed there, ``[world, n].sum(0)``, then averaged in place when ``op`` is ``"avg"``: the
+    eager path's kernels (``TorchCommunicator._reduce_scatter_all_to_all``). Allocates the
+    received ``[world * n]`` (freed before it returns) and the result ``[n]``."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    n = sent.numel() // world
+    with step_scope(GRAD_REDUCTION):
+        received = sent.new_empty(world * n)
+        work = dist.all_to_all_single(received, sent, group=group, async_op=True)
+        _wait(work, _traced_bound(f"reduce_scatter ({op}, as all_to_all_single) of {sent.numel()} {sent.dtype}",
+                                  group, timeout))
+        del work  # dropped here, not on gloo's thread: the buffers are freed on this one
+        total = received.view(world, n).sum(0)
+        del received
+        return _average_owned(total, op, world)
+
+
+@_reduce_scatter_all_to_all_op.register_fake
+def _(sent: torch.Tensor, world: int, op: str, group_name: str, timeout: float) -> torch.Tensor:
+    return sent.new_empty(sent.numel() // world)
+
+
+@torch.library.custom_op("fzero::all_reduce_waited", mutates_args=())
+def _all_reduce_op(x: torch.Tensor, world: int, op: str, group_name: str, timeout: float) -> torch.Tensor:
+    """``all_reduce`` of a copy of ``x``, waited for, averaged in place when ``op`` is ``"avg"``:
+    the eager path's (``TorchCommunicator.all_reduce_start``). Allocates the copy, which it
+    returns."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    with step_scope(GRAD_REDUCTION):
+        out = x.clone()
+        work = dist.all_reduce(out, _C10D_OP[op], group=group, async_op=True)
+        _wait(work, _traced_bound(f"all_reduce ({op}) of {out.numel()} {out.dtype}", group, timeout))
+        del work
+        return _average_owned(out, op, world)
+
+
+@_all_reduce_op.register_fake
+def _(x: torch.Tensor, world: int, op: str, group_name: str, timeout: float) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 def _wait(work: Any, bound: _Bound) -> None:
@@ -310,12 +377,16 @@ class TorchCommunicator(Communicator):
 
     ``timeout`` (seconds or a ``timedelta``; default None: the process group's own, 30
     minutes unless ``init_process_group(timeout=...)`` said otherwise): the longest a rank
-    waits for one collective of a step, eagerly. A peer that stalls (stopped, swapped out,
+    waits for one collective of a step. A peer that stalls (stopped, swapped out,
     deadlocked) or dies then fails this rank with :class:`~fzero.comm.CollectiveError`
-    naming the collective and the train step, instead of leaving it blocked. Pass the same
-    bound to ``init_process_group(timeout=...)``: it bounds what runs outside the step
-    (``check_layout`` at init, checkpoint saving and loading, barriers) and compiled steps,
-    whose functional collectives take no timeout of their own.
+    naming the collective and the train step, instead of leaving it blocked. Compiled steps
+    on gloo too: there a step's reductions and point-to-point gathers are fzero's own
+    operators (``fzero::reduce_scatter_all_to_all``, ``fzero::all_reduce_waited``,
+    ``fzero::gather_point_to_point``), waited for inside the graph within the timeout. Pass
+    the same bound to ``init_process_group(timeout=...)``: it bounds what runs outside the
+    step (``check_layout`` at init, checkpoint saving and loading, barriers) and the
+    functional collectives of compiled steps on other backends, which take no timeout of
+    their own.
     """
 
     def __init__(
@@ -411,6 +482,9 @@ class TorchCommunicator(Communicator):
             work = dist.all_reduce(out, _C10D_OP[op], group=self._pg, async_op=True)
             return _waiter(work, lambda: _average_owned(out, op, self.world_size).unsqueeze(0),
                            self._bound(f"all_reduce ({op}) of {out.numel()} {out.dtype}"))
+        if self.backend == "gloo":
+            out = torch.ops.fzero.all_reduce_waited(x[0], self.world_size, op, self._name, self.timeout or 0.0)
+            return lambda: out.unsqueeze(0)
         started = funcol.all_reduce(x[0], "max" if op == "max" else "sum", self._name)
         return lambda: self._finish(started, op).unsqueeze(0)
 
@@ -426,7 +500,8 @@ class TorchCommunicator(Communicator):
         if x.dim() != 2:
             raise ValueError(f"all_gather: expected shape [R, n], got {tuple(x.shape)}")
         if not _eager() and self.all_gather_via == "point_to_point" and self.world_size > 1:
-            out = torch.ops.fzero.all_gather_point_to_point(x[0].contiguous(), self.world_size, self._name)
+            out = torch.ops.fzero.all_gather_point_to_point(x[0].contiguous(), self.world_size, self._name,
+                                                            self.timeout or 0.0)
             return lambda: out.unsqueeze(0)
         if not _eager():
             started = _all_gather(x[0].contiguous(), 0, self._name)
@@ -453,7 +528,7 @@ class TorchCommunicator(Communicator):
         self._check_into(x, out)
         if not _eager() and self.all_gather_via == "point_to_point" and self.world_size > 1 \
                 and out.is_contiguous():
-            torch.ops.fzero.gather_point_to_point(out[0], x[0].contiguous(), self._name)
+            torch.ops.fzero.gather_point_to_point(out[0], x[0].contiguous(), self._name, self.timeout or 0.0)
             return lambda: out
         if not _eager() or self._batch is not None or not out.is_contiguous():
             started = self.all_gather_start(x)
@@ -538,6 +613,10 @@ class TorchCommunicator(Communicator):
             # eagerly `total` is this call's own buffer: average it in place
             return (_average_owned if _eager() else _average)(total, op, world).unsqueeze(0)
 
+        if not _eager() and self.backend == "gloo":
+            out = torch.ops.fzero.reduce_scatter_all_to_all(x[0].contiguous(), world, op, self._name,
+                                                            self.timeout or 0.0)
+            return lambda: out.unsqueeze(0)
         if not _eager():
             started = funcol.all_to_all_single(x[0].contiguous(), None, None, self._name)
             return lambda: summed(funcol.wait_tensor(started))

@@ -1,8 +1,9 @@
 """One rank of a 2-rank gloo job in which rank 1 stalls before step ``STALL_AT``.
 
-``stall_worker.py MODE TIMEOUT OUT``: ``MODE`` is ``sigstop`` (rank 1 stops itself, as a
-swapped-out or debugger-held process would) or ``sleep`` (rank 1 sleeps, as a rank stuck in
-its data loader would). Rank 0 trains with ``TorchCommunicator(timeout=TIMEOUT)`` and a process
+``stall_worker.py MODE TIMEOUT OUT [compiled]``: ``MODE`` is ``sigstop`` (rank 1 stops itself,
+as a swapped-out or debugger-held process would) or ``sleep`` (rank 1 sleeps, as a rank stuck
+in its data loader would); ``compiled``: the step is compiled (its collectives are fzero's
+operators inside the graph). Rank 0 trains with ``TorchCommunicator(timeout=TIMEOUT)`` and a process
 group timeout far longer (so that the communicator's bound is what acts); when its step fails
 it writes the error to ``OUT`` as JSON and exits with status 3. Launched by tests/test_stall.py,
 which owns both processes and kills them (a stopped process never exits by itself).
@@ -27,13 +28,13 @@ from helpers import batches, mlp
 STALL_AT = 3
 
 
-def main(mode: str, timeout: float, out: str) -> None:
+def main(mode: str, timeout: float, out: str, compiled: bool = False) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     comm = TorchCommunicator(timeout=timeout)
     mse = torch.nn.functional.mse_loss
     state = fzero.init_train_state(mlp(), fzero.adamw(lr=1e-2), comm)
-    step = fzero.make_train_step(fzero.module_loss(mlp(), mse), comm)
+    step = fzero.make_train_step(fzero.module_loss(mlp(), mse), comm, compile=compiled)
     for i, batch in enumerate(batches(STALL_AT + 2, 2, 4, torch.float32)):
         if comm.rank == 1 and i + 1 == STALL_AT:
             print("rank 1 stalls", flush=True)
@@ -52,4 +53,4 @@ def main(mode: str, timeout: float, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]), sys.argv[3])
+    main(sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4:] == ["compiled"])

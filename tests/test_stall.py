@@ -1,5 +1,7 @@
 """A stalled peer under ``TorchCommunicator(timeout=...)``: the waiting rank fails with a
-:class:`fzero.CollectiveError` naming the collective and the step, within the timeout + 10 s.
+:class:`fzero.CollectiveError` naming the collective and the step, within the timeout + 10 s,
+eagerly and in a compiled step (whose gloo collectives are fzero's operators, waited for inside
+the graph within the timeout).
 
 Two gloo processes on localhost, started here (not by torchrun) in their own sessions, so
 that the test owns them: both are killed whatever happens (a stopped rank never exits).
@@ -41,8 +43,8 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode", ["sigstop", "sleep"])
-def test_stalled_peer_fails_with_a_named_error_within_the_timeout(mode, tmp_path):
+@pytest.mark.parametrize("mode,compiled", [("sigstop", False), ("sleep", False), ("sleep", True)])
+def test_stalled_peer_fails_with_a_named_error_within_the_timeout(mode, compiled, tmp_path):
     out = tmp_path / "error.json"
     port = _free_port()
     procs = []
@@ -52,7 +54,8 @@ def test_stalled_peer_fails_with_a_named_error_within_the_timeout(mode, tmp_path
                    "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1",
                    "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
             procs.append(subprocess.Popen(
-                [sys.executable, str(HERE / "stall_worker.py"), mode, str(TIMEOUT), str(out)],
+                [sys.executable, str(HERE / "stall_worker.py"), mode, str(TIMEOUT), str(out),
+                 *(["compiled"] if compiled else [])],
                 env=env, stdout=open(tmp_path / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT,
                 start_new_session=True,
             ))
