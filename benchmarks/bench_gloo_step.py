@@ -216,8 +216,8 @@ class Runner:
     finish: Callable[[], tuple[float, float, dict[str, torch.Tensor]]]
     tensors: Callable[[], dict[str, list[torch.Tensor]]] = staticmethod(lambda: {})
     note: str = ""
-    step_buffers: dict = {}  # fzero eager: memory_report's prediction of the step's own buffers
-    step_peak: Optional[float] = None  # fzero eager stages 1-2: ... of them together, at their peak
+    step_buffers: dict = {}  # fzero: memory_report's prediction of the step's own buffers
+    step_peak: Optional[float] = None  # fzero: ... of them together, at their peak
     # the optimizer's state tensors on this rank (bench_muon.py)
     optimizer_tensors: Callable[[], list[torch.Tensor]] = staticmethod(lambda: [])
 
@@ -500,9 +500,8 @@ def make_fzero_runner(stage: int, compiled: bool, donate: bool, ctx: dict, bucke
     r.note = f"stage {stage}" + (", units: blocks" if units else "") + (", fullgraph" if compiled else "") \
         + (", donating" if donate else "") \
         + (f", {len({g.bucket for g in holder['state'].layout.groups})} buckets" if stage < 3 else "")
-    if not compiled:
-        report = fzero.memory_report(holder["state"].layout, opt, stage=stage, comm=comm)
-        r.step_buffers, r.step_peak = report.step_buffers, report.step_peak
+    report = fzero.memory_report(holder["state"].layout, opt, stage=stage, comm=comm, compiled=bool(compiled))
+    r.step_buffers, r.step_peak = report.step_buffers, report.step_peak
 
     def step(i: int) -> None:
         holder["state"], holder["metrics"] = step_fn(holder["state"], batches[i])

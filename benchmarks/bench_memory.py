@@ -276,7 +276,8 @@ def census_step(runner, i: int) -> dict:
             "other": cats.get("other", 0), "total": c.total_at_peak, "end": c.end_bytes,
             "missed": c.missed_frees, "scope_peaks": c.scope_peaks, "predicted": dict(runner.step_buffers),
             "predicted peak": runner.step_peak, "table": c.table(),
-            "joint": c.joint_peak(("fzero::gather", "fzero::grad_reduction"))}
+            "joint": c.joint_peak(("fzero::gather", "fzero::grad_reduction")),
+            "unseen": sum(a.nbytes for a in c.allocations if a.live_at(c.peak_ns) and not a.free_seen)}
 
 
 def measure(key: str, ctx: dict, args: argparse.Namespace) -> dict:
@@ -436,9 +437,12 @@ def format_details(results: dict[str, dict]) -> str:
                            f"{census.get('joint', 0) / MIB:.2f} MiB")
             elif census.get("predicted peak") is not None:
                 # at the step's peak (after backward) the step's allocations are its gradient memory
+                unseen = census.get("unseen", 0)
                 out.append(f"memory_report predicts the step's gradient memory at its peak (step_peak) "
                            f"{census['predicted peak'] / MIB:.2f} MiB; census at the step's peak: "
-                           f"other {census['other'] / MIB:.2f} MiB")
+                           f"other {census['other'] / MIB:.2f} MiB"
+                           + (f", of which {unseen / MIB:.2f} MiB freed on gloo's thread (no free seen)"
+                              if unseen else ""))
             elif stage3:
                 out.append("memory_report predicts no stage-3 gathers or reductions here (the communicator "
                            "does not say what they allocate, or the layout is not replayed: fzero.memory)")

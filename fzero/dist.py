@@ -566,6 +566,19 @@ class TorchCommunicator(Communicator):
             return ReductionFootprint(held=numel, result=n)
         return ReductionFootprint(held=numel if self.backend == "gloo" else 0, result=n, result_first=True)
 
+    def traced_reduction_footprint(self, numel: int, via_all_reduce: bool = False) -> Optional[tuple[int, int]]:
+        """On gloo, where a traced reduction is fzero's operator (``fzero::reduce_scatter_all_to_all``:
+        the received ``[numel]`` freed before it returns, the result ``[numel / W]``;
+        ``fzero::all_reduce_waited``: the reduced copy ``[numel]`` returned whole); ``None``
+        elsewhere and on the ``reduce_scatter`` path (functional collectives)."""
+        if self.backend != "gloo" or self.world_size == 1:
+            return None
+        if via_all_reduce or self.reduce_scatter_via == "all_reduce":
+            return 0, numel
+        if self.reduce_scatter_via == "all_to_all":
+            return numel, numel // self.world_size
+        return None
+
     def gather_footprint(self, numel: int) -> Optional[GatherFootprint]:
         """Eagerly on gloo (measured by ``tests/census_stage3_worker.py``'s census): the result
         ``[W * numel]``; gloo's own all-gather (``all_gather_via="all_gather"``) also allocates

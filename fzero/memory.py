@@ -162,6 +162,7 @@ def memory_report(
     world_size: Optional[int] = None,
     local_ranks: int = 1,
     comm: Optional[Communicator] = None,
+    compiled: bool = False,
 ) -> MemoryReport:
     """Training-state bytes per rank for ``layout``'s parameters.
 
@@ -175,7 +176,10 @@ def memory_report(
     simulates (:class:`~fzero.comm.SimulatedWorld`), which share their bucket buffers.
     ``comm``: the communicator the step runs on (its ``local_ranks`` then apply); with it,
     ``step_buffers`` also predicts the gradient reductions' buffers and, at stage 3, the
-    gathered parameters (module doc). No collective is called.
+    gathered parameters (module doc). ``compiled=True``: the step is compiled (``step_buffers``
+    and ``step_peak`` then predict the compiled step's reductions, stages 1-2 on one local rank
+    with a communicator that says what a traced reduction allocates: gloo's operators; nothing
+    otherwise). No collective is called.
     """
     if comm is not None:
         local_ranks = comm.local_ranks
@@ -201,12 +205,18 @@ def memory_report(
             padding += itemsize * (pad / n if sharded else pad)
     held = {kind: by_kind[kind] if _held(kind, stage) else 0.0 for kind in KINDS}
     transient = {kind: by_kind[kind] - held[kind] for kind in KINDS}
-    buffers = {GRAD_BUCKETS: bucket_buffer_bytes(layout, precision, local_ranks)} if stage < 3 else {}
-    peaks = _replay_reductions(layout, precision, comm, stage) if comm is not None and stage < 3 else None
-    if peaks is not None:  # the replay knows which bucket buffers the pool reuses
-        buffers[GRAD_BUCKETS], buffers[GRAD_REDUCTION] = peaks[2], peaks[0]
-    step_peak = None if peaks is None else peaks[1]
-    if stage == 3 and comm is not None:
+    buffers: dict[str, float] = {}
+    step_peak = None
+    if compiled:
+        replayed = _replay_compiled(layout, precision, comm, stage) if comm is not None and stage < 3 else None
+        if replayed is not None:
+            buffers[GRAD_REDUCTION], step_peak = replayed
+    elif stage < 3:
+        buffers[GRAD_BUCKETS] = bucket_buffer_bytes(layout, precision, local_ranks)
+        peaks = _replay_reductions(layout, precision, comm, stage) if comm is not None else None
+        if peaks is not None:  # the replay knows which bucket buffers the pool reuses
+            buffers[GRAD_BUCKETS], buffers[GRAD_REDUCTION], step_peak = peaks[2], peaks[0], peaks[1]
+    elif comm is not None:
         three = _replay_stage3(layout, precision, comm)
         if three is not None:
             buffers[GATHER], buffers[GRAD_REDUCTION], step_peak = three
@@ -449,6 +459,67 @@ def _replay_reductions(
     while started:
         wait_oldest()
     return float(heap.peak) / rows, float(every.peak) / rows, float(pool.heap.peak) / rows
+
+
+def _replay_compiled(layout: Layout, precision: MixedPrecision, comm: Communicator,
+                     stage: int) -> Optional[tuple[float, float]]:
+    """A compiled stage-2 step in fp32 on one local rank, when ``comm`` says what a traced
+    reduction allocates (:meth:`~fzero.comm.Communicator.traced_reduction_footprint`: gloo's
+    operators): per rank, the peak of ``fzero::grad_reduction`` (what the reductions
+    allocate) and ``step_peak``, the step's gradient memory together at its peak; else
+    ``None``.
+
+    The schedule (measured on gloo, module doc): backward completes the flat groups from the
+    last to the first, and each is reduced as soon as it is complete, one reduction at a time.
+    A group's parameters' gradients are cut into its flat buffer (both live while the cut
+    runs; a group of one unpadded parameter is its gradient), reduced, and the flat buffer
+    dropped; the shard stays. Small groups are joined first
+    (:func:`fzero.sharding.reduces_joined`): every group's gradients, one joined buffer, one
+    reduction, each group's shard a view of its result."""
+    dtypes = {precision.reduce_dtype or g.master_dtype for g in layout.groups} | \
+        {precision.compute_dtype(g) for g in layout.groups} | {g.master_dtype for g in layout.groups}
+    if comm.local_ranks != 1 or stage != 2 or dtypes != {torch.float32}:
+        # measured and left out: at stage 1 inductor ran every group's all-reduce before
+        # cutting any to its shard (every group's reduced copy live at once); in 16 bits it
+        # made the casts into buffers freed earlier in the graph (no new allocation)
+        return None
+    size = _size(torch.float32)
+    every = _Heap()
+    red = _Heap(also=every)
+
+    def reduce(numel: int, send: int) -> bool:
+        fp = comm.traced_reduction_footprint(numel)
+        if fp is None:
+            return False
+        received, result = fp
+        red.alloc(received * size)  # received, freed before the operator returns
+        red.alloc(result * size)  # this rank's shard, kept
+        red.free(received * size)
+        every.free(send)
+        return True
+
+    groups = list(layout.groups)
+    if reduces_joined(groups, precision.reduce_dtype):
+        params = sum(layout.slots[i].numel for g in groups for i in g.slots) * size
+        joined = sum(g.padded_numel for g in groups) * size
+        every.alloc(params)
+        every.alloc(joined)
+        every.free(params)
+        if not reduce(sum(g.padded_numel for g in groups), joined):
+            return None
+        return float(red.peak), float(every.peak)
+    for g in reversed(groups):
+        flat = g.padded_numel * size
+        if len(g.slots) > 1 or g.padding:
+            params = sum(layout.slots[i].numel for i in g.slots) * size
+            every.alloc(params)
+            every.alloc(flat)
+            every.free(params)
+        else:
+            every.alloc(flat)
+        if not reduce(g.padded_numel, flat):
+            return None
+    return float(red.peak), float(every.peak)
 
 
 class _Buf:

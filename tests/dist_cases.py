@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 import fzero
+from fzero.scopes import GRAD_REDUCTION
 from helpers import Branchy, Mark, batches, children, deep_mlp, is_grad_reduction, mlp, overlap_data
 
 mse = torch.nn.functional.mse_loss
@@ -620,6 +621,32 @@ def stage3_gather_schedule(comm: fzero.Communicator, steps: int = 2) -> dict:
             "root": sum(4 * g.padded_numel for g in lay.groups if g.bucket == 0),
             "unit": max(4 * g.padded_numel for g in lay.groups if g.bucket > 0),
             "units": sum(4 * g.padded_numel for g in lay.groups if g.bucket > 0)}
+
+
+def compiled_reduction_census(comm: fzero.Communicator, sizes: tuple[int, ...], steps: int = 2) -> dict:
+    """A donating compiled stage-2 fp32 step of an MLP of ``sizes`` under the census (the step
+    after ``steps`` steps), beside ``memory_report(compiled=True)``'s prediction: the census's
+    ``fzero::grad_reduction`` peak and its in-block bytes at the step's peak (activations are a
+    few rows), and the bytes live at the peak whose free the census did not see (freed on
+    gloo's thread: they count until their address is reused)."""
+    from fzero.testing.census import Census
+
+    model = mlp(sizes=sizes)
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-3), comm, stage=2, bucket_numel=1 << 18)
+    step = fzero.make_train_step(fzero.module_loss(model, mse), comm, compile=True, donate=True)
+    g = torch.Generator().manual_seed(1)
+    batch = comm.split_batch((torch.randn(2 * comm.world_size, sizes[0], generator=g),
+                              torch.randn(2 * comm.world_size, sizes[-1], generator=g)))
+    for _ in range(steps):
+        state, _ = step(state, batch)
+    with Census() as census:
+        state, _ = step(state, batch)
+    live = [a for a in census.allocations if a.live_at(census.peak_ns)]
+    rep = fzero.memory_report(state.layout, state.opt.optimizer, stage=2, comm=comm, compiled=True)
+    return {"reduction": census.scope_peaks.get(GRAD_REDUCTION, 0), "peak": census.peak_bytes,
+            "unseen": sum(a.nbytes for a in live if not a.free_seen),
+            "predicted reduction": rep.step_buffers.get(GRAD_REDUCTION), "predicted peak": rep.step_peak,
+            "groups": len(state.layout.groups)}
 
 
 # --- ranks that call different stage-3 units -------------------------------------------------

@@ -292,6 +292,10 @@ def case_stage3_gather_schedule(comm):
     return cases.stage3_gather_schedule(comm)
 
 
+def case_compiled_reduction_census(comm, sizes):
+    return cases.compiled_reduction_census(comm, tuple(int(n) for n in sizes.split("x")))
+
+
 def case_stage3_memory_eager(comm):
     return cases.stage3_step_memory(comm, compiled=False)
 
