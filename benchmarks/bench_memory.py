@@ -442,7 +442,7 @@ def format_details(results: dict[str, dict]) -> str:
                            f"{census['predicted peak'] / MIB:.2f} MiB; census at the step's peak: "
                            f"other {census['other'] / MIB:.2f} MiB"
                            + (f", of which {unseen / MIB:.2f} MiB freed on gloo's thread (no free seen)"
-                              if unseen else ""))
+                              if unseen >= 0.01 * MIB else ""))
             elif stage3:
                 out.append("memory_report predicts no stage-3 gathers or reductions here (the communicator "
                            "does not say what they allocate, or the layout is not replayed: fzero.memory)")

@@ -74,17 +74,24 @@ of several flat groups prefetched in a batch or of groups in several compute dty
 ``step_buffers`` scope      stages       predicted
 ==========================  ===========  ===================================================
 ``fzero::grad_buckets``     1-2          always (the replay's pool, given ``comm``)
-``fzero::grad_reduction``   1-2, 3       given ``comm`` (stage 3: the simulated world, gloo)
+``fzero::grad_reduction``   1-2, 3       given ``comm`` (stage 3: the simulated world, gloo;
+                                         compiled: stage 2, fp32, gloo)
 ``fzero::gather``           3            given ``comm`` (the simulated world, gloo)
 ==========================  ===========  ===================================================
 
+Compiled (``compiled=True``), stage 2 in fp32 on one local rank, given a communicator whose
+traced reductions are known (:meth:`~fzero.comm.Communicator.traced_reduction_footprint`:
+gloo's operators, ``fzero.dist``): ``fzero::grad_reduction`` and ``step_peak`` by
+:func:`_replay_compiled`, each flat group reduced as backward completes it, one at a time.
+Checked against the census on gloo W=2 (``tests/test_compiled_memory.py``, and at 162M
+parameters: 457.17 and 604.54 MiB predicted, 457.17 and 604.55 counted). Not predicted for
+compiled steps: stage 1 (inductor runs every group's all-reduce before cutting any to its
+shard), 16-bit casts (inductor writes them into buffers freed earlier in the graph), stage 3,
+other communicators.
+
 Not counted at all (they depend on the model and the batch, not on Ψ alone):
-activations; deferring accumulation, the full local gradients; compiled steps' own
-buffers (the graph's: every local gradient at stages 1-2, the gathered units at stage 3).
-Inductor schedules and frees those, and gloo's own thread lets a traced collective's
-buffers go, where the census sees no free, so no prediction could be checked (design.md,
-"Memory report"). ``GatherTracker`` measures the gathered parameters
-(``benchmarks/bench_zero3_memory.py``).
+activations; deferring accumulation, the full local gradients. ``GatherTracker`` measures
+the gathered parameters (``benchmarks/bench_zero3_memory.py``).
 
 Imports: ``fzero.buckets``, ``fzero.comm``, ``fzero.layout``, ``fzero.optim``, ``fzero.precision``,
 ``fzero.scopes``, ``fzero.sharding``.
