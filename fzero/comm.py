@@ -207,12 +207,11 @@ class Communicator:
         memory report then predicts no reduction buffers). No communication."""
         return None
 
-    def traced_reduction_footprint(self, numel: int, via_all_reduce: bool = False) -> Optional[tuple[int, int]]:
-        """What one reduction of a ``[1, numel]`` gradient allocates inside a compiled step, as
-        ``(received, result)`` elements: a buffer freed before the reduction returns, and the
-        result it returns (``via_all_reduce``: the whole reduced copy, before ``take_shard``);
-        ``None``: not known for this communicator (a memory report then predicts nothing for
-        compiled steps). No communication."""
+    def traced_reduction_footprint(self, numel: int) -> Optional[tuple[int, int]]:
+        """What one ``reduce_scatter`` of a ``[1, numel]`` gradient allocates inside a compiled
+        step, as ``(received, result)`` elements: a buffer freed before the reduction returns,
+        and the result it returns; ``None``: not known for this communicator (a memory report
+        then predicts nothing for compiled steps). No communication."""
         return None
 
     def gather_footprint(self, numel: int) -> Optional[GatherFootprint]:

@@ -125,8 +125,10 @@ def compiled_step(step: StepFn, backward_regions: int = 1, workspace: Optional[W
             # Made once and re-entered on every call: each config patch object owns a ContextVar,
             # and a context keeps every variable ever set in it, so a new patch per call grew the
             # heap by about 0.4 kB a step for the life of the process.
+            in_order = _inductor_config().patch(reorder_for_peak_memory=False, reorder_for_locality=False) \
+                if regather else contextlib.nullcontext()
             patches = (torch._dynamo.config.patch(**dynamo_flags), torch._functorch.config.patch(**functorch_flags),
-                       _inductor_config().patch(reorder_for_peak_memory=False, reorder_for_locality=False) if regather else contextlib.nullcontext())
+                       in_order)
             by_regather[regather] = (torch.compile(_with_own_code(step), fullgraph=True, dynamic=False, **arguments),
                                     patches)
         return by_regather[regather]

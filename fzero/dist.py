@@ -566,18 +566,14 @@ class TorchCommunicator(Communicator):
             return ReductionFootprint(held=numel, result=n)
         return ReductionFootprint(held=numel if self.backend == "gloo" else 0, result=n, result_first=True)
 
-    def traced_reduction_footprint(self, numel: int, via_all_reduce: bool = False) -> Optional[tuple[int, int]]:
-        """On gloo, where a traced reduction is fzero's operator (``fzero::reduce_scatter_all_to_all``:
-        the received ``[numel]`` freed before it returns, the result ``[numel / W]``;
-        ``fzero::all_reduce_waited``: the reduced copy ``[numel]`` returned whole); ``None``
-        elsewhere and on the ``reduce_scatter`` path (functional collectives)."""
-        if self.backend != "gloo" or self.world_size == 1:
+    def traced_reduction_footprint(self, numel: int) -> Optional[tuple[int, int]]:
+        """On gloo's all-to-all path, where a traced reduce-scatter is fzero's operator
+        (``fzero::reduce_scatter_all_to_all``): the received ``[numel]``, freed before it
+        returns, and the result ``[numel / W]``. ``None`` on the other paths (measured only
+        there)."""
+        if self.backend != "gloo" or self.world_size == 1 or self.reduce_scatter_via != "all_to_all":
             return None
-        if via_all_reduce or self.reduce_scatter_via == "all_reduce":
-            return 0, numel
-        if self.reduce_scatter_via == "all_to_all":
-            return numel, numel // self.world_size
-        return None
+        return numel, numel // self.world_size
 
     def gather_footprint(self, numel: int) -> Optional[GatherFootprint]:
         """Eagerly on gloo (measured by ``tests/census_stage3_worker.py``'s census): the result

@@ -184,9 +184,9 @@ def memory_report(
     ``comm``: the communicator the step runs on (its ``local_ranks`` then apply); with it,
     ``step_buffers`` also predicts the gradient reductions' buffers and, at stage 3, the
     gathered parameters (module doc). ``compiled=True``: the step is compiled (``step_buffers``
-    and ``step_peak`` then predict the compiled step's reductions, stages 1-2 on one local rank
-    with a communicator that says what a traced reduction allocates: gloo's operators; nothing
-    otherwise). No collective is called.
+    and ``step_peak`` then predict the compiled step's reductions at stage 2 in fp32 on one
+    local rank, with a communicator that says what a traced reduction allocates: gloo's
+    operators; nothing otherwise). No collective is called.
     """
     if comm is not None:
         local_ranks = comm.local_ranks
