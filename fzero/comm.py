@@ -214,6 +214,11 @@ class Communicator:
         then predicts nothing for compiled steps). No communication."""
         return None
 
+    def traced_gather_footprint(self, numel: int) -> Optional[int]:
+        """The elements one ``all_gather`` of a ``[1, numel]`` shard allocates inside a compiled
+        step (its result), or ``None``: not known for this communicator. No communication."""
+        return None
+
     def gather_footprint(self, numel: int) -> Optional[GatherFootprint]:
         """What an eager, started ``all_gather`` of a ``[R, numel]`` input allocates in this
         process (:class:`GatherFootprint`), or ``None``: not known for this communicator (a

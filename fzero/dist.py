@@ -187,8 +187,9 @@ def _all_gather_point_to_point_op(sent: torch.Tensor, world: int, group_name: st
     """:func:`_point_to_point_gather` of ``sent`` (``[n]``) into a new ``[world * n]``: the
     functional form, which a compiled stage-3 step recomputes in backward instead of keeping
     the unit (``fzero.units``' regather policy)."""
-    out = sent.new_empty(world * sent.numel())
-    _gather_point_to_point_op(out, sent, group_name, timeout)
+    with step_scope(GATHER):  # a census names it as the eager gathers
+        out = sent.new_empty(world * sent.numel())
+        _gather_point_to_point_op(out, sent, group_name, timeout)
     return out
 
 
@@ -574,6 +575,13 @@ class TorchCommunicator(Communicator):
         if self.backend != "gloo" or self.world_size == 1 or self.reduce_scatter_via != "all_to_all":
             return None
         return numel, numel // self.world_size
+
+    def traced_gather_footprint(self, numel: int) -> Optional[int]:
+        """On gloo's point-to-point path (``fzero::all_gather_point_to_point``): the result
+        ``[W * numel]`` and nothing else; ``None`` on the functional all-gather."""
+        if self.backend != "gloo" or self.world_size == 1 or self.all_gather_via != "point_to_point":
+            return None
+        return self.world_size * numel
 
     def gather_footprint(self, numel: int) -> Optional[GatherFootprint]:
         """Eagerly on gloo (measured by ``tests/census_stage3_worker.py``'s census): the result

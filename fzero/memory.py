@@ -214,8 +214,12 @@ def memory_report(
     transient = {kind: by_kind[kind] - held[kind] for kind in KINDS}
     buffers: dict[str, float] = {}
     step_peak = None
-    if compiled:
-        replayed = _replay_compiled(layout, precision, comm, stage) if comm is not None and stage < 3 else None
+    if compiled and stage == 3:
+        scopes = _compiled_stage3_scopes(layout, precision, comm) if comm is not None else None
+        if scopes is not None:
+            buffers[GATHER], buffers[GRAD_REDUCTION] = scopes
+    elif compiled:
+        replayed = _replay_compiled(layout, precision, comm, stage) if comm is not None else None
         if replayed is not None:
             buffers[GRAD_REDUCTION], step_peak = replayed
     elif stage < 3:
@@ -527,6 +531,36 @@ def _replay_compiled(layout: Layout, precision: MixedPrecision, comm: Communicat
         if not reduce(g.padded_numel, flat):
             return None
     return float(red.peak), float(every.peak)
+
+
+def _compiled_stage3_scopes(layout: Layout, precision: MixedPrecision,
+                            comm: Communicator) -> Optional[tuple[float, float]]:
+    """A compiled stage-3 step in fp32 on one local rank that regathers (one micro-batch), with a
+    communicator whose traced reductions and gathers are known (gloo's operators): per rank,
+    the peaks of ``fzero::gather`` and ``fzero::grad_reduction``, or ``None``.
+
+    The graph runs in its traced order (``fzero.compiled`` turns inductor's reordering off
+    for it): the root's groups gathered first and held, each unit's groups gathered for its
+    forward and again for its backward, one unit at a time; each flat group reduced by one
+    operator (the received buffer and the result; the result copied out by
+    ``fzero::materialized`` and dropped before the next). So the gathers' peak is the root and
+    the largest unit, the reductions' the largest group's received buffer and shard."""
+    dtypes = {precision.reduce_dtype or g.master_dtype for g in layout.groups} | \
+        {precision.compute_dtype(g) for g in layout.groups} | {g.master_dtype for g in layout.groups}
+    if comm.local_ranks != 1 or dtypes != {torch.float32}:
+        return None
+    size = _size(torch.float32)
+    received = [comm.traced_reduction_footprint(g.padded_numel) for g in layout.groups]
+    gathered = [comm.traced_gather_footprint(g.shard_numel) for g in layout.groups]
+    if any(r is None for r in received) or any(n is None for n in gathered):
+        return None
+    units: dict[int, int] = {}
+    for g, n in zip(layout.groups, gathered):
+        units[g.bucket] = units.get(g.bucket, 0) + n * size
+    root = units.pop(0, 0)
+    gathers = root + max(units.values(), default=0)
+    reductions = max(sum(r) * size for r in received if r is not None)
+    return float(gathers), float(reductions)
 
 
 class _Buf:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 import fzero
-from fzero.scopes import GRAD_REDUCTION
+from fzero.scopes import GATHER, GRAD_REDUCTION
 from helpers import Branchy, Mark, batches, children, deep_mlp, is_grad_reduction, mlp, overlap_data
 
 mse = torch.nn.functional.mse_loss
@@ -617,10 +617,28 @@ def stage3_gather_schedule(comm: fzero.Communicator, steps: int = 2) -> dict:
     with Census() as census:
         state, _ = step(state, batch)
     lay = state.layout
-    return {"gathered": census.scope_peaks.get("fzero::all_gather_point_to_point", 0),
+    live = [a for a in census.allocations if a.live_at(census.peak_ns)]
+    rep = fzero.memory_report(lay, state.opt.optimizer, stage=3, comm=comm, compiled=True)
+    return {"gathered": census.scope_peaks.get(GATHER, 0), "reduction": census.scope_peaks.get(GRAD_REDUCTION, 0),
+            "predicted gathered": rep.step_buffers.get(GATHER), "predicted reduction": rep.step_buffers.get(GRAD_REDUCTION),
+            "unseen reduction": _unseen_at_scope_peak(census, GRAD_REDUCTION),
             "root": sum(4 * g.padded_numel for g in lay.groups if g.bucket == 0),
             "unit": max(4 * g.padded_numel for g in lay.groups if g.bucket > 0),
-            "units": sum(4 * g.padded_numel for g in lay.groups if g.bucket > 0)}
+            "units": sum(4 * g.padded_numel for g in lay.groups if g.bucket > 0),
+            "live": sum(a.nbytes for a in live)}
+
+
+def _unseen_at_scope_peak(census: Any, scope: str) -> int:
+    """The bytes of ``scope``'s allocations live at the scope's own peak whose free the census did
+    not see (gloo's thread dropped their last reference): they count until their address is
+    reused."""
+    allocs = [a for a in census.allocations if a.scope == scope]
+    best, unseen = -1, 0
+    for t in sorted(a.start_ns for a in allocs):
+        live = [a for a in allocs if a.live_at(t)]
+        if sum(a.nbytes for a in live) > best:
+            best, unseen = sum(a.nbytes for a in live), sum(a.nbytes for a in live if not a.free_seen)
+    return unseen
 
 
 def compiled_reduction_census(comm: fzero.Communicator, sizes: tuple[int, ...], steps: int = 2) -> dict:
