@@ -75,8 +75,9 @@ of several flat groups prefetched in a batch or of groups in several compute dty
 ==========================  ===========  ===================================================
 ``fzero::grad_buckets``     1-2          always (the replay's pool, given ``comm``)
 ``fzero::grad_reduction``   1-2, 3       given ``comm`` (stage 3: the simulated world, gloo;
-                                         compiled: stage 2, fp32, gloo)
-``fzero::gather``           3            given ``comm`` (the simulated world, gloo)
+                                         compiled: stages 2-3, fp32, gloo)
+``fzero::gather``           3            given ``comm`` (the simulated world, gloo;
+                                         compiled: fp32, gloo)
 ==========================  ===========  ===================================================
 
 Compiled (``compiled=True``), stage 2 in fp32 on one local rank, given a communicator whose
@@ -84,10 +85,15 @@ traced reductions are known (:meth:`~fzero.comm.Communicator.traced_reduction_fo
 gloo's operators, ``fzero.dist``): ``fzero::grad_reduction`` and ``step_peak`` by
 :func:`_replay_compiled`, each flat group reduced as backward completes it, one at a time.
 Checked against the census on gloo W=2 (``tests/test_compiled_memory.py``, and at 162M
-parameters: 457.17 and 604.54 MiB predicted, 457.17 and 604.55 counted). Not predicted for
-compiled steps: stage 1 (inductor runs every group's all-reduce before cutting any to its
-shard), 16-bit casts (inductor writes them into buffers freed earlier in the graph), stage 3,
-other communicators.
+parameters: 457.17 and 604.54 MiB predicted, 457.17 and 604.55 counted). Compiled stage 3
+in fp32 on one local rank that regathers, given a communicator whose traced gathers and
+reductions are known (gloo's point-to-point and all-to-all operators): ``fzero::gather``,
+the root and the largest unit, and ``fzero::grad_reduction``, the largest flat group's
+received buffer and shard (:func:`_compiled_stage3_scopes`; no ``step_peak``: the step's
+peak there holds activations). Checked likewise: a GPT-2 of ``transformers``, and at 162M
+322.17 and 442.70 MiB predicted and counted. Not predicted for compiled steps: stage 1
+(inductor runs every group's all-reduce before cutting any to its shard), 16-bit casts
+(inductor writes them into buffers freed earlier in the graph), other communicators.
 
 Not counted at all (they depend on the model and the batch, not on Ψ alone):
 activations; deferring accumulation, the full local gradients. ``GatherTracker`` measures
@@ -184,9 +190,10 @@ def memory_report(
     ``comm``: the communicator the step runs on (its ``local_ranks`` then apply); with it,
     ``step_buffers`` also predicts the gradient reductions' buffers and, at stage 3, the
     gathered parameters (module doc). ``compiled=True``: the step is compiled (``step_buffers``
-    and ``step_peak`` then predict the compiled step's reductions at stage 2 in fp32 on one
-    local rank, with a communicator that says what a traced reduction allocates: gloo's
-    operators; nothing otherwise). No collective is called.
+    and ``step_peak`` then predict the compiled step's reductions at stage 2, and its gathers
+    and reductions at stage 3, in fp32 on one local rank, with a communicator that says what
+    its traced collectives allocate: gloo's operators; nothing otherwise). No collective is
+    called.
     """
     if comm is not None:
         local_ranks = comm.local_ranks
