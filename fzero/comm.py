@@ -214,6 +214,12 @@ class Communicator:
         then predicts nothing for compiled steps). No communication."""
         return None
 
+    def traced_gather_into_many(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Inside a compiled step: gather every ``(x, out)`` pair (as ``all_gather_into_start``)
+        in one operator, if this communicator has one, and say whether it did; ``False``: the
+        caller gathers them one by one."""
+        return False
+
     def traced_gather_footprint(self, numel: int) -> Optional[int]:
         """The elements one ``all_gather`` of a ``[1, numel]`` shard allocates inside a compiled
         step (its result), or ``None``: not known for this communicator. No communication."""

@@ -22,7 +22,7 @@ import datetime
 import functools
 import os
 import time
-from typing import Any, Callable, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -179,6 +179,28 @@ def _gather_point_to_point_op(out: torch.Tensor, sent: torch.Tensor, group_name:
 
 @_gather_point_to_point_op.register_fake
 def _(out: torch.Tensor, sent: torch.Tensor, group_name: str, timeout: float) -> None:
+    return None
+
+
+@torch.library.custom_op("fzero::gather_point_to_point_many", mutates_args=("outs",))
+def _gather_point_to_point_many_op(outs: list[torch.Tensor], sents: list[torch.Tensor], group_name: str,
+                                   timeout: float) -> None:
+    """:func:`_point_to_point_gather` of each ``sents[k]`` into ``outs[k]``, every one started
+    before any is waited for (each with its own tag), within one deadline: the traced form of
+    the eager path's parameter gathers after the update (one operator per group waited for
+    each in turn; 162M, gloo W=2: 3.84-3.99 s a step against 3.71-3.73 this way)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    works = _Works([w for k, (out, sent) in enumerate(zip(outs, sents))
+                    for w in _point_to_point_gather(out, sent, group, rank, world, k).works])
+    total = sum(out.numel() for out in outs)
+    _wait(works, _traced_bound(f"all_gather of {total} {outs[0].dtype} in {len(outs)} groups", group, timeout))
+
+
+@_gather_point_to_point_many_op.register_fake
+def _(outs: list[torch.Tensor], sents: list[torch.Tensor], group_name: str, timeout: float) -> None:
     return None
 
 
@@ -537,6 +559,19 @@ class TorchCommunicator(Communicator):
         sent = x[0].contiguous()
         work = self._gather_into(out[0], sent)
         return _waiter(work, lambda: out, self._bound(f"all_gather of {out[0].numel()} {out.dtype}"), sent)
+
+    def traced_gather_into_many(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """On gloo's point-to-point path: every ``(x, out)`` gathered by one operator,
+        ``fzero::gather_point_to_point_many`` (each group's sends and receives started before
+        any is waited for)."""
+        if self.all_gather_via != "point_to_point" or self.world_size == 1 \
+                or not all(o.is_contiguous() and o.shape[0] == 1 for _, o in pairs):
+            return False
+        for x, out in pairs:
+            self._check_into(x, out)
+        torch.ops.fzero.gather_point_to_point_many([o[0] for _, o in pairs], [x[0].contiguous() for x, _ in pairs],
+                                                   self._name, self.timeout or 0.0)
+        return True
 
     def _gather_into(self, out: torch.Tensor, sent: torch.Tensor) -> Any:
         """Start the eager all-gather of ``sent`` into ``out`` (``[W * n]``) the way

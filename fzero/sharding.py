@@ -325,6 +325,8 @@ def gather_flat_params_into(
     check_world(shard, comm)
     pairs = [(m.to(compute_dtype(g, dtype)), o) for g, m, o in zip(shard.layout.groups, shard.master, out)]
     if torch.compiler.is_compiling():
+        if comm.traced_gather_into_many(pairs):  # gloo: one operator, straight into ``out``
+            return tuple(o for _, o in pairs)
         # traced, each gather lands in a buffer of its own before it is copied in: one at a
         # time, so one group's buffer is alive at once, not the whole model's
         return tuple(comm.all_gather_into_start(m, o)() for m, o in pairs)
