@@ -7,7 +7,7 @@ they are ``torch.distributed._functional_collectives`` calls, which trace (the
 c10d calls break the graph), except on gloo, where a step's reductions and
 point-to-point gathers are custom operators of fzero's that run the eager c10d
 calls inside the graph and wait for them there: within the communicator's
-timeout, one at a time, every buffer freed on the calling thread. Both run the
+timeout, one at a time. Both run the
 process group's own algorithm, so eager and compiled steps reduce to the same
 bits. Works with any backend; launched by ``torchrun``.
 
@@ -229,9 +229,9 @@ def _traced_bound(what: str, group: dist.ProcessGroup, timeout: float) -> _Bound
 # are let go by gloo's own thread when it completes, and inductor places its start and its wait
 # as its passes decide: at 162M a compiled stage-2 step held every group's received buffer at
 # once, and a census could not tell when any of them was freed. These operators run the eager
-# code inside the graph, waited for before they return: every buffer is allocated and freed on
-# the calling thread, one reduction at a time, within the communicator's timeout (which a
-# functional collective does not take).
+# code inside the graph, waited for before they return: one reduction at a time, its buffers
+# dropped before the next starts, within the communicator's timeout (which a functional
+# collective does not take).
 
 
 @torch.library.custom_op("fzero::reduce_scatter_all_to_all", mutates_args=())
@@ -250,7 +250,7 @@ def _reduce_scatter_all_to_all_op(sent: torch.Tensor, world: int, op: str, group
         work = dist.all_to_all_single(received, sent, group=group, async_op=True)
         _wait(work, _traced_bound(f"reduce_scatter ({op}, as all_to_all_single) of {sent.numel()} {sent.dtype}",
                                   group, timeout))
-        del work  # dropped here, not on gloo's thread: the buffers are freed on this one
+        del work  # our reference goes now; gloo's thread may hold the last one a moment longer
         total = received.view(world, n).sum(0)
         del received
         return _average_owned(total, op, world)
