@@ -277,7 +277,7 @@ def census_step(runner, i: int) -> dict:
             "missed": c.missed_frees, "scope_peaks": c.scope_peaks, "predicted": dict(runner.step_buffers),
             "predicted peak": runner.step_peak, "table": c.table(),
             "joint": c.joint_peak(("fzero::gather", "fzero::grad_reduction")),
-            "unseen": sum(a.nbytes for a in c.allocations if a.live_at(c.peak_ns) and not a.free_seen)}
+            "unseen": c.unseen_bytes(at_ns=c.peak_ns)}
 
 
 def measure(key: str, ctx: dict, args: argparse.Namespace) -> dict:

@@ -479,6 +479,15 @@ def _replay_reductions(
     return float(heap.peak) / rows, float(every.peak) / rows, float(pool.heap.peak) / rows
 
 
+def _all_fp32(layout: Layout, precision: MixedPrecision) -> bool:
+    """Whether every flat group computes, reduces and keeps its master copy in fp32: the only
+    compiled steps replayed (in 16 bits inductor writes casts into buffers freed earlier in the
+    graph, which a replay of the traced code does not see)."""
+    dtypes = {precision.reduce_dtype or g.master_dtype for g in layout.groups} | \
+        {precision.compute_dtype(g) for g in layout.groups} | {g.master_dtype for g in layout.groups}
+    return dtypes == {torch.float32}
+
+
 def _replay_compiled(layout: Layout, precision: MixedPrecision, comm: Communicator,
                      stage: int) -> Optional[tuple[float, float]]:
     """A compiled stage-2 step in fp32 on one local rank, when ``comm`` says what a traced
@@ -494,9 +503,7 @@ def _replay_compiled(layout: Layout, precision: MixedPrecision, comm: Communicat
     dropped; the shard stays. Small groups are joined first
     (:func:`fzero.sharding.reduces_joined`): every group's gradients, one joined buffer, one
     reduction, each group's shard a view of its result."""
-    dtypes = {precision.reduce_dtype or g.master_dtype for g in layout.groups} | \
-        {precision.compute_dtype(g) for g in layout.groups} | {g.master_dtype for g in layout.groups}
-    if comm.local_ranks != 1 or stage != 2 or dtypes != {torch.float32}:
+    if comm.local_ranks != 1 or stage != 2 or not _all_fp32(layout, precision):
         # measured and left out: at stage 1 inductor ran every group's all-reduce before
         # cutting any to its shard (every group's reduced copy live at once); in 16 bits it
         # made the casts into buffers freed earlier in the graph (no new allocation)
@@ -552,9 +559,7 @@ def _compiled_stage3_scopes(layout: Layout, precision: MixedPrecision,
     operator (the received buffer and the result; the result copied out by
     ``fzero::materialized`` and dropped before the next). So the gathers' peak is the root and
     the largest unit, the reductions' the largest group's received buffer and shard."""
-    dtypes = {precision.reduce_dtype or g.master_dtype for g in layout.groups} | \
-        {precision.compute_dtype(g) for g in layout.groups} | {g.master_dtype for g in layout.groups}
-    if comm.local_ranks != 1 or dtypes != {torch.float32}:
+    if comm.local_ranks != 1 or not _all_fp32(layout, precision):
         return None
     size = _size(torch.float32)
     received = [comm.traced_reduction_footprint(g.padded_numel) for g in layout.groups]

@@ -57,7 +57,7 @@ def run_case(name: str, comm: fzero.Communicator) -> dict:
     with Census() as census:
         state, _ = step(state, batch)
     rep = fzero.memory_report(state.layout, state.opt.optimizer, stage=3, comm=comm, precision=state.precision)
-    unseen = {k: sum(a.nbytes for a in census.allocations if a.scope == k and not a.free_seen) for k in SCOPES}
+    unseen = {k: census.unseen_bytes(k) for k in SCOPES}
     return {
         "census": {**{k: census.scope_peaks.get(k, 0) for k in SCOPES}, "together": census.joint_peak(SCOPES)},
         "predicted": {**{k: rep.step_buffers.get(k) for k in SCOPES}, "together": rep.step_peak},

@@ -246,8 +246,7 @@ def reduction_buffers(comm: fzero.Communicator, stage: int, precision: str, two_
     # A buffer whose last reference a backend thread drops (gloo's worker, finishing a
     # collective after the step's wait) is freed where the profiler does not look: the
     # census sees it live until its address is reused, or to the end of the step.
-    unseen = {k: sum(a.nbytes for a in census.allocations if a.scope == k and not a.free_seen)
-              for k in report.step_buffers}
+    unseen = {k: census.unseen_bytes(k) for k in report.step_buffers}
     return {"buckets": len({g.bucket for g in held["state"].layout.groups}),
             "joined": sum(len(gs) > 1 for gs in buckets_of(held["state"].layout)),
             "census": {k: census.scope_peaks.get(k, 0) for k in report.step_buffers},
@@ -621,24 +620,11 @@ def stage3_gather_schedule(comm: fzero.Communicator, steps: int = 2) -> dict:
     rep = fzero.memory_report(lay, state.opt.optimizer, stage=3, comm=comm, compiled=True)
     return {"gathered": census.scope_peaks.get(GATHER, 0), "reduction": census.scope_peaks.get(GRAD_REDUCTION, 0),
             "predicted gathered": rep.step_buffers.get(GATHER), "predicted reduction": rep.step_buffers.get(GRAD_REDUCTION),
-            "unseen reduction": _unseen_at_scope_peak(census, GRAD_REDUCTION),
+            "unseen reduction": census.unseen_bytes(GRAD_REDUCTION, census.scope_peak_ns(GRAD_REDUCTION)),
             "root": sum(4 * g.padded_numel for g in lay.groups if g.bucket == 0),
             "unit": max(4 * g.padded_numel for g in lay.groups if g.bucket > 0),
             "units": sum(4 * g.padded_numel for g in lay.groups if g.bucket > 0),
             "live": sum(a.nbytes for a in live)}
-
-
-def _unseen_at_scope_peak(census: Any, scope: str) -> int:
-    """The bytes of ``scope``'s allocations live at the scope's own peak whose free the census did
-    not see (gloo's thread dropped their last reference): they count until their address is
-    reused."""
-    allocs = [a for a in census.allocations if a.scope == scope]
-    best, unseen = -1, 0
-    for t in sorted(a.start_ns for a in allocs):
-        live = [a for a in allocs if a.live_at(t)]
-        if sum(a.nbytes for a in live) > best:
-            best, unseen = sum(a.nbytes for a in live), sum(a.nbytes for a in live if not a.free_seen)
-    return unseen
 
 
 def compiled_reduction_census(comm: fzero.Communicator, sizes: tuple[int, ...], steps: int = 2) -> dict:
@@ -659,10 +645,9 @@ def compiled_reduction_census(comm: fzero.Communicator, sizes: tuple[int, ...], 
         state, _ = step(state, batch)
     with Census() as census:
         state, _ = step(state, batch)
-    live = [a for a in census.allocations if a.live_at(census.peak_ns)]
     rep = fzero.memory_report(state.layout, state.opt.optimizer, stage=2, comm=comm, compiled=True)
     return {"reduction": census.scope_peaks.get(GRAD_REDUCTION, 0), "peak": census.peak_bytes,
-            "unseen": sum(a.nbytes for a in live if not a.free_seen),
+            "unseen": census.unseen_bytes(at_ns=census.peak_ns),
             "predicted reduction": rep.step_buffers.get(GRAD_REDUCTION), "predicted peak": rep.step_peak,
             "groups": len(state.layout.groups)}
 

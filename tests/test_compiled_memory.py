@@ -71,6 +71,11 @@ def test_compiled_stage3_gathers_the_root_and_at_most_two_units_at_once(peaks):
         assert got["predicted reduction"] <= got["reduction"] * (1 + 1e-3), at
 
 
+# the step's peak: group by group as replayed (0.04 % above, a few activation rows); joined,
+# inductor keeps one parameter's gradient to the end of the step (4.9 % above)
+PEAK_SLACK = {CENSUS[0]: 5e-3, CENSUS[1]: 0.05}
+
+
 @pytest.mark.parametrize("case", CENSUS, ids=["group by group", "joined"])
 def test_compiled_stage2_reductions_allocate_what_memory_report_predicts(peaks, case):
     for r, got in enumerate(_case(peaks, case)):
@@ -79,5 +84,5 @@ def test_compiled_stage2_reductions_allocate_what_memory_report_predicts(peaks, 
         # what the census sees is the truth plus buffers freed on gloo's thread, never less
         assert got["reduction"] - got["unseen"] <= got["predicted reduction"] * (1 + 1e-3), at
         assert got["predicted reduction"] <= got["reduction"] * (1 + 1e-3), at
-        assert got["peak"] - got["unseen"] <= got["predicted peak"] * 1.05, at
+        assert got["peak"] - got["unseen"] <= got["predicted peak"] * (1 + PEAK_SLACK[case]), at
         assert got["predicted peak"] <= got["peak"] * (1 + 1e-3), at

@@ -310,6 +310,18 @@ class Census:
                 by.setdefault(a.scope, []).append(a)
         return {name: _peak(allocs, self.start_ns)[0] for name, allocs in by.items()}
 
+    def scope_peak_ns(self, scope: str) -> int:
+        """When ``scope``'s allocations first held their peak (:attr:`scope_peaks`)."""
+        return _peak([a for a in self.allocations if a.scope == scope], self.start_ns)[1]
+
+    def unseen_bytes(self, scope: Optional[str] = None, at_ns: Optional[int] = None) -> int:
+        """Bytes whose free the census did not see (their last reference dropped on a thread
+        the profiler does not follow, e.g. gloo's): it counts them live until their address
+        is handed out again. Of ``scope``'s allocations (``None``: all), live at ``at_ns``
+        (``None``: whenever in the block)."""
+        return sum(a.nbytes for a in self.allocations if not a.free_seen
+                   and (scope is None or a.scope == scope) and (at_ns is None or a.live_at(at_ns)))
+
     def joint_peak(self, scopes: Iterable[str]) -> int:
         """The most bytes the allocations of ``scopes`` held at once, together."""
         wanted = set(scopes)
