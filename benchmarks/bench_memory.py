@@ -115,7 +115,7 @@ GPT2_SMALL = GPTConfig(vocab=50304, d_model=768, n_layers=12, n_heads=12, seq_le
 TORCH_KEYS = ("ddp", "ddp-fused", "fsdp")
 DS_KEYS = ("ds-z1", "ds-z2", "ds-z3")
 FZERO_KEYS = ("fzero-s1", "fzero-s2", "fzero-s3", "fzero-s1c", "fzero-s2c", "fzero-s3c",
-              "fzero-s1d", "fzero-s2d", "fzero-s3d", "fzero-s2cd", "fzero-s3cd")
+              "fzero-s1d", "fzero-s2d", "fzero-s3d", "fzero-s1cd", "fzero-s2cd", "fzero-s3cd")
 ALL_KEYS = (*TORCH_KEYS, *DS_KEYS, *FZERO_KEYS)
 RESULT = "BENCH_MEMORY_RESULT "  # the line rank 0 prints for the launcher
 SETTLE = 1.0  # seconds between the timed steps and the held readings (module doc: ``held``)

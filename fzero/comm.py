@@ -13,6 +13,8 @@ Shapes (``W`` = world size, ``R`` = local ranks):
     chunk ``ranks[r]`` of the reduction. ``op`` in sum/avg.
   * ``all_gather(x)``: ``[R, n] -> [R, W*n]``, chunks in rank order.
   * ``take_shard(x)``: ``[R, W*n] -> [R, n]``, this rank's chunk, no traffic.
+  * ``all_reduce_shard_start(x, op)``: ZeRO-1's ``all_reduce`` of ``[R, W*n]`` of which
+    each rank keeps its chunk, ``[R, n]`` (started; the returned function waits).
   * ``all_gather_into_start(x, out)``: the ``all_gather`` written into ``out``
     (``[R, W*n]``, the caller's buffer: the parameters the next forward reads);
   * ``all_reduce_start``, ``reduce_scatter_start``, ``all_gather_start``: the
@@ -179,6 +181,15 @@ class Communicator:
         out = self.all_reduce(x, op)
         return lambda: out
 
+    def all_reduce_shard_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
+        """Start ZeRO-1's reduction of ``x`` ``[R, W*n]``: an ``all_reduce`` of which each rank
+        keeps its own chunk; the returned function waits and gives ``[R, n]`` (what
+        :meth:`take_shard` cuts). ``op``: ``"sum"`` or ``"avg"``. Default:
+        :meth:`all_reduce_start`, then :meth:`take_shard`."""
+        self._chunk(x, "all_reduce_shard")
+        reduced = self.all_reduce_start(x, op)
+        return lambda: self.take_shard(reduced())
+
     def batched(self) -> ContextManager[None]:
         """A block whose started collectives may travel together: a communicator that can
         carry several in one (``TorchCommunicator`` on gloo: one ``all_to_all``) issues them
@@ -207,11 +218,12 @@ class Communicator:
         memory report then predicts no reduction buffers). No communication."""
         return None
 
-    def traced_reduction_footprint(self, numel: int) -> Optional[tuple[int, int]]:
+    def traced_reduction_footprint(self, numel: int, via_all_reduce: bool = False) -> Optional[tuple[int, int]]:
         """What one ``reduce_scatter`` of a ``[1, numel]`` gradient allocates inside a compiled
-        step, as ``(received, result)`` elements: a buffer freed before the reduction returns,
-        and the result it returns; ``None``: not known for this communicator (a memory report
-        then predicts nothing for compiled steps). No communication."""
+        step (with ``via_all_reduce``, one :meth:`all_reduce_shard_start`), as ``(received,
+        result)`` elements: a buffer freed before the reduction returns, and the result it
+        returns; ``None``: not known for this communicator (a memory report then predicts
+        nothing for compiled steps). No communication."""
         return None
 
     def traced_gather_into_many(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
@@ -468,6 +480,10 @@ class CountingCommunicator(Communicator):
     def reduce_scatter_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
         self._record_reduce_scatter(x)
         return self.inner.reduce_scatter_start(x, op)
+
+    def all_reduce_shard_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
+        self._record("all_reduce", x, x[0].numel(), 2.0)
+        return self.inner.all_reduce_shard_start(x, op)
 
     def all_gather_start(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
         self._record("all_gather", x, x[0].numel() * self.world_size, 1.0)

@@ -282,6 +282,33 @@ def _(x: torch.Tensor, world: int, op: str, group_name: str, timeout: float) -> 
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("fzero::all_reduce_shard", mutates_args=())
+def _all_reduce_shard_op(x: torch.Tensor, world: int, rank: int, op: str, group_name: str,
+                         timeout: float) -> torch.Tensor:
+    """ZeRO-1's reduction (``TorchCommunicator.all_reduce_shard_start``): ``all_reduce`` of a copy
+    of ``x`` (``[world * n]``), waited for; rank ``rank``'s chunk ``[n]`` copied out, averaged in
+    place when ``op`` is ``"avg"``. Allocates the copy (freed before it returns) and the chunk.
+    (Returning the whole sum, inductor ran every group's all-reduce before cutting any: a
+    compiled stage-1 step held the whole gradient's sum at once.)"""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    n = x.numel() // world
+    with step_scope(GRAD_REDUCTION):
+        whole = x.clone()
+        work = dist.all_reduce(whole, dist.ReduceOp.SUM, group=group, async_op=True)
+        _wait(work, _traced_bound(f"all_reduce ({op}) of {whole.numel()} {whole.dtype}", group, timeout))
+        del work
+        mine = whole[rank * n : (rank + 1) * n].clone()
+        del whole
+        return _average_owned(mine, op, world)
+
+
+@_all_reduce_shard_op.register_fake
+def _(x: torch.Tensor, world: int, rank: int, op: str, group_name: str, timeout: float) -> torch.Tensor:
+    return x.new_empty(x.numel() // world)
+
+
 def _wait(work: Any, bound: _Bound) -> None:
     """``work.wait()``; with a bound, c10d's ``wait(timeout)``, and a failure (the timeout, or
     a peer that died) as :class:`~fzero.comm.CollectiveError` naming the collective."""
@@ -404,8 +431,9 @@ class TorchCommunicator(Communicator):
     deadlocked) or dies then fails this rank with :class:`~fzero.comm.CollectiveError`
     naming the collective and the train step, instead of leaving it blocked. Compiled steps
     on gloo too: there a step's reductions and point-to-point gathers are fzero's own
-    operators (``fzero::reduce_scatter_all_to_all``, ``fzero::all_reduce_waited``,
-    ``fzero::gather_point_to_point``), waited for inside the graph within the timeout. Pass
+    operators (``fzero::reduce_scatter_all_to_all``, ``fzero::all_reduce_shard``,
+    ``fzero::all_reduce_waited``, ``fzero::gather_point_to_point``), waited for inside the
+    graph within the timeout. Pass
     the same bound to ``init_process_group(timeout=...)``: it bounds what runs outside the
     step (``check_layout`` at init, checkpoint saving and loading, barriers) and the
     functional collectives of compiled steps on other backends, which take no timeout of
@@ -511,6 +539,20 @@ class TorchCommunicator(Communicator):
         started = funcol.all_reduce(x[0], "max" if op == "max" else "sum", self._name)
         return lambda: self._finish(started, op).unsqueeze(0)
 
+    def all_reduce_shard_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
+        """Traced on gloo, one operator, ``fzero::all_reduce_shard``: the whole sum is freed inside
+        it, so a compiled stage-1 step holds one group's sum at a time. Otherwise the default
+        (``all_reduce_start``, then ``take_shard``)."""
+        if _eager() or self.backend != "gloo" or self.world_size == 1:
+            return super().all_reduce_shard_start(x, op)
+        self._check_rows(x, "all_reduce_shard")
+        self._chunk(x, "all_reduce_shard")
+        if op not in ("sum", "avg"):
+            raise ValueError(f"all_reduce_shard supports 'sum' and 'avg', got {op!r}")
+        out = torch.ops.fzero.all_reduce_shard(x[0], self.world_size, self.rank, op, self._name,
+                                               self.timeout or 0.0)
+        return lambda: out.unsqueeze(0)
+
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         return self.reduce_scatter_start(x, op)()
 
@@ -602,12 +644,14 @@ class TorchCommunicator(Communicator):
             return ReductionFootprint(held=numel, result=n)
         return ReductionFootprint(held=numel if self.backend == "gloo" else 0, result=n, result_first=True)
 
-    def traced_reduction_footprint(self, numel: int) -> Optional[tuple[int, int]]:
-        """On gloo's all-to-all path, where a traced reduce-scatter is fzero's operator
-        (``fzero::reduce_scatter_all_to_all``): the received ``[numel]``, freed before it
-        returns, and the result ``[numel / W]``. ``None`` on the other paths (measured only
-        there)."""
-        if self.backend != "gloo" or self.world_size == 1 or self.reduce_scatter_via != "all_to_all":
+    def traced_reduction_footprint(self, numel: int, via_all_reduce: bool = False) -> Optional[tuple[int, int]]:
+        """On gloo, where a traced reduction is one of fzero's operators: the received ``[numel]``
+        (``fzero::reduce_scatter_all_to_all``, on the all-to-all path) or the copy that is
+        all-reduced (``fzero::all_reduce_shard``), freed before it returns, and the result
+        ``[numel / W]``. ``None`` on the other paths (measured only there)."""
+        if self.backend != "gloo" or self.world_size == 1:
+            return None
+        if not via_all_reduce and self.reduce_scatter_via != "all_to_all":
             return None
         return numel, numel // self.world_size
 

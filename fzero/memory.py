@@ -75,24 +75,24 @@ of several flat groups prefetched in a batch or of groups in several compute dty
 ==========================  ===========  ===================================================
 ``fzero::grad_buckets``     1-2          always (the replay's pool, given ``comm``)
 ``fzero::grad_reduction``   1-2, 3       given ``comm`` (stage 3: the simulated world, gloo;
-                                         compiled: stages 2-3, fp32, gloo)
+                                         compiled: stages 1-3, fp32, gloo)
 ``fzero::gather``           3            given ``comm`` (the simulated world, gloo;
                                          compiled: fp32, gloo)
 ==========================  ===========  ===================================================
 
-Compiled (``compiled=True``), stage 2 in fp32 on one local rank, given a communicator whose
+Compiled (``compiled=True``), stages 1-2 in fp32 on one local rank, given a communicator whose
 traced reductions are known (:meth:`~fzero.comm.Communicator.traced_reduction_footprint`:
 gloo's operators, ``fzero.dist``): ``fzero::grad_reduction`` and ``step_peak`` by
-:func:`_replay_compiled`, each flat group reduced as backward completes it, one at a time.
-Checked against the census on gloo W=2 (``tests/test_compiled_memory.py``, and at 162M
-parameters: 457.17 and 604.54 MiB predicted, 457.17 and 604.55 counted). Compiled stage 3
+:func:`_replay_compiled`, each flat group reduced as backward completes it, one at a time
+(stage 1's all-reduce keeps only the rank's chunk: ``fzero::all_reduce_shard``, so its
+buffers are stage 2's). Checked against the census on gloo W=2 (``tests/test_compiled_memory.py``,
+and at 162M parameters: 457.17 and 604.54 MiB predicted, 457.17 and 604.55 counted). Compiled stage 3
 in fp32 on one local rank that regathers, given a communicator whose traced gathers and
 reductions are known (gloo's point-to-point and all-to-all operators): ``fzero::gather``,
 the root and the largest unit, and ``fzero::grad_reduction``, the largest flat group's
 received buffer and shard (:func:`_compiled_stage3_scopes`; no ``step_peak``: the step's
 peak there holds activations). Checked likewise: a GPT-2 of ``transformers``, and at 162M
-322.17 and 442.70 MiB predicted and counted. Not predicted for compiled steps: stage 1
-(inductor runs every group's all-reduce before cutting any to its shard), 16-bit casts
+322.17 and 442.70 MiB predicted and counted. Not predicted for compiled steps: 16-bit casts
 (inductor writes them into buffers freed earlier in the graph), other communicators.
 
 Not counted at all (they depend on the model and the batch, not on Ψ alone):
@@ -490,7 +490,7 @@ def _all_fp32(layout: Layout, precision: MixedPrecision) -> bool:
 
 def _replay_compiled(layout: Layout, precision: MixedPrecision, comm: Communicator,
                      stage: int) -> Optional[tuple[float, float]]:
-    """A compiled stage-2 step in fp32 on one local rank, when ``comm`` says what a traced
+    """A compiled stage-1 or -2 step in fp32 on one local rank, when ``comm`` says what a traced
     reduction allocates (:meth:`~fzero.comm.Communicator.traced_reduction_footprint`: gloo's
     operators): per rank, the peak of ``fzero::grad_reduction`` (what the reductions
     allocate) and ``step_peak``, the step's gradient memory together at its peak; else
@@ -503,17 +503,14 @@ def _replay_compiled(layout: Layout, precision: MixedPrecision, comm: Communicat
     dropped; the shard stays. Small groups are joined first
     (:func:`fzero.sharding.reduces_joined`): every group's gradients, one joined buffer, one
     reduction, each group's shard a view of its result."""
-    if comm.local_ranks != 1 or stage != 2 or not _all_fp32(layout, precision):
-        # measured and left out: at stage 1 inductor ran every group's all-reduce before
-        # cutting any to its shard (every group's reduced copy live at once); in 16 bits it
-        # made the casts into buffers freed earlier in the graph (no new allocation)
+    if comm.local_ranks != 1 or stage == 3 or not _all_fp32(layout, precision):
         return None
     size = _size(torch.float32)
     every = _Heap()
     red = _Heap(also=every)
 
     def reduce(numel: int, send: int) -> bool:
-        fp = comm.traced_reduction_footprint(numel)
+        fp = comm.traced_reduction_footprint(numel, via_all_reduce=stage == 1)
         if fp is None:
             return False
         received, result = fp

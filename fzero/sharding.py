@@ -260,8 +260,7 @@ def average_flat_grads_start(
         x = x / pre
     op = "sum" if low else "avg"
     if via_all_reduce:
-        reduced = comm.all_reduce_start(x, op)
-        done: Callable[[], torch.Tensor] = lambda: comm.take_shard(reduced())  # noqa: E731
+        done = comm.all_reduce_shard_start(x, op)
     else:
         done = comm.reduce_scatter_start(x, op)
 

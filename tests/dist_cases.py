@@ -627,8 +627,9 @@ def stage3_gather_schedule(comm: fzero.Communicator, steps: int = 2) -> dict:
             "live": sum(a.nbytes for a in live)}
 
 
-def compiled_reduction_census(comm: fzero.Communicator, sizes: tuple[int, ...], steps: int = 2) -> dict:
-    """A donating compiled stage-2 fp32 step of an MLP of ``sizes`` under the census (the step
+def compiled_reduction_census(comm: fzero.Communicator, sizes: tuple[int, ...], stage: int = 2,
+                              steps: int = 2) -> dict:
+    """A donating compiled stage-1 or -2 fp32 step of an MLP of ``sizes`` under the census (the step
     after ``steps`` steps), beside ``memory_report(compiled=True)``'s prediction: the census's
     ``fzero::grad_reduction`` peak and its in-block bytes at the step's peak (activations are a
     few rows), and the bytes live at the peak whose free the census did not see (freed on
@@ -636,7 +637,7 @@ def compiled_reduction_census(comm: fzero.Communicator, sizes: tuple[int, ...], 
     from fzero.testing.census import Census
 
     model = mlp(sizes=sizes)
-    state = fzero.init_train_state(model, fzero.adamw(lr=1e-3), comm, stage=2, bucket_numel=1 << 18)
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-3), comm, stage=stage, bucket_numel=1 << 18)
     step = fzero.make_train_step(fzero.module_loss(model, mse), comm, compile=True, donate=True)
     g = torch.Generator().manual_seed(1)
     batch = comm.split_batch((torch.randn(2 * comm.world_size, sizes[0], generator=g),
@@ -645,7 +646,7 @@ def compiled_reduction_census(comm: fzero.Communicator, sizes: tuple[int, ...], 
         state, _ = step(state, batch)
     with Census() as census:
         state, _ = step(state, batch)
-    rep = fzero.memory_report(state.layout, state.opt.optimizer, stage=2, comm=comm, compiled=True)
+    rep = fzero.memory_report(state.layout, state.opt.optimizer, stage=stage, comm=comm, compiled=True)
     return {"reduction": census.scope_peaks.get(GRAD_REDUCTION, 0), "peak": census.peak_bytes,
             "unseen": census.unseen_bytes(at_ns=census.peak_ns),
             "predicted reduction": rep.step_buffers.get(GRAD_REDUCTION), "predicted peak": rep.step_peak,

@@ -173,6 +173,10 @@ def case_eager_s1(comm):
     return _sim_compare(comm, stage=1)
 
 
+def case_compiled_s1(comm):
+    return _compiled_compare(comm, stage=1)
+
+
 def case_compiled_s2(comm):
     return _compiled_compare(comm, stage=2)
 
@@ -292,8 +296,8 @@ def case_stage3_gather_schedule(comm):
     return cases.stage3_gather_schedule(comm)
 
 
-def case_compiled_reduction_census(comm, sizes):
-    return cases.compiled_reduction_census(comm, tuple(int(n) for n in sizes.split("x")))
+def case_compiled_reduction_census(comm, sizes, stage="2"):
+    return cases.compiled_reduction_census(comm, tuple(int(n) for n in sizes.split("x")), int(stage))
 
 
 def case_stage3_memory_eager(comm):

@@ -20,7 +20,7 @@ from helpers import branchy_reference, max_rel_err
 pytestmark = pytest.mark.distributed
 
 W2_CASES = [
-    "eager_s2", "eager_s1", "compiled_s2", "eager_s3", "compiled_s3", "fsdp_full_vs_stage3", "ddp_adamw", "zero_sgd", "zero_adam", "fsdp",
+    "eager_s2", "eager_s1", "compiled_s1", "compiled_s2", "eager_s3", "compiled_s3", "fsdp_full_vs_stage3", "ddp_adamw", "zero_sgd", "zero_adam", "fsdp",
     "inf_even", "volume", "mismatch", "padding_only", "fp16_40000", "overlap", "branchy",
     "live_tensors", "reduce_scatter_ways", "batched", "stage3_calls", "reduction_buffers", "torch_nadam",
     "muon", "adafactor", "eager_s3_pooled", "gather_ways", "compiled_s2_donating",
@@ -79,12 +79,14 @@ def _compare(per_rank, sim_masters, exact, tol=1e-6):
 
 @pytest.mark.parametrize(
     "case,stage,compiled",
-    [("eager_s2", 2, False), ("eager_s1", 1, False), ("compiled_s2", 2, True), ("eager_s3", 3, False),
+    [("eager_s2", 2, False), ("eager_s1", 1, False), ("compiled_s1", 1, True), ("compiled_s2", 2, True),
+     ("eager_s3", 3, False),
      ("compiled_s3", 3, True), ("compiled_s2_donating", 2, True)],
 )
 def test_gloo_equals_simulated_world_w2_bitwise(w2, case, stage, compiled):
     """The donating compiled step gathers into the parameters with the point-to-point operator
-    in its graph (``fzero::gather_point_to_point``)."""
+    in its graph (``fzero::gather_point_to_point``); compiled stage 1 reduces with
+    ``fzero::all_reduce_shard``."""
     sim, _, _ = _sim(2, stage=stage, compiled=compiled, donate=case.endswith("donating"))
     _compare(_case(w2, case), sim, exact=True)
 
@@ -139,9 +141,9 @@ def test_gloo_equals_simulated_world_w4(w4, case, compiled):
     _compare(_case(w4, case), sim, exact=False, tol=1e-6)
 
 
-@pytest.mark.parametrize("fixture", ["w2", "w4"])
-def test_compiled_on_gloo_has_no_graph_breaks_or_recompiles(fixture, request):
-    for res in _case(request.getfixturevalue(fixture), "compiled_s2"):
+@pytest.mark.parametrize("fixture,case", [("w2", "compiled_s1"), ("w2", "compiled_s2"), ("w4", "compiled_s2")])
+def test_compiled_on_gloo_has_no_graph_breaks_or_recompiles(fixture, case, request):
+    for res in _case(request.getfixturevalue(fixture), case):
         assert res["graph_breaks"] == 0
         assert res["recompiles"] == 0
         assert res["unique_graphs"] == 1

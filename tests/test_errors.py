@@ -345,6 +345,11 @@ def test_collectives_check_rank_axis():
         comm.all_gather(torch.zeros(4, 2))
     with pytest.raises(ValueError, match=r"all_reduce"):
         comm.all_reduce(torch.zeros(()))
+    # ZeRO-1's reduction refuses a row it cannot cut into W chunks before it communicates
+    with pytest.raises(ValueError, match=r"all_reduce_shard.*W=3"):
+        comm.all_reduce_shard_start(torch.zeros(3, 7), "avg")
+    x = torch.arange(18.0).reshape(3, 6)
+    assert torch.equal(comm.all_reduce_shard_start(x, "sum")(), comm.take_shard(comm.all_reduce(x, "sum")))
 
 
 def test_stage3_names_a_parameter_it_cannot_take_because_of_a_weak_reference():
