@@ -589,10 +589,11 @@ def stage3_step_memory(comm: fzero.Communicator, compiled: bool, units: int = 12
 def stage3_gather_schedule(comm: fzero.Communicator, steps: int = 2) -> dict:
     """The bytes of gathered parameters live at once in a donating compiled stage-3 step (the
     census's peak of the point-to-point gathers' scope, in the step after ``steps`` steps),
-    beside the root's and the units' sizes, on a ``transformers`` GPT-2 (6 blocks of 3 MiB, a
+    beside the root's and the units' sizes, on a ``transformers`` GPT-2 (4 blocks of 3 MiB, a
     root of 7.9 MiB: vocabulary 8000, width 256, 64 tokens a row). On this model inductor's
-    own reordering moved every gather, the forward's and backward's, ahead of the forward
-    (44.0 MiB: the root and every unit twice) until ``fzero.compiled`` turned it off."""
+    own reordering moved the gathers ahead of the forward (19.9 MiB: the root and every unit;
+    with 6 blocks 44.0, every unit twice) until ``fzero.compiled`` turned it off. (4 blocks,
+    not 6: measured 51 s against 59 s to run cold.)"""
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
@@ -601,7 +602,7 @@ def stage3_gather_schedule(comm: fzero.Communicator, steps: int = 2) -> dict:
     torch.manual_seed(0)
     vocab = 8000
     model = GPT2LMHeadModel(GPT2Config(
-        vocab_size=vocab, n_positions=64, n_embd=256, n_layer=6, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+        vocab_size=vocab, n_positions=64, n_embd=256, n_layer=4, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="eager", use_cache=False)).train()
 
     def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

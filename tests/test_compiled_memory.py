@@ -14,10 +14,10 @@ former compiled path (every unit gathered at once, kept to its backward) took 54
 
 The same launch counts the gathered parameters live at once with the census on a
 ``transformers`` GPT-2 (``dist_cases.stage3_gather_schedule``): at most the root and two units.
-There inductor's reordering passes had moved every unit's gathers, the forward's and the
-backward's regathers, ahead of the forward's compute: 44.0 MiB live at once, the root (7.9)
-and every unit (18.1) twice; with the passes off for a regathering graph (``fzero.compiled``),
-10.9: the root and one unit, as ``memory_report(compiled=True)`` predicts; the reductions'
+There inductor's reordering passes had moved every unit's gathers ahead of the forward's
+compute: with 6 blocks 44.0 MiB live at once, the root (7.9) and every unit (18.1) twice;
+with the 4 blocks it has now 19.9, the root and every unit (12.1). With the passes off for
+a regathering graph (``fzero.compiled``), 10.9: the root and one unit, as ``memory_report(compiled=True)`` predicts; the reductions'
 scope 11.82 MiB predicted (the root's received buffer and shard), 14.83 counted of which 3.01
 freed on gloo's thread unseen.
 
@@ -66,7 +66,7 @@ def test_compiled_stage3_step_holds_the_root_and_a_few_units(peaks):
 def test_compiled_stage3_gathers_the_root_and_at_most_two_units_at_once(peaks):
     for r, got in enumerate(_case(peaks, "stage3_gather_schedule")):
         at = (r, {k: v / MIB for k, v in got.items()})
-        assert got["units"] >= 6 * got["unit"], at  # six blocks: holding them all would show
+        assert got["units"] >= 4 * got["unit"], at  # four blocks: holding them all would show
         assert got["gathered"] <= got["root"] + 2 * got["unit"], at
         # memory_report(compiled=True): the root and the largest unit; the largest group's
         # received buffer and shard (the census may see more by what gloo's thread freed)
