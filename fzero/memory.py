@@ -89,10 +89,11 @@ buffers are stage 2's). Checked against the census on gloo W=2 (``tests/test_com
 and at 162M parameters: 457.17 and 604.54 MiB predicted, 457.17 and 604.55 counted). Compiled stage 3
 in fp32 on one local rank that regathers, given a communicator whose traced gathers and
 reductions are known (gloo's point-to-point and all-to-all operators): ``fzero::gather``,
-the root and the largest unit, and ``fzero::grad_reduction``, the largest flat group's
-received buffer and shard (:func:`_compiled_stage3_scopes`; no ``step_peak``: the step's
-peak there holds activations). Checked likewise: a GPT-2 of ``transformers``, and at 162M
-322.17 and 442.70 MiB predicted and counted. Not predicted for compiled steps: 16-bit casts
+the root and the largest unit, and ``fzero::grad_reduction``, the shards reduced so far
+beside one flat group's received buffer and shard, units from the last to the first, then
+the root (:func:`_compiled_stage3_scopes`; no ``step_peak``: the step's peak there holds
+activations). Checked likewise: a GPT-2 of ``transformers``, and at 162M 322.17 and 604.92
+MiB predicted and counted. Not predicted for compiled steps: 16-bit casts
 (inductor writes them into buffers freed earlier in the graph), other communicators.
 
 Not counted at all (they depend on the model and the batch, not on Ψ alone):
@@ -553,9 +554,10 @@ def _compiled_stage3_scopes(layout: Layout, precision: MixedPrecision,
     The graph runs in its traced order (``fzero.compiled`` turns inductor's reordering off
     for it): the root's groups gathered first and held, each unit's groups gathered for its
     forward and again for its backward, one unit at a time; each flat group reduced by one
-    operator (the received buffer and the result; the result copied out by
-    ``fzero::materialized`` and dropped before the next). So the gathers' peak is the root and
-    the largest unit, the reductions' the largest group's received buffer and shard."""
+    operator (the received buffer, freed inside it, and the result, which is the gradient
+    shard the optimizer reads at the end). So the gathers' peak is the root and the largest
+    unit; the reductions', as backward reduces the units from the last to the first and then
+    the root, the shards reduced so far beside one group's received buffer and shard."""
     if comm.local_ranks != 1 or not _all_fp32(layout, precision):
         return None
     size = _size(torch.float32)
@@ -568,7 +570,13 @@ def _compiled_stage3_scopes(layout: Layout, precision: MixedPrecision,
         units[g.bucket] = units.get(g.bucket, 0) + n * size
     root = units.pop(0, 0)
     gathers = root + max(units.values(), default=0)
-    reductions = max(sum(r) * size for r in received if r is not None)
+    groups = layout.groups
+    order = sorted(range(len(groups)), key=lambda i: (groups[i].bucket == 0, -groups[i].bucket, -i))
+    kept = reductions = 0
+    for i in order:
+        got, shard = received[i]  # type: ignore[misc]
+        reductions = max(reductions, kept + (got + shard) * size)
+        kept += shard * size
     return float(gathers), float(reductions)
 
 

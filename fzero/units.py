@@ -886,8 +886,9 @@ def _backward_phase() -> Any:
 def _materialized(x: torch.Tensor) -> torch.Tensor:
     """A copy of ``x``, opaque to inductor: the reduced gradient shard is computed where backward
     produces it. (Inductor would otherwise fold the end of the reduction, the sum over ranks of
-    the ``[W, n]`` an all-to-all received, into the optimizer's kernel, and keep every unit's
-    received buffer, a whole unit each, until the optimizer runs.)"""
+    the ``[W, n]`` a functional all-to-all received, into the optimizer's kernel, and keep every
+    unit's received buffer, a whole unit each, until the optimizer runs.) Not needed where the
+    reduction is the communicator's own operator (gloo: ``fzero::reduce_scatter_all_to_all``)."""
     return x.clone()
 
 
@@ -913,7 +914,10 @@ class _GatherShard(torch.autograd.Function):
 
         with _backward_phase():
             shard = average_flat_grads(grad.unsqueeze(0), ctx.comm, ctx.reduce_dtype, ctx.master_dtype)[0]
-            if ctx.comm.world_size > 1:
+            # A communicator that says what its traced reduction allocates reduces in one
+            # operator of its own (gloo's), whose received buffer is gone when it returns:
+            # there is nothing left for inductor to fold into the optimizer, and no copy to make.
+            if ctx.comm.world_size > 1 and ctx.comm.traced_reduction_footprint(grad.numel()) is None:
                 shard = _materialized(shard)
         return shard, None, None, None
 

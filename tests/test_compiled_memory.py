@@ -17,9 +17,9 @@ The same launch counts the gathered parameters live at once with the census on a
 There inductor's reordering passes had moved every unit's gathers ahead of the forward's
 compute: with 6 blocks 44.0 MiB live at once, the root (7.9) and every unit (18.1) twice;
 with the 4 blocks it has now 19.9, the root and every unit (12.1). With the passes off for
-a regathering graph (``fzero.compiled``), 10.9: the root and one unit, as ``memory_report(compiled=True)`` predicts; the reductions'
-scope 11.82 MiB predicted (the root's received buffer and shard), 14.83 counted of which 3.01
-freed on gloo's thread unseen.
+a regathering graph (``fzero.compiled``), 10.9: the root and one unit, as
+``memory_report(compiled=True)`` predicts; the reductions' scope 17.84 MiB predicted and
+counted (four units' gradient shards, then the root's received buffer and shard).
 
 And the census of a compiled donating stage-2 fp32 step (``dist_cases.compiled_reduction_census``,
 MLPs with six flat groups: 5.5M parameters reduced group by group, and 1.8M joined in one
@@ -68,8 +68,9 @@ def test_compiled_stage3_gathers_the_root_and_at_most_two_units_at_once(peaks):
         at = (r, {k: v / MIB for k, v in got.items()})
         assert got["units"] >= 4 * got["unit"], at  # four blocks: holding them all would show
         assert got["gathered"] <= got["root"] + 2 * got["unit"], at
-        # memory_report(compiled=True): the root and the largest unit; the largest group's
-        # received buffer and shard (the census may see more by what gloo's thread freed)
+        # memory_report(compiled=True): the root and the largest unit; the shards reduced so
+        # far beside one group's received buffer and shard (the census may see more by what
+        # gloo's thread freed)
         assert abs(got["gathered"] - got["predicted gathered"]) <= 1e-3 * got["gathered"], at
         assert got["reduction"] - got["unseen reduction"] <= got["predicted reduction"] * (1 + 1e-3), at
         assert got["predicted reduction"] <= got["reduction"] * (1 + 1e-3), at
