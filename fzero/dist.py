@@ -433,11 +433,10 @@ class TorchCommunicator(Communicator):
     on gloo too: there a step's reductions and point-to-point gathers are fzero's own
     operators (``fzero::reduce_scatter_all_to_all``, ``fzero::all_reduce_shard``,
     ``fzero::all_reduce_waited``, ``fzero::gather_point_to_point``), waited for inside the
-    graph within the timeout. Pass
-    the same bound to ``init_process_group(timeout=...)``: it bounds what runs outside the
-    step (``check_layout`` at init, checkpoint saving and loading, barriers) and the
-    functional collectives of compiled steps on other backends, which take no timeout of
-    their own.
+    graph within the timeout. Pass the same bound to ``init_process_group(timeout=...)``: it
+    bounds what runs outside the step (``check_layout`` at init, checkpoint saving and
+    loading, barriers) and the functional collectives of compiled steps on other backends,
+    which take no timeout of their own.
     """
 
     def __init__(
