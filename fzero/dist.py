@@ -261,20 +261,25 @@ def _(sent: torch.Tensor, world: int, op: str, group_name: str, timeout: float) 
     return sent.new_empty(sent.numel() // world)
 
 
+def _summed_copy(x: torch.Tensor, op: str, group_name: str, timeout: float) -> torch.Tensor:
+    """A copy of ``x`` all-reduced in place (c10d's ``SUM``, or ``MAX``) and waited for within
+    ``timeout``: what both traced all-reduce operators start from."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    out = x.clone()
+    work = dist.all_reduce(out, _C10D_OP[op], group=group, async_op=True)
+    _wait(work, _traced_bound(f"all_reduce ({op}) of {out.numel()} {out.dtype}", group, timeout))
+    return out
+
+
 @torch.library.custom_op("fzero::all_reduce_waited", mutates_args=())
 def _all_reduce_op(x: torch.Tensor, world: int, op: str, group_name: str, timeout: float) -> torch.Tensor:
     """``all_reduce`` of a copy of ``x``, waited for, averaged in place when ``op`` is ``"avg"``:
     the eager path's (``TorchCommunicator.all_reduce_start``). Allocates the copy, which it
     returns."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    group = _resolve_process_group(group_name)
     with step_scope(GRAD_REDUCTION):
-        out = x.clone()
-        work = dist.all_reduce(out, _C10D_OP[op], group=group, async_op=True)
-        _wait(work, _traced_bound(f"all_reduce ({op}) of {out.numel()} {out.dtype}", group, timeout))
-        del work
-        return _average_owned(out, op, world)
+        return _average_owned(_summed_copy(x, op, group_name, timeout), op, world)
 
 
 @_all_reduce_op.register_fake
@@ -290,15 +295,9 @@ def _all_reduce_shard_op(x: torch.Tensor, world: int, rank: int, op: str, group_
     place when ``op`` is ``"avg"``. Allocates the copy (freed before it returns) and the chunk.
     (Returning the whole sum, inductor ran every group's all-reduce before cutting any: a
     compiled stage-1 step held the whole gradient's sum at once.)"""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    group = _resolve_process_group(group_name)
     n = x.numel() // world
     with step_scope(GRAD_REDUCTION):
-        whole = x.clone()
-        work = dist.all_reduce(whole, dist.ReduceOp.SUM, group=group, async_op=True)
-        _wait(work, _traced_bound(f"all_reduce ({op}) of {whole.numel()} {whole.dtype}", group, timeout))
-        del work
+        whole = _summed_copy(x, op, group_name, timeout)
         mine = whole[rank * n : (rank + 1) * n].clone()
         del whole
         return _average_owned(mine, op, world)

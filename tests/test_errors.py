@@ -348,8 +348,9 @@ def test_collectives_check_rank_axis():
     # ZeRO-1's reduction refuses a row it cannot cut into W chunks before it communicates
     with pytest.raises(ValueError, match=r"all_reduce_shard.*W=3"):
         comm.all_reduce_shard_start(torch.zeros(3, 7), "avg")
-    x = torch.arange(18.0).reshape(3, 6)
-    assert torch.equal(comm.all_reduce_shard_start(x, "sum")(), comm.take_shard(comm.all_reduce(x, "sum")))
+    x = torch.arange(18.0).reshape(3, 6)  # rank r keeps elements 2r, 2r+1 of the sum over ranks
+    assert torch.equal(comm.all_reduce_shard_start(x, "sum")(), x.sum(0).view(3, 2))
+    assert torch.equal(comm.all_reduce_shard_start(x, "avg")(), x.sum(0).view(3, 2) / 3)
 
 
 def test_stage3_names_a_parameter_it_cannot_take_because_of_a_weak_reference():
