@@ -245,7 +245,7 @@ def muon_matrices(model: torch.nn.Module):
     output head go to AdamW, as Muon is run)."""
     import fzero
 
-    return fzero.hidden_matrices(model, exclude=("emb", "head", "wte", "wpe", "lm_head"))
+    return fzero.muon_rules.hidden_matrices(model, exclude=("emb", "head", "wte", "wpe", "lm_head"))
 
 
 class ChainedOptimizers:
@@ -514,7 +514,7 @@ def make_fzero_runner(stage: int, compiled: bool, donate: bool, ctx: dict, bucke
     def finish():
         # .item() only here, after the timed loop; metric "loss" is already the mean over ranks.
         first, last = holder["first"]["loss"].item(), holder["metrics"]["loss"].item()
-        full = fzero.all_gather_params(holder["state"].shard, comm)
+        full = fzero.full_params(holder["state"].shard, comm)
         return first, last, {k: v[0].detach().clone() for k, v in full.items()}
 
     r.step, r.finish = step, finish

@@ -83,7 +83,7 @@ def optimizer_variant(name: str, numel: int, steps: int, unscale: bool) -> dict:
 
     comm = fzero.SimulatedWorld(1)
     shard = fzero.init_shard({"w": torch.randn(numel)}, comm, alignment=1)
-    opt_state = fzero.init_opt_state(fzero.adamw(lr=1e-3), shard.master)
+    opt_state = fzero.optim.init_opt_state(fzero.adamw(lr=1e-3), shard.master)
     grads = (torch.randn(1, numel) * 1e-3,)
     found = torch.zeros(())
     donate = "donating" in name

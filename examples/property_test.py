@@ -63,7 +63,7 @@ def train(comm, stage, width, optimizer, split, steps=2, accum=1):
 
 
 def full_params(state, comm) -> list[torch.Tensor]:
-    return [p[0] for p in tp.tree_leaves(fzero.all_gather_params(state.shard, comm))]
+    return [p[0] for p in tp.tree_leaves(fzero.full_params(state.shard, comm))]
 
 
 paths = [n for n, _ in make_model(1).named_parameters()]

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     elapsed = time.perf_counter() - t0
 
     x, y = spiral(2048, torch.Generator().manual_seed(99))
-    params = {k: v[0] for k, v in fzero.all_gather_params(state.shard, comm).items()}
+    params = {k: v[0] for k, v in fzero.full_params(state.shard, comm).items()}
     with torch.no_grad():
         accuracy = (torch.func.functional_call(model, params, (x,)).argmax(1) == y).float().mean().item()
     if lead:

@@ -373,7 +373,7 @@ def run(args: argparse.Namespace) -> dict:
     say(fzero.memory.format_memory_table(reports))
 
     # The full fp32 parameters, gathered from the shards (a collective: every rank joins).
-    full = {name: p[0] for name, p in fzero.all_gather_params(state.shard, comm).items()}
+    full = {name: p[0] for name, p in fzero.full_params(state.shard, comm).items()}
     result = {"first_loss": first, "last_loss": last, "skipped": skipped, "seconds": elapsed,
               "losses": hist["loss"], "plot": None, "sample": "", "params_sha256": params_digest(full)}
     say(f"trained parameters: sha256 {result['params_sha256']}")

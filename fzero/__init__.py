@@ -3,31 +3,32 @@
 The contract a user needs, every name below; the rest lives in its module
 (``fzero.optim``, ``fzero.checkpoint``, ``fzero.comm``, ``fzero.dist``, ...).
 
-States (immutable pytrees):
+States (immutable pytrees; ``state.replace(...)`` gives a changed copy):
     :class:`TrainState` (everything a step carries; it knows its ZeRO stage),
     :class:`ShardState` (this rank's slice of the flat layout and its master copy),
     :class:`OptState` (moments, step count, hyperparameters as tensors),
     :class:`ScalerState` (the dynamic loss scale).
 Building them:
     :func:`init_train_state` (from an ``nn.Module`` or a pytree of tensors, stage 1-3),
-    :func:`init_shard`, :func:`init_opt_state`, :func:`init_scaler`, :func:`static_scaler`.
-The pure pieces of a step, in the order a step calls them:
-    :func:`loss_grads` (each rank's gradient of its scaled loss, reduced over ranks while
-    backward runs), :func:`reduce_scatter_grads` (average over ranks, keep this rank's
-    shard), :func:`unscale_and_clip` (one all-reduce agrees on norm, overflow and loss; one
-    pass unscales and clips), :func:`shard_step` (the update rule on the master shard,
-    skipped by selection on overflow), :func:`update_scale`, :func:`all_gather_params`;
-    and for trees of gradients, :func:`scale` and :func:`unscale_and_check`.
+    :func:`init_shard`, :func:`init_scaler`, :func:`static_scaler`.
+The pieces of a step, in the order a step calls them:
+    per micro-batch :func:`loss_grads` (forward, the loss :func:`scale`-d, backward, each
+    bucket handed to :func:`reduce_scatter_grads` as backward completes it) and
+    :func:`accumulate`; then :func:`unscale_and_check` (one all-reduce agrees on norm,
+    overflow and loss; one pass unscales and clips), :func:`shard_step` (the update rule on the
+    master shard, skipped by selection on overflow), :func:`all_gather_params`,
+    :func:`update_scale`. :func:`micro_batch` cuts a batch; :func:`full_params` gives every
+    parameter in the model's structure.
 Composed:
-    :func:`make_train_step` (the pieces composed, eager or compiled, with accumulation,
-    clipping, schedules, donation, replica checks), :func:`module_loss` (a loss from a
-    module, its output and a criterion).
+    :func:`make_train_step` (the pieces composed, with accumulation, clipping, schedules,
+    donation, replica checks), :func:`bind_step` (a composed step given its communicator and
+    workspace, eager or compiled), :func:`module_loss` (a loss from a module and a criterion).
 Communicators (collectives are their methods, passed in explicitly):
     :class:`Communicator` (the protocol), :class:`SimulatedWorld` (N ranks in one process);
     ``fzero.dist.TorchCommunicator`` runs on ``torch.distributed``.
 Update rules (:class:`Optimizer` is the protocol):
     :func:`sgd`, :func:`adam`, :func:`adamw`, :func:`from_torch_optim` (any per-element
-    ``torch.optim`` class), :func:`muon` with :func:`hidden_matrices`, :func:`adafactor`.
+    ``torch.optim`` class), :func:`muon`, :func:`adafactor`.
 Mixed precision and schedules:
     :class:`MixedPrecision` (compute and reduce dtypes), :mod:`schedules`.
 Checkpoints and weights:
@@ -38,23 +39,24 @@ Errors:
     (ranks that should agree do not), :class:`CheckpointError` (and its kinds in
     ``fzero.checkpoint``).
 Memory:
-    :func:`memory_report` (bytes per rank by kind, held and transient).
+    :func:`memory_report` (bytes per rank: the ZeRO formula of the layout and the step's buffers).
 """
 
 from .comm import CollectiveError, Communicator, SimulatedWorld
 from .memory import memory_report
-from .optim import OptState, Optimizer, adam, adamw, init_opt_state, sgd
+from .optim import OptState, Optimizer, adam, adamw, sgd
 from .torch_optim_rules import from_torch_optim
-from .muon_rules import hidden_matrices, muon
+from .muon_rules import muon
 from .adafactor_rules import adafactor
 from .precision import MixedPrecision
-from .scaler import ScalerState, init_scaler, scale, static_scaler, unscale_and_check, unscale_and_clip, update_scale
-from .sharding import ShardState, all_gather_params, init_shard, reduce_scatter_grads, shard_step
+from .scaler import ScalerState, init_scaler, scale, static_scaler, unscale_and_check, update_scale
+from .sharding import ShardState, all_gather_params, full_params, init_shard, reduce_scatter_grads, shard_step
 from . import schedules
 from .replicas import ReplicaDivergenceError
 from .weights import pretrained
 from .state import TrainState, init_train_state
-from .grads import loss_grads
+from .grads import accumulate, loss_grads, micro_batch
+from .compiled import bind_step
 from .step import make_train_step, module_loss
 
 __version__ = "0.1.0"
@@ -80,20 +82,22 @@ __all__ = [
     # building them
     "init_train_state",
     "init_shard",
-    "init_opt_state",
     "init_scaler",
     "static_scaler",
-    # the pure pieces of a step
+    # the pieces of a step
+    "scale",
     "loss_grads",
     "reduce_scatter_grads",
-    "unscale_and_clip",
-    "shard_step",
-    "update_scale",
-    "all_gather_params",
-    "scale",
+    "accumulate",
     "unscale_and_check",
+    "shard_step",
+    "all_gather_params",
+    "update_scale",
+    "micro_batch",
+    "full_params",
     # composed
     "make_train_step",
+    "bind_step",
     "module_loss",
     # communicators
     "Communicator",
@@ -105,7 +109,6 @@ __all__ = [
     "adamw",
     "from_torch_optim",
     "muon",
-    "hidden_matrices",
     "adafactor",
     # mixed precision, schedules
     "MixedPrecision",

@@ -15,7 +15,7 @@ rank holding a piece of the matrix needs all of them: they are replicated, world
 independent vector state (``Optimizer.vector_names``, ``OptState.vectors``), which every rank
 computes alike from the same reduced statistics.
 
-What travels (``Adafactor.update_with_comm``): each rank computes, on its own pieces only,
+What travels (``Adafactor.update_shards``): each rank computes, on its own pieces only,
 partial sums of ``p^2`` per parameter and of ``g^2`` per row and per column of each matrix;
 one ``all_reduce(sum)`` of them joined (``T + sum(B*R + B*C)`` elements) gives every rank the
 whole statistics. Each rank computes the update of its own pieces; a second
@@ -36,9 +36,8 @@ from typing import Any, ClassVar, Iterator, Mapping, Optional, Sequence
 import torch
 
 from .comm import Communicator
-from .layout import Layout
-from .optim import GroupSpec, Optimizer, _groups, _vector_dtype, vector_spans
-from .sharding import shard_pieces, trainable_index
+from .layout import Layout, shard_pieces, trainable_index
+from .optim import GroupSpec, ShardRule, Update, _groups, vector_dtype, vector_spans
 
 __all__ = ["Adafactor", "adafactor"]
 
@@ -84,7 +83,7 @@ def _rectangles(a: int, b: int, R: int, C: int) -> Iterator[tuple[int, int, int,
 
 
 @dataclasses.dataclass(frozen=True)
-class Adafactor(Optimizer):
+class Adafactor(ShardRule):
     """``torch.optim.Adafactor`` on flat shards (build it with :func:`adafactor`).
 
     Hyperparameters (``OptState.hyper``, schedulable per group): ``lr``, ``beta2_decay``,
@@ -95,9 +94,6 @@ class Adafactor(Optimizer):
 
     moment_names: ClassVar[tuple[str, ...]] = ("variance",)
     vector_names: ClassVar[tuple[str, ...]] = ("row_var", "col_var")
-    by_piece: ClassVar[bool] = True
-    needs_comm: ClassVar[bool] = True
-    compilable: ClassVar[bool] = False
     not_compilable: ClassVar[str] = ("its statistics and clipping need the whole parameter: two all_reduces of "
                                      "per-parameter partial sums inside the optimizer step, eagerly")
 
@@ -122,22 +118,21 @@ class Adafactor(Optimizer):
     def _eps1(self, h: Mapping[str, float], dtype: torch.dtype) -> float:
         return h["eps1"] if "eps1" in h else torch.finfo(dtype).eps
 
-    def update_with_comm(self, layout: Layout, master: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                         moments: Sequence[tuple[torch.Tensor, ...]], hyper: Sequence[Mapping[str, torch.Tensor]],
-                         own: Sequence[int], take: Sequence[bool], ranks: Sequence[int], comm: Communicator,
-                         vectors: Sequence[torch.Tensor] = ()) -> None:
-        """One step, in place on ``master``, ``moments`` (``variance``, per flat group
-        ``[R, shard_numel]``) and ``vectors`` (``[row_var, col_var]``, replicated) from unscaled
-        ``grads``. ``own``/``take``: per trainable parameter, its own step count and whether it
-        takes the step. Collectives: two ``all_reduce(sum)``: the statistics
-        (``T + len(row_var) + len(col_var)`` elements) and the update norms (``T``)."""
+    def update_shards(self, u: Update, comm: Communicator) -> None:
+        """One step, in place on ``u``'s master shards, moments (``variance``) and vectors
+        (``[row_var, col_var]``, replicated). Collectives: two ``all_reduce(sum)``: the
+        statistics (``T + len(row_var) + len(col_var)`` elements) and the update norms (``T``)."""
+        if comm is None:
+            raise ValueError("shard_step: optimizer adafactor calls collectives in its step: pass comm=")
+        layout, master, grads, moments, hyper, own, take, ranks, vectors = (
+            u.layout, u.master, u.grads, u.moments, u.hyper, u.own, u.take, u.ranks, u.vectors)
         check_real(layout)  # before anything is written (a donated state is updated in place)
         where = trainable_index(layout)
         slots = layout.trainable_slots
         T = len(slots)
         row_var, col_var = vectors
         (row_spans, col_spans) = vector_spans(self, [s.shape for s in slots])
-        dtype, device = _vector_dtype(master), master[0].device
+        dtype, device = vector_dtype(master), master[0].device
         h = [{k: float(v) for k, v in hy.items()} for hy in hyper]
         opt_group = [layout.groups[s.group].opt_group for s in slots]
         n_row = row_var.numel()

@@ -1,51 +1,39 @@
-"""Gradient buckets: reductions started while backward is still running.
+"""Gradient buckets: each reduced by the step's own piece as soon as backward completes it.
 
-A *bucket* is a set of parameters whose gradients are reduced together, in
-one collective for all the flat groups of the bucket (the layout keys flat
-groups by (bucket, optimizer group, dtype, keep_dtype); groups that reduce in different
-dtypes go one by one). Stage 3 takes its buckets from the shard
-units (:mod:`fzero.units`); stages 1 and 2 cut the parameters into buckets of
-about ``bucket_numel`` elements (:func:`size_buckets`), as DDP's reducer
-cuts them into ``bucket_cap_mb`` buckets and DeepSpeed into
-``reduce_bucket_size`` ones.
+A *bucket* is a set of parameters whose gradients are reduced together: stages 1-2 cut the
+trainable parameters into buckets of about ``bucket_numel`` elements (:func:`size_buckets`,
+as DDP's ``bucket_cap_mb`` and DeepSpeed's ``reduce_bucket_size``), stage 3 takes the shard
+units (:mod:`fzero.units`). Each bucket is flat groups of the layout.
 
-Eagerly, :class:`BucketWatcher` hooks each parameter's leaf tensor and
-hands a bucket over when autograd has the gradient of every parameter in it:
-that is when its reduction can start (:class:`BucketReduction`,
-``Communicator.reduce_scatter_start`` / ``all_reduce_start``: on a real rank
-a started c10d collective, waited for after backward). So the
-reduction of the last layers' gradients overlaps the backward of the first
-layers, as in DDP.
+Eagerly, :class:`BucketWatcher` hooks each parameter's leaf and hands a bucket over when
+autograd has the gradient of every parameter in it; :class:`BucketReduction` then calls the
+step's ``on_ready`` (the public :func:`fzero.reduce_scatter_grads`) on it through a
+:class:`Runner`: on a thread of its own when the communicator ``overlaps`` (c10d on a real
+rank), so the reduction of the last layers' gradients runs while the backward of the first
+layers goes on, as in DDP. Every collective of the block goes through the one runner, in the
+order the step submits them, which is the same on every rank.
 
-Launch order. Every rank must issue its collectives in the same order, or the
-backend pairs different buckets (a hang or an error on gloo and NCCL). A
-bucket whose gradient is complete therefore waits until every bucket before
-it in a fixed *launch order* has been launched (DDP's rule): stages 1-2 use
-the reverse of the parameters' registration order, which is backward's order
-for most models; a bucket that backward never reached (unused parameters,
-data-dependent branches) is launched with zeros after backward, in the same
-order on every rank. A model whose backward completes buckets in another
-order gets the same numbers with less overlap.
+Launch order: stages 1-2 launch buckets in reverse registration order (backward's order for
+most models); a bucket complete out of turn waits for its turn, and one backward never reached
+(unused parameters) is launched with zeros after backward. Stage 3 launches as units complete
+(every rank calls the same units in the same order, checked).
 
-Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.sharding``.
+Imports: ``fzero.layout``, ``fzero.scopes``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+import concurrent.futures
 import functools
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .comm import Communicator
-from .layout import FlatGroup, Layout, compute_dtype, named_leaves
-from .scopes import GRAD_BUCKETS, GRAD_REDUCTION, step_scope
-from .sharding import average_flat_groups_start, stack_rows
+from .layout import FlatGrads, FlatGroup, Layout, compute_dtype, named_leaves, stack_rows
+from .scopes import GRAD_BUCKETS, step_scope
 
-__all__ = [
-    "DEFAULT_BUCKET_NUMEL", "MAX_IN_FLIGHT", "size_buckets", "buckets_of", "BufferPool", "BucketReduction",
-    "BucketWatcher",
-]
+__all__ = ["DEFAULT_BUCKET_NUMEL", "MAX_IN_FLIGHT", "size_buckets", "buckets_of", "Runner", "BufferPool",
+           "BucketReduction", "BucketWatcher"]
 
 # The default bucket, 2^24 elements (64 MiB of fp32; DDP's bucket_cap_mb is 25 MiB): few
 # collectives for a large model. Measured on the 2-core gloo benchmark (design.md): a model
@@ -55,9 +43,8 @@ __all__ = [
 # block under the threshold stays in the process as free heap. A bucket of 2^24 fp32 elements
 # and its reduced half at W=2 are above that ceiling, so they return to the system when freed.
 # Measured at 162M parameters, W=2 gloo, eager stage 2: held RSS 1871 MiB with 2^23 (the
-# buckets' freed heap), 1781 with 2^24, for 4.21 s -> 4.36 s a step (median of 8). Those runs
-# had glibc's dynamic threshold; a CPU state now pins it at 4 MiB (fzero.host_malloc), under
-# which every bucket is a mapping of its own: 2^23 has not been measured again since.
+# buckets' freed heap), 1781 with 2^24, for 4.21 s -> 4.36 s a step (median of 8), with glibc's
+# dynamic threshold (fzero.host_malloc.tune_host_allocator pins it).
 DEFAULT_BUCKET_NUMEL = 1 << 24
 
 # Reductions a rank keeps under way before it waits for the oldest. Each holds its bucket's
@@ -109,27 +96,43 @@ def buckets_of(layout: Layout) -> tuple[tuple[FlatGroup, ...], ...]:
     return tuple(tuple(g for g in layout.groups if g.bucket == b) for b in range(n))
 
 
+class Runner:
+    """Runs the calls a step hands it in the order it hands them: on one thread of its own
+    when the communicator ``overlaps`` (so that the collectives of the reductions run while
+    backward goes on), otherwise at once. Each call returns a function giving its result
+    (raising its error). One runner per step function; every collective of a gradient
+    computation goes through it, so every rank issues them in one order."""
+
+    def __init__(self) -> None:
+        self._thread: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+    def submit(self, threaded: bool, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[[], Any]:
+        if not threaded:
+            out = fn(*args, **kwargs)
+            return lambda: out
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fzero-collectives")
+        return self._thread.submit(fn, *args, **kwargs).result
+
+    def __del__(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)
+
+
 class BufferPool:
     """Gradient bucket buffers reused from one bucket to the next within a step (eager
-    stages 1-2).
-
-    A fresh buffer the size of a bucket costs its page faults each time
-    (measured on this project's machine: filling fresh memory runs at about
-    2 GB/s, memory already mapped at about 7 GB/s), and the allocator returns
-    large blocks to the system as soon as they are freed. The pool keeps at
-    most ``limit`` buffers; it is scratch memory of a step function, never
-    part of the state, and the step empties it when it ends (:meth:`clear`):
-    kept between steps, it measured 110-160 MiB of held memory per rank at 162M
-    parameters for about 0.05 s of a 7 s step. Not thread-safe (one step at a time).
-    """
+    stages 1-2): a fresh buffer the size of a bucket costs its page faults each time (filling
+    fresh memory ran at about 2 GB/s here, mapped memory at 7 GB/s). At most ``limit`` buffers
+    are kept; the step empties the pool when it ends (kept between steps they held 110-160 MiB
+    per rank at 162M parameters for about 0.05 s of a 7 s step)."""
 
     def __init__(self, limit: int = MAX_IN_FLIGHT + 1):
         self.limit = limit
         self.free: list[torch.Tensor] = []
 
     def take(self, numel: int, dtype: torch.dtype, device: Optional[torch.device]) -> torch.Tensor:
-        """An uninitialised 1-D buffer of at least ``numel`` elements: the smallest free one
-        that fits, else a new one of exactly ``numel``."""
+        """An uninitialised 1-D buffer of at least ``numel`` elements: the smallest free one that
+        fits, else a new one of exactly ``numel``."""
         fits = [i for i, t in enumerate(self.free)
                 if t.numel() >= numel and t.dtype == dtype and (device is None or t.device == device)]
         if fits:
@@ -137,88 +140,59 @@ class BufferPool:
         with step_scope(GRAD_BUCKETS):
             return torch.empty(numel, dtype=dtype, device=device)
 
-    def clear(self) -> None:
-        """Drop every buffer (their memory goes back to the allocator)."""
-        self.free.clear()
-
     def give(self, t: torch.Tensor) -> None:
         """Return a buffer nothing else refers to any more; a full pool keeps the largest."""
         self.free.append(t)
         if len(self.free) > self.limit:
             self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].numel()))
 
+    def clear(self) -> None:
+        self.free.clear()
+
 
 class BucketReduction:
-    """Per bucket, each local rank's flat gradients until all have delivered them; then the
-    average over ranks is started. Eager only (Python state, side effects from backward).
+    """Per bucket, each local rank's flat gradients until all have delivered them; then
+    ``on_ready(FlatGrads)`` (the step's reduction: averaged shards per flat group) goes to the
+    ``runner``. Eager only (side effects from backward).
 
-    ``groups[b]``: the flat groups of bucket ``b``. ``launches``: which buckets
-    travel together, in launch order: each entry is a tuple of buckets reduced
-    in one collective (:func:`fzero.sharding.average_flat_groups_start`) once
-    all of them are complete; default: each bucket alone, in bucket order.
-    ``in_order``: a launch whose buckets are ready out of turn waits for its
-    turn (stages 1-2); otherwise each launch goes as soon as it is ready
-    (stage 3, whose units run in the same order on every rank by contract).
-    ``via_all_reduce``: ZeRO-1's ``all_reduce`` and local slice instead of a
-    ``reduce_scatter``. ``prepare(group, flat)``: applied to the stacked
-    ``[R, padded]`` gradient before the collective (the last micro-step of a
-    deferred accumulation adds the accumulated gradient and divides).
+    ``groups[b]``: the flat groups of bucket ``b``. ``launches``: which buckets go together,
+    in launch order (default: each alone, in bucket order). ``in_order``: a launch ready out of
+    turn waits for its turn (stages 1-2); otherwise each goes when ready (stage 3). A rank's
+    gradient arrives whole (:meth:`add` with ``grads``; stage 3) or written into its row of
+    the bucket's buffers (:meth:`buffers`, taken from ``pool``; stages 1-2). At most
+    :data:`MAX_IN_FLIGHT` launches are under way, so a rank holds a few buckets at a time."""
 
-    A rank's gradient arrives either whole (:meth:`add` with ``grads``; stage 3)
-    or written by the rank into its row of the bucket's own buffers
-    (:meth:`buffers`, then :meth:`add` without ``grads``; stages 1-2): those
-    come from ``pool`` (``dtype`` on ``device``) and go back to it when their
-    reduction is done. At most :data:`MAX_IN_FLIGHT` launches are under way:
-    starting another waits for the oldest first, so a rank holds a few
-    buckets of gradient at a time.
-    """
-
-    def __init__(
-        self,
-        groups: Sequence[Sequence[FlatGroup]],
-        comm: Communicator,
-        reduce_dtype: Optional[torch.dtype],
-        launches: Optional[Sequence[Sequence[int]]] = None,
-        *,
-        in_order: bool = False,
-        via_all_reduce: bool = False,
-        prepare: Optional[Callable[[FlatGroup, torch.Tensor], torch.Tensor]] = None,
-        pool: Optional[BufferPool] = None,
-        dtype: Optional[torch.dtype] = None,
-        device: Optional[torch.device] = None,
-    ):
-        self.groups, self.comm, self.reduce_dtype = groups, comm, reduce_dtype
-        if launches is None:
-            launches = [(b,) for b in range(len(groups))]
+    def __init__(self, groups: Sequence[Sequence[FlatGroup]], on_ready: Callable[[FlatGrads], Sequence[torch.Tensor]],
+                 runner: Runner, threaded: bool, rows: int, launches: Optional[Sequence[Sequence[int]]] = None, *,
+                 in_order: bool = False, pool: Optional[BufferPool] = None, dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device] = None):
+        self.groups, self.on_ready, self.runner, self.threaded, self.rows = groups, on_ready, runner, threaded, rows
+        launches = [(b,) for b in range(len(groups))] if launches is None else launches
         self.launches = [ls for ls in (tuple(b for b in ls if groups[b]) for ls in launches) if ls]
         self.launch_of = {b: i for i, ls in enumerate(self.launches) for b in ls}
-        self.in_order, self.via_all_reduce, self.prepare = in_order, via_all_reduce, prepare
+        self.in_order = in_order
         self.pool = pool if pool is not None else BufferPool(0)
         self.dtype, self.device = dtype, device
-        self.rows = comm.local_ranks
         self.parts: dict[int, dict[int, Optional[tuple[torch.Tensor, ...]]]] = {}
-        self.own: dict[int, tuple[torch.Tensor, ...]] = {}  # bucket -> its [R, padded] buffers
+        self.own: dict[int, tuple[torch.Tensor, ...]] = {}  # bucket -> its buffers' bases
         self.ready: set[int] = set()
         self.launched = [False] * len(self.launches)
-        self.next = 0  # with in_order: the next launch in turn
-        # started launches not yet waited for: (groups, their buffers' bases, the waiting function)
-        self.started: list[tuple[tuple[FlatGroup, ...], tuple[torch.Tensor, ...], Callable[[], tuple[torch.Tensor, ...]]]] = []
+        self.next = 0  # in_order: the next launch in turn
+        self.started: list[tuple[tuple[FlatGroup, ...], tuple[torch.Tensor, ...], Callable[[], Any]]] = []
         self.shards: dict[int, torch.Tensor] = {}  # flat group index -> averaged shard
 
     def buffers(self, bucket: int) -> tuple[torch.Tensor, ...]:
         """Bucket ``bucket``'s gradient buffers, ``[R, padded]`` per flat group (uninitialised
         until the ranks write their rows)."""
         if bucket not in self.own:
-            self.own[bucket] = tuple(
-                self.pool.take(self.rows * g.padded_numel, compute_dtype(g, self.dtype), self.device)
-                for g in self.groups[bucket]
-            )
-        return tuple(base[: self.rows * g.padded_numel].view(self.rows, g.padded_numel)
+            self.own[bucket] = tuple(self.pool.take(self.rows * g.padded_numel, compute_dtype(g, self.dtype),
+                                                    self.device) for g in self.groups[bucket])
+        return tuple(base[:self.rows * g.padded_numel].view(self.rows, g.padded_numel)
                      for g, base in zip(self.groups[bucket], self.own[bucket]))
 
     def add(self, bucket: int, row: int, grads: Optional[tuple[torch.Tensor, ...]] = None) -> None:
-        """Local rank ``row``'s gradient of every flat group of ``bucket`` (compute dtype,
-        ``[padded]``), or, without ``grads``, written into its row of :meth:`buffers`."""
+        """Local rank ``row``'s gradient of every flat group of ``bucket`` (``[padded]`` each),
+        or, without ``grads``, written into its row of :meth:`buffers`."""
         got = self.parts.setdefault(bucket, {})
         got[row] = grads
         if len(got) < self.rows:
@@ -236,26 +210,22 @@ class BucketReduction:
     def _launch(self, i: int) -> None:
         while len(self.started) >= MAX_IN_FLIGHT:
             self._wait_oldest()
-        with step_scope(GRAD_REDUCTION):
-            groups, flats, owned = [], [], []
-            for b in self.launches[i]:
-                got = self.parts.pop(b)
-                self.ready.discard(b)
-                bufs = self.buffers(b) if b in self.own else None
-                owned.extend(self.own.pop(b, ()))
-                for pos, g in enumerate(self.groups[b]):
-                    flat = bufs[pos] if bufs is not None else stack_rows([got[r][pos] for r in range(self.rows)])
-                    groups.append(g)
-                    flats.append(flat if self.prepare is None else self.prepare(g, flat))
-            self.launched[i] = True
-            # started now, waited for later: the collective overlaps the rest of backward
-            started = average_flat_groups_start(flats, groups, self.comm, self.reduce_dtype, self.via_all_reduce)
-        self.started.append((tuple(groups), tuple(owned), started))
+        groups, flats, owned = [], [], []
+        for b in self.launches[i]:
+            got = self.parts.pop(b)
+            self.ready.discard(b)
+            bufs = self.buffers(b) if b in self.own else None
+            owned.extend(self.own.pop(b, ()))
+            for pos, g in enumerate(self.groups[b]):
+                groups.append(g)
+                flats.append(bufs[pos] if bufs is not None else stack_rows([got[r][pos] for r in range(self.rows)]))
+        self.launched[i] = True
+        self.started.append((tuple(groups), tuple(owned),
+                             self.runner.submit(self.threaded, self.on_ready, FlatGrads(groups, flats))))
 
     def _wait_oldest(self) -> None:
         groups, owned, done = self.started.pop(0)
-        with step_scope(GRAD_REDUCTION):
-            shards = done()
+        shards = done()
         for g, shard in zip(groups, shards):
             self.shards[g.index] = shard
         kept = {s.untyped_storage().data_ptr() for s in shards}
@@ -265,8 +235,8 @@ class BucketReduction:
 
     def finish(self, device: torch.device, dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, ...]:
         """Launch what is left (a bucket no rank's loss reached, or not every rank's: zeros for
-        the missing rows), in launch order: the same on every rank; then wait for every
-        reduction. Per flat group the averaged ``[R, shard_numel]`` shard."""
+        the missing rows) in launch order, the same on every rank; wait for every reduction.
+        Per flat group (of the launches) the averaged ``[R, shard_numel]`` shard."""
         for i, buckets in enumerate(self.launches):
             if self.launched[i]:
                 continue
@@ -288,7 +258,7 @@ class BucketReduction:
         while self.started:
             self._wait_oldest()
         shards, self.shards = self.shards, {}
-        return tuple(shards[i] for i in range(len(shards)))
+        return tuple(shards[k] for k in sorted(shards))
 
 
 class BucketWatcher:

@@ -1,9 +1,9 @@
-"""A step under ``torch.compile(fullgraph=True)``: :func:`compiled_step`, the bookkeeping a
-compiled fzero step needs around the graph (dynamo and functorch flags, each rank's generator,
-a code object of its own). :func:`fzero.make_train_step` ``(compile=True)`` uses it; a step
-composed by hand is compiled with it the same way.
+"""How a composed step is run: :func:`bind_step` gives it its communicator and workspace, and
+compiles it with ``torch.compile(fullgraph=True)`` when asked. This is the one place that
+decides eager or compiled: a compiled step is traced with ``comm.tracing()``, and every piece
+reads that (``comm.traced``) instead of asking whether dynamo is tracing.
 
-Imports: grads, optim, pytree, rng, sharding, state.
+Imports: comm, grads, optim, pytree, rng, state.
 """
 
 from __future__ import annotations
@@ -16,16 +16,17 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
-from .grads import Workspace
-from .optim import OptState
-from .pytree import replace
+from .comm import Communicator
+from .grads import LossFn, Workspace
+from .optim import OptState, check_compilable
 from .rng import rank_rng
-from .sharding import plain_update_known
 from .state import TrainState
 
-__all__ = ["compiled_step", "compile_arguments", "no_missed_steps", "StepFn", "Compile"]
+__all__ = ["bind_step", "compile_arguments", "no_missed_steps", "StepFn", "Compile"]
 
 StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]
+# a step as composed: (state, batch, communicator, workspace) -> (state, metrics)
+ComposedStep = Callable[[TrainState, Any, Communicator, Workspace], tuple[TrainState, dict[str, torch.Tensor]]]
 
 # make_train_step's ``compile=``: False (eager), True (torch.compile's defaults: inductor), or
 # torch.compile's own keyword arguments among TORCH_COMPILE_KEYS
@@ -60,101 +61,85 @@ def compile_arguments(compile: Compile) -> Optional[dict[str, Any]]:
     return dict(compile)
 
 
-def compiled_step(step: StepFn, backward_regions: int = 1, workspace: Optional[Workspace] = None,
-                  compile: Compile = True) -> StepFn:
-    """``torch.compile(step, fullgraph=True)`` with what fzero's step needs around it.
+def bind_step(step: ComposedStep, loss_fn: LossFn, comm: Communicator, *, accum_steps: int = 1,
+              compile: Compile = False, check: Optional[Callable[[TrainState, Any], None]] = None) -> StepFn:
+    """``(state, batch) -> step(state, batch, comm, workspace)``: a composed step given its
+    communicator and a :class:`~fzero.grads.Workspace` it keeps from call to call (for
+    ``loss_fn``, with ``accum_steps`` micro-batches), run eagerly, or with ``compile=True``
+    (or torch.compile's ``backend``/``mode``/``options``: :func:`compile_arguments`) as
+    ``torch.compile(fullgraph=True, dynamic=False)`` traced with ``comm.tracing()``. ``check``
+    runs on the host before the graph (a bad shape raises its own error, not a recompile).
 
-    ``compile``: ``True``, or ``torch.compile``'s ``backend``/``mode``/``options``
-    (:func:`compile_arguments`).
+    Around a compiled call:
 
-    * ``torch._dynamo.config.trace_autograd_ops=True`` while tracing: torch
-      2.13's dynamo graph-breaks on ``torch.autograd.grad`` otherwise (it
-      is off by default). The flag is set only for this function's calls;
-      compiling a step from outside needs it set by the caller.
-    * Activation checkpointing: inductor rematerialises checkpointed regions of
-      a forward-loss-backward graph only if the graph has one backward region.
-      ``backward_regions`` (local ranks x micro-batches) > 1 turns that pass
-      off (``torch._functorch.config.remat_using_tags_for_fwd_loss_bwd_graph``):
-      the results are the same, inductor chooses what to keep. torch also
-      refuses random ops (dropout) inside a rematerialised region.
-    * Each rank's generator (:mod:`fzero.rng`): dynamo cannot swap generator
-      states inside a graph, so row 0's state is installed around the
-      compiled call and the state the call leaves is stored back. With one
-      row (a real rank) the stream is carried exactly; with several rows
-      (a compiled simulated world) every row draws from row 0's stream, and a
-      warning says so the first time the step consumed randomness.
-    * ``dynamic=False``: the graph specialises on shapes. Otherwise a step compiled after
-      another step function of the same code in the process (another state, another stage)
-      would be compiled with dynamic shapes, and round differently from the same step
-      compiled first: the simulated world and gloo would no longer agree bitwise.
-    * The plain update: before each call, whether no parameter has ever sat out a step
-      (:func:`no_missed_steps`, read on the host without a device sync) is handed to
-      :func:`fzero.sharding.shard_step` as a constant of the trace
-      (:func:`fzero.sharding.plain_update_known`); dynamo guards on it, so the one time it
-      turns False the step compiles once more.
-    * ``workspace`` with a ``regather`` (:class:`fzero.grads.Workspace`; stage 3, one local rank,
-      one micro-batch): the units' regathering forwards are installed around each call of a
-      stage-3 state, dynamo applies the side effects of a checkpointed region once
-      (``skip_fwd_side_effects_in_bwd_under_checkpoint``; the units bind their gathered
-      parameters inside one), and torch's warning about in-place ops in checkpointed regions
-      with a ``context_fn`` is dropped (those regions recompute only the gather and views).
-      States of another stage are compiled without them (a graph per stage).
+    * ``trace_autograd_ops`` (dynamo breaks the graph on ``torch.autograd.grad`` otherwise);
+    * the remat pass for forward-loss-backward graphs only with one backward region (local ranks
+      x micro-batches == 1); torch refuses random ops in a rematerialised region;
+    * each rank's generator: dynamo cannot swap generator states inside a graph, so row 0's
+      state is installed around the call and the state it leaves is stored back (several rows,
+      a compiled simulated world, all draw from row 0's: a warning says so once);
+    * ``dynamic=False``: a step compiled after another of the same code would otherwise get
+      dynamic shapes and round differently (the simulated world and gloo would disagree);
+    * ``OptState.all_stepped`` read on the host before each call (no parameter ever sat out a
+      step): the trace takes the plain update on it, and compiles once more the one time it flips;
+    * stage 3 with one backward region: the units' regathering forwards installed
+      (:class:`fzero.units.CompiledUnits`), dynamo's side effects of a checkpointed region
+      applied once, and inductor's two reordering passes off (they moved every gather ahead of
+      the forward and every reduction to the optimizer: a GPT-2 held every unit twice).
     """
-    by_regather: dict[bool, Any] = {}
-    warned: list[bool] = []
+    workspace = Workspace(loss_fn, accum_steps)
     arguments = compile_arguments(compile)
     if arguments is None:
-        raise ValueError("compiled_step: compile=False; call the step itself for an eager step")
+        def eager(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+            return step(state, batch, comm, workspace)
+
+        return eager
+    traced = comm.tracing()
+    by_regather: dict[bool, Any] = {}
+    warned: list[bool] = []
 
     def compiled_for(regather: bool) -> Any:
         if regather not in by_regather:
             dynamo_flags = {"trace_autograd_ops": True}
-            if regather:
-                # compiled stage 3's units bind their gathered parameters inside a checkpointed
-                # region (fzero.units.CompiledUnits): a side effect that must not replay in
-                # backward, where the remat pass recomputes only the gather
+            if regather:  # the units bind their gathered parameters inside a checkpointed region
                 dynamo_flags["skip_fwd_side_effects_in_bwd_under_checkpoint"] = True
-            functorch_flags = {"remat_using_tags_for_fwd_loss_bwd_graph": backward_regions == 1}
-            # Inductor's two reordering passes undo the regathering schedule (measured on a GPT's
-            # blocks): its peak-memory reordering moves every unit's gathers, the forward's and
-            # backward's, ahead of the forward's compute (its estimate does not see what a gather
-            # allocates), and its locality reordering moves each unit's gradient reduction next
-            # to the optimizer, keeping every unit's whole gradient and received buffer to the
-            # end. Without them the graph runs in the order it was traced: a unit is gathered
-            # just before its forward and again before its backward, and reduced right after.
-            # Made once and re-entered on every call: each config patch object owns a ContextVar,
-            # and a context keeps every variable ever set in it, so a new patch per call grew the
-            # heap by about 0.4 kB a step for the life of the process.
+            functorch_flags = {"remat_using_tags_for_fwd_loss_bwd_graph": comm.local_ranks * accum_steps == 1}
+            # made once and re-entered: each config patch owns a ContextVar, and a context keeps
+            # every variable ever set in it (a new patch per call grew the heap 0.4 kB a step)
             in_order = _inductor_config().patch(reorder_for_peak_memory=False, reorder_for_locality=False) \
                 if regather else contextlib.nullcontext()
             patches = (torch._dynamo.config.patch(**dynamo_flags), torch._functorch.config.patch(**functorch_flags),
                        in_order)
             by_regather[regather] = (torch.compile(_with_own_code(step), fullgraph=True, dynamic=False, **arguments),
-                                    patches)
+                                     patches)
         return by_regather[regather]
 
     def run(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
-        units = workspace.regather if workspace is not None and state.stage == 3 else None
+        if check is not None:
+            check(state, batch)
+        check_compilable(state.opt.optimizer)
+        units = workspace.regather(comm) if state.stage == 3 else None
         compiled, patches = compiled_for(units is not None)
+        stepped = no_missed_steps(state.opt)
+        if stepped != state.opt.all_stepped:
+            state = state.replace(opt=state.opt.replace(all_stepped=stepped))
         device = state.params[0].device if state.params else state.shard.master[0].device
         installed = units.installed(state.module.units) if units is not None else contextlib.nullcontext()
-        with patches[0], patches[1], patches[2], _quiet_regather_warning(units is not None), installed, \
-                plain_update_known(no_missed_steps(state.opt)):
+        with patches[0], patches[1], patches[2], _quiet_regather_warning(units is not None), installed:
             if not state.rng:
-                return compiled(state, batch)
+                return compiled(state, batch, traced, workspace)
             left: list[torch.Tensor] = []
             with rank_rng(state.rng[0][0], device, left):
-                new_state, metrics = compiled(state, batch)
+                new_state, metrics = compiled(state, batch, traced, workspace)
         rng = state.rng[0]
         if not torch.equal(left[0], rng[0]):
             if rng.shape[0] > 1 and not warned:
                 warned.append(True)
-                warnings.warn(
-                    "fzero: a compiled step on a simulated world of several ranks drew random numbers: "
-                    "every rank drew from one generator (rank 0's), unlike real ranks; run it eagerly "
-                    "for per-rank randomness", RuntimeWarning, stacklevel=2)
+                warnings.warn("fzero: a compiled step on a simulated world of several ranks drew random numbers: "
+                              "every rank drew from one generator (rank 0's), unlike real ranks; run it eagerly "
+                              "for per-rank randomness", RuntimeWarning, stacklevel=2)
             rng = torch.cat([left[0].unsqueeze(0), rng[1:]])
-        return replace(new_state, rng=(rng,)), metrics
+        return new_state.replace(rng=(rng,)), metrics
 
     return run
 

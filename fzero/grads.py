@@ -1,62 +1,57 @@
-"""The gradient of each local rank's loss: :func:`loss_grads`, one function for stages 1-3.
+"""One micro-batch's forward and backward: :func:`loss_grads`, and what it reuses (:class:`Workspace`).
 
-A step differentiates every local rank's loss (one row on a real rank, W in the simulated
-world) with respect to that rank's parameters, and, unless told to wait, averages the
-gradients over ranks while backward runs. How depends on the state's stage, and on whether
-the step is being compiled:
+For every local rank: the forward of the step's loss on the rank's parameters, the loss scaled
+by the step (``scaled``: its call of :func:`fzero.scale`), backward, and each bucket's gradient
+handed to the step's ``on_ready`` (its call of :func:`fzero.reduce_scatter_grads`) as soon as
+backward completes the bucket: that is where overlap comes from, not from a variant of the
+piece. How the gradients reach ``on_ready`` depends on the stage and on whether the step is
+traced (the communicator says: ``comm.traced``):
 
-* stages 1-2, eagerly: ordinary autograd on leaf views of the gathered parameters; each
-  gradient is copied into its bucket's buffer by a post-accumulate-grad hook, and a
-  bucket's average over ranks starts as soon as backward has completed it
-  (:class:`fzero.buckets.BucketReduction`; stage 1 by ``all_reduce`` and a local slice);
-* stage 3, eagerly: unit by unit (:func:`fzero.units.unit_grads`): each unit's parameters
-  gathered in its forward, again in its backward, its gradient reduced in backward;
-* compiled (module hooks do not trace): the gradients of the whole backward, then one
-  :func:`fzero.sharding.reduce_scatter_grads`; at stage 3 with one local rank and one
-  micro-batch, the units regather in backward (:class:`fzero.units.CompiledUnits`).
+* stages 1-2, eagerly: leaf views of the gathered parameters, a post-accumulate-grad hook per
+  parameter copying its gradient into its bucket (:class:`fzero.buckets.BucketWatcher`), the
+  bucket handed over through the workspace's runner (:class:`fzero.buckets.BucketReduction`);
+* stage 3, eagerly: unit by unit (:func:`fzero.units.unit_grads`);
+* traced (module hooks do not trace): the whole backward, then ``on_ready`` of every flat group;
+  stage 3 with one local rank and one micro-batch regathers each unit in backward
+  (:class:`fzero.units.CompiledUnits`).
 
-Every path gives one result type, :class:`Grads`, and the same numbers.
-
-Imports: buckets, layout, module, rng, scaler, sharding, state, units.
+Imports: ``fzero.buckets``, ``fzero.comm``, ``fzero.layout``, ``fzero.module``, ``fzero.rng``,
+``fzero.sharding``, ``fzero.state``, ``fzero.units``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
+import torch.utils._pytree as tp
 
-from . import scratch
-from .buckets import BucketReduction, BucketWatcher, BufferPool, buckets_of
+from .buckets import BucketReduction, BucketWatcher, BufferPool, Runner, buckets_of
 from .comm import Communicator
-from .layout import FlatGroup, flatten_one
-from .module import ModuleLoss, check_loss, row_of
-from .pytree import replace
+from .layout import FlatGrads, compute_dtype, flatten_one, group_views, stack_rows
+from .module import ModuleLoss, broadcast_buffers as broadcast_module_buffers, check_loss, row_of
 from .rng import rank_rng
-from .scaler import scale
-from .scratch import ScratchPool
-from .sharding import all_gather_params, merge_params, reduce_scatter_grads, stack_rows, trainable_views
+from .sharding import all_gather_params
 from .state import TrainState
 from .units import CompiledUnits, compiled_unit_grads, unit_grads
 
-__all__ = ["Grads", "Workspace", "loss_grads", "LossFn"]
+__all__ = ["Grads", "Workspace", "loss_grads", "accumulate", "micro_batch", "LossFn", "OnReady"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+OnReady = Callable[[FlatGrads], Sequence[torch.Tensor]]
 
 
 class Grads(NamedTuple):
     """One micro-batch's gradients, losses and what the forward left, per local rank.
 
-    ``grads``: per flat group, either (:func:`loss_grads` with ``reduce=True``) the average
-    over ranks of the scaled gradient, this rank's shard ``[R, shard_numel]`` in the master
-    dtype, or (``reduce=False``) each local rank's own scaled gradient, the whole flat buffer
-    ``[R, padded_numel]`` in the compute dtype. ``losses``: ``[R]`` fp32, unscaled.
-    ``buffers``: the module buffers the forward left, ``[R, ...]`` each; ``rng``: the
-    generator states it left (or the state's). ``used``: ``[R, T]`` float64, 1 where the
-    rank's loss reached trainable parameter ``t``; ``every``: all of ``used`` is 1 (known in
-    Python; compiled: when tracing)."""
+    ``grads``: what ``on_ready`` gave (each rank's averaged shards ``[R, shard_numel]``, one per
+    flat group), or without ``on_ready`` each rank's whole gradient (a
+    :class:`~fzero.layout.FlatGrads` of every flat group). ``losses``: ``[R]`` fp32, unscaled.
+    ``buffers``: the module buffers the forward left; ``rng``: the generator states it left.
+    ``used``: ``[R, T]`` float64, 1 where the rank's loss reached trainable parameter ``t``;
+    ``every``: all of ``used`` is 1 (known in Python; traced: when tracing)."""
 
     grads: tuple[torch.Tensor, ...]
     losses: torch.Tensor
@@ -67,198 +62,165 @@ class Grads(NamedTuple):
 
 
 class Workspace:
-    """What the gradient computation of one step function reuses from call to call: the
-    bucket buffers of eager stages 1-2 (a :class:`fzero.buckets.BufferPool`, emptied by
-    :meth:`clear` between steps), eager stage 3's gathers and joined all-to-alls (a
-    :class:`fzero.scratch.ScratchPool`, emptied likewise) and, for compiled stage 3 on one local rank with one
-    micro-batch, the unit forwards that regather in backward (``regather``, a
-    :class:`fzero.units.CompiledUnits`, installed around the compiled call)."""
+    """What one step function reuses from call to call: the bucket buffers of eager stages 1-2
+    (emptied by :meth:`clear` between steps), the :class:`~fzero.buckets.Runner` its
+    collectives go through, and for a compiled stage-3 step with one backward (one local rank,
+    one micro-batch: ``micro_batches``) the unit forwards that regather in backward."""
 
-    def __init__(self, regather: Optional[CompiledUnits] = None):
+    def __init__(self, loss_fn: Optional[LossFn] = None, micro_batches: int = 1):
         self.pool = BufferPool()
-        self.scratch = ScratchPool()
-        self.regather = regather
+        self.runner = Runner()
+        self.micro_batches = micro_batches
+        module = loss_fn.module if isinstance(loss_fn, ModuleLoss) else None
+        self.units = CompiledUnits(module) if module is not None else None
+
+    def regather(self, comm: Communicator) -> Optional[CompiledUnits]:
+        """The regathering unit forwards, where a compiled step has one backward region."""
+        return self.units if comm.local_ranks * self.micro_batches == 1 else None
 
     def clear(self) -> None:
-        """Between steps a rank holds its state, not scratch buffers (eager only)."""
-        if not torch.compiler.is_compiling():
-            self.pool.clear()
-            self.scratch.clear()
+        """Between steps a rank holds its state, not scratch buffers."""
+        self.pool.clear()
 
 
-def loss_grads(
-    loss_fn: LossFn,
-    state: TrainState,
-    batch: Any,
-    comm: Communicator,
-    *,
-    reduce: bool = True,
-    prior: Optional[tuple[torch.Tensor, ...]] = None,
-    divide: int = 1,
-    workspace: Optional[Workspace] = None,
-) -> Grads:
-    """Each local rank's gradient of its scaled loss (``scale(state.scaler, loss)``) on its
-    part of ``batch``, averaged over ranks unless ``reduce=False``.
+def micro_batch(batch: Any, k: int, accum_steps: int) -> Any:
+    """Micro-batch ``k`` of a batch whose leaves are ``[R, K, ...]`` (``accum_steps=K > 1``):
+    leaves ``[R, ...]``; with one micro-batch, the batch itself."""
+    if accum_steps == 1:
+        return batch
+    return tp.tree_map(lambda x: x[:, k] if isinstance(x, torch.Tensor) else x, batch)
+
+
+def accumulate(total: Optional[Union[Grads, FlatGrads]], new: Union[Grads, FlatGrads]) -> Union[Grads, FlatGrads]:
+    """``total + new`` over micro-batches, in the master dtype's arithmetic (fp32 whatever the
+    gradients' dtype). Of two :class:`Grads`: gradients, losses and used flags summed; buffers
+    and generators ``new``'s. Of whole gradients (:class:`~fzero.layout.FlatGrads`): each of
+    ``new``'s flat groups plus ``total``'s. ``total`` None: ``new``. A deferred accumulation's
+    last micro-batch, whose ``on_ready`` added the earlier whole gradients before reducing,
+    gives reduced shards: those are the total."""
+    if total is None:
+        return new
+    if isinstance(new, FlatGrads):
+        return FlatGrads(new.groups, [_sum(total.of(g), f) for g, f in zip(new.groups, new)])
+    grads = new.grads
+    if isinstance(total.grads, FlatGrads) == isinstance(new.grads, FlatGrads):
+        grads = accumulate(total.grads, new.grads) if isinstance(new.grads, FlatGrads) else \
+            tuple(_sum(a, b) for a, b in zip(total.grads, new.grads))
+    return new._replace(grads=grads, losses=total.losses + new.losses, used=total.used + new.used,
+                        every=total.every and new.every)
+
+
+def _sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.to(torch.promote_types(a.dtype, torch.float32)) + b
+
+
+def loss_grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicator, workspace: Workspace, *,
+               scaled: Callable[[torch.Tensor], torch.Tensor], on_ready: Optional[OnReady] = None,
+               broadcast_buffers: bool = True) -> Grads:
+    """Each local rank's gradient of ``scaled(loss)`` on its part of ``batch``, handed to
+    ``on_ready`` bucket by bucket as backward completes it.
 
     ``loss_fn(params, batch_r)``: a 0-d loss for one rank's micro-batch, ``params`` in the
     structure given to :func:`~fzero.state.init_train_state` (stage 3: a
-    :func:`fzero.module_loss`, whose module the units are bound into). ``batch``: leaves
-    ``[R, ...]``. The forward runs under each rank's generator state (eagerly) on fresh copies
-    of the module buffers (BatchNorm updates them: ``Grads.buffers``).
-
-    ``reduce=False`` (stages 1-2: the first micro-batches of a deferred accumulation): no
-    collective, each rank's whole flat gradient. ``reduce=True``: the average over ranks of
-    ``(prior + gradient) / divide`` (``prior``: the whole flat gradients accumulated so far,
-    in the master dtype's arithmetic; ``divide``: the number of micro-batches; given only
-    when the accumulation is reduced once, at its last micro-batch), this rank's shard.
-    Collectives: stages 1-2, one ``reduce_scatter`` per bucket, or at stage 1 one
-    ``all_reduce`` per bucket and a local slice (eagerly started during backward, at most
-    two under way; compiled, one for all groups after backward); stage 3, see
-    :func:`fzero.units.unit_grads`.
-    ``workspace``: the buffers and unit forwards reused between calls (:class:`Workspace`;
-    ``None``: a new one)."""
-    workspace = workspace if workspace is not None else Workspace()
+    :func:`fzero.module_loss`). ``batch``: leaves ``[R, ...]``. The forward runs under each
+    rank's generator state on fresh copies of the module buffers (BatchNorm updates them).
+    ``on_ready(FlatGrads) -> shards``: the step's reduction of one bucket (stages 1-2) or unit
+    (stage 3); ``None`` (stages 1-2): no collective, each rank's whole gradient. Collectives:
+    ``on_ready``'s, through ``workspace.runner`` (a thread of their own where ``comm.overlaps``);
+    stage 3 also the units' gathers (:func:`fzero.units.unit_grads`). ``broadcast_buffers``
+    (DDP's default): every rank's forward starts from rank 0's module buffers (one ``broadcast``
+    per buffer dtype); otherwise from its own."""
+    if broadcast_buffers and state.buffers:
+        state = state.replace(buffers=broadcast_module_buffers(state.buffers, comm))
     if state.stage == 3:
-        if not reduce or prior is not None:
+        if on_ready is None:
             raise ValueError("loss_grads: stage 3 reduces every micro-batch (it never holds whole gradients)")
-        return _unit_grads(loss_fn, state, batch, comm, workspace)
-    reduce_dtype = state.precision.reduce_dtype
-    if torch.compiler.is_compiling() or not reduce:
-        out = _rank_grads(loss_fn, state, batch, comm.local_ranks)
-        if not reduce:
-            return out
-        flats = out.grads
-        if prior is not None or divide != 1:
-            flats = tuple(_accumulated(g, p, f, divide) for g, p, f in
-                          zip(state.layout.groups, prior or (None,) * len(flats), flats))
-        shards = reduce_scatter_grads(state.shard, flats, comm, reduce_dtype=reduce_dtype,
-                                      via_all_reduce=state.stage == 1, flat=True)
-        return out._replace(grads=shards)
-    prepare = None
-    if prior is not None or divide != 1:  # the same operations as the compiled path, bucket by bucket
-        prepare = functools.partial(_accumulated_group, prior=prior, divide=divide)
-    buckets = buckets_of(state.layout)
-    reduction = BucketReduction(
-        buckets, comm, reduce_dtype, [(b,) for b in range(len(buckets) - 1, -1, -1)], in_order=True,
-        via_all_reduce=state.stage == 1, prepare=prepare, pool=workspace.pool,
-        dtype=state.precision.param_dtype, device=state.params[0].device,
-    )
-    out = _rank_grads(loss_fn, state, batch, comm.local_ranks, reduction)
-    shards = reduction.finish(state.params[0].device, state.precision.param_dtype)
-    return out._replace(grads=shards)
+        return _unit_grads(loss_fn, state, batch, comm, workspace, scaled, on_ready)
+    if comm.traced or on_ready is None:
+        out = _rank_grads(loss_fn, state, state.params, batch, comm, scaled)
+        return out if on_ready is None else out._replace(grads=tuple(on_ready(out.grads)))
+    lay = state.layout
+    buckets = buckets_of(lay)
+    dtype, device = state.precision.param_dtype, state.params[0].device
+    reduction = BucketReduction(buckets, on_ready, workspace.runner, comm.overlaps, comm.local_ranks,
+                                [(b,) for b in range(len(buckets) - 1, -1, -1)], in_order=True,
+                                pool=workspace.pool, dtype=dtype, device=device)
+    out = _rank_grads(loss_fn, state, state.params, batch, comm, scaled, reduction)
+    return out._replace(grads=reduction.finish(device, dtype))
 
 
-def _accumulated(g: FlatGroup, prior: Optional[torch.Tensor], flat: torch.Tensor, divide: int) -> torch.Tensor:
-    """``(prior + flat) / divide`` in the master dtype's arithmetic: the accumulated gradient of
-    a deferred accumulation at its last micro-batch, before it is reduced."""
-    total = flat if prior is None else prior.to(g.master_dtype) + flat
-    return total / divide if divide != 1 else total
-
-
-def _accumulated_group(g: FlatGroup, flat: torch.Tensor, *, prior: Optional[tuple[torch.Tensor, ...]],
-                       divide: int) -> torch.Tensor:
-    return _accumulated(g, None if prior is None else prior[g.index], flat, divide)
-
-
-def _unit_grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicator, workspace: Workspace) -> Grads:
+def _unit_grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicator, workspace: Workspace,
+                scaled: Callable[[torch.Tensor], torch.Tensor], on_ready: OnReady) -> Grads:
     """Stage 3: each unit's parameters gathered inside the step (:mod:`fzero.units`)."""
     if not isinstance(loss_fn, ModuleLoss):
-        raise TypeError(
-            "stage 3 gathers each shard unit's parameters in the unit's forward and needs the module: "
-            "give fzero.module_loss(model, ...) (with a state built by init_train_state(model, ..., stage=3))"
-        )
+        raise TypeError("stage 3 gathers each shard unit's parameters in the unit's forward and needs the module: "
+                        "give fzero.module_loss(model, ...) (with a state built by init_train_state(model, ..., "
+                        "stage=3))")
     if not state.module.units:
         raise ValueError("stage 3: this state has no shard units; build it with "
                          "init_train_state(model, ..., stage=3, units=...)")
-    reduce_dtype, param_dtype = state.precision.reduce_dtype, state.precision.param_dtype
-    common = dict(units=state.module.units, buffers=state.buffers, buffer_names=state.module.buffers,
-                  scale_loss=lambda loss: scale(state.scaler, loss), param_dtype=param_dtype,
-                  reduce_dtype=reduce_dtype)
-    if torch.compiler.is_compiling() and workspace.regather is not None:
-        # one rank, one micro-batch: each unit gathered in its forward and again in backward,
-        # reduced in backward (fzero.units.compiled_unit_grads)
-        out = compiled_unit_grads(workspace.regather, loss_fn, state.shard, comm, batch, **common)
-    elif torch.compiler.is_compiling():
-        # Module hooks and saved-tensor hooks do not trace: in a graph, every bucket is
-        # gathered inside the step and inductor keeps it to its last use in backward
-        # (FSDP's reshard_after_forward=False); between steps the state holds shards only.
-        # One gather and one reduce for all buckets: the graph holds them all anyway.
-        gathered = all_gather_params(state.shard, comm, param_dtype, flat=True)
-        out = _rank_grads(loss_fn, replace(state, params=gathered), batch, comm.local_ranks)
-        shards = reduce_scatter_grads(state.shard, out.grads, comm, reduce_dtype=reduce_dtype, flat=True)
-        return out._replace(grads=shards)
-    else:
-        with scratch.using(workspace.scratch):
-            out = unit_grads(loss_fn, state.shard, comm, batch, rng=state.rng[0] if state.rng else None, **common)
-    return Grads(out.shards, out.losses, out.buffers, out.rng or state.rng, out.used, out.every)
+    regather = workspace.regather(comm) if comm.traced else None
+    if regather is not None:  # one rank, one micro-batch: each unit gathered in forward, again in backward
+        return Grads(*compiled_unit_grads(regather, loss_fn, state, comm, batch, scaled, on_ready))
+    if comm.traced:
+        # Module and saved-tensor hooks do not trace: every unit gathered inside the graph, kept
+        # to its last use in backward (FSDP's reshard_after_forward=False); one reduction after.
+        gathered = all_gather_params(state.shard, comm, state.precision.param_dtype)
+        out = _rank_grads(loss_fn, state, gathered, batch, comm, scaled)
+        return out._replace(grads=tuple(on_ready(out.grads)))
+    return Grads(*unit_grads(loss_fn, state, comm, batch, scaled, on_ready, workspace.runner))
 
 
-def _rank_grads(
-    loss_fn: LossFn,
-    state: TrainState,
-    batch: Any,
-    rows: int,
-    reduction: Optional[BucketReduction] = None,
-) -> Grads:
+def _rank_grads(loss_fn: LossFn, state: TrainState, params: Sequence[torch.Tensor], batch: Any,
+                comm: Communicator, scaled: Callable[[torch.Tensor], torch.Tensor],
+                reduction: Optional[BucketReduction] = None) -> Grads:
     """Each local rank's gradient of its scaled loss, its loss, buffers and generator.
 
-    Ordinary autograd: rank ``r``'s parameters are fresh leaf tensors viewing
-    row ``r`` of the gathered buffers (no copy; the state is never written),
-    ``torch.autograd.grad`` differentiates the scaled loss with respect to
-    them, and the gradients are concatenated per flat group. One leaf per
-    parameter, not one flat leaf: autograd would zero-fill the whole flat
-    gradient once per parameter slice. Buffers reach the forward as fresh
-    copies (it may update them in place: BatchNorm); they are passed with
-    the parameters in one ``{name: tensor}`` mapping, as ``functional_call``
-    takes them. Eagerly, rank ``r``'s generator state is installed for its
-    forward and backward (:func:`fzero.rng.rank_rng`). A :class:`ModuleLoss`
-    keeps its module bound to the rank's tensors until backward has finished,
-    so that activation checkpointing recomputes with them.
+    Rank ``r``'s parameters are fresh leaf tensors viewing row ``r`` of ``params`` (the
+    gathered flat buffers: nothing copied, the state never written), one leaf per parameter
+    (one flat leaf would be zero-filled once per slice: 2-3x slower). Buffers reach the forward
+    as fresh copies. A :class:`ModuleLoss` keeps its module bound to the rank's tensors until
+    backward has finished, so that activation checkpointing recomputes with them.
 
-    ``reduction`` (eager only): each bucket's flat gradient goes to it as soon
-    as backward has completed the bucket (:class:`fzero.buckets.BucketWatcher`),
-    which starts its collective while backward goes on; ``Grads.grads`` is
-    then empty. Otherwise no collective.
-    """
-    lay, shard, scaler = state.layout, state.shard, state.scaler
+    ``reduction`` (eager): each bucket goes to it as soon as backward completes it
+    (``Grads.grads`` then empty); otherwise ``torch.autograd.grad`` gives every gradient."""
+    lay, traced = state.layout, comm.traced
     dtype = state.precision.param_dtype
     names = state.module.buffers
-    swap_rng = bool(state.rng) and not torch.compiler.is_compiling()
-    device = state.params[0].device
+    swap_rng = bool(state.rng) and not traced
+    device = params[0].device
     train_slots = lay.trainable_slots
+    frozen = {s.path: f.to(compute_dtype(s, dtype)) for s, f in zip(lay.frozen_slots, state.shard.frozen)}
     flat: list[list[torch.Tensor]] = [[] for _ in lay.groups]
-    losses: list[torch.Tensor] = []
-    new_rng: list[torch.Tensor] = []
+    losses, new_rng, used = [], [], []
     new_buffers: list[list[torch.Tensor]] = [[] for _ in names]
-    used: list[list[float]] = []
     train_index = [i for i, s in enumerate(lay.slots) if s.group >= 0]
-    for r in range(rows):
-        batch_r = row_of(batch, r)
-        views = trainable_views(lay, state.params, r)
+    for r in range(comm.local_ranks):
+        views = {lay.slots[i].path: v for g in lay.groups
+                 for i, v in zip(g.slots, group_views(lay, g, params[g.index][r]))}
         leaves = [views[s.path].detach().requires_grad_(True) for s in train_slots]
-        watcher = None
-        if reduction is not None:
-            watcher = BucketWatcher(lay, reduction.groups, r, reduction.buffers,
-                                    lambda b, grads, r=r: reduction.add(b, r, grads), rows)
-            watcher.watch(leaves)
-        tensors = merge_params(lay, {s.path: v for s, v in zip(train_slots, leaves)}, shard.frozen, dtype)
+        by_path = {**frozen, **{s.path: v for s, v in zip(train_slots, leaves)}}
+        tensors = tp.tree_unflatten([by_path[s.path] for s in lay.slots], lay.spec)
         bufs = [b[r].clone() for b in state.buffers]
         if bufs:
             tensors = {**tensors, **dict(zip(names, bufs))}
-        bound = loss_fn.bound(tensors) if isinstance(loss_fn, ModuleLoss) else contextlib.nullcontext()
-        forward = functools.partial(loss_fn.forward_loss, dtype=dtype) if isinstance(loss_fn, ModuleLoss) \
-            else loss_fn
+        watcher = None
+        if reduction is not None:
+            watcher = BucketWatcher(lay, reduction.groups, r, reduction.buffers,
+                                    lambda b, grads, r=r: reduction.add(b, r, grads), comm.local_ranks)
+            watcher.watch(leaves)
+        module = isinstance(loss_fn, ModuleLoss)
+        bound = loss_fn.bound(tensors, traced) if module else contextlib.nullcontext()
+        forward = functools.partial(loss_fn.forward_loss, dtype=dtype) if module else loss_fn
         try:
             with rank_rng(state.rng[0][r] if swap_rng else None, device, new_rng), torch.enable_grad(), bound:
-                loss = forward(tensors, batch_r)
+                loss = forward(tensors, row_of(batch, r))
                 check_loss(loss)
                 loss = loss.float()
-                if watcher is not None:
-                    # gradients go into the bucket buffers as backward completes them (the
-                    # watcher's hooks); none is kept here
-                    torch.autograd.backward(scale(scaler, loss), inputs=leaves)
+                if watcher is not None:  # gradients go into the bucket buffers as backward completes them
+                    torch.autograd.backward(scaled(loss), inputs=leaves)
                 else:
-                    grads = torch.autograd.grad(scale(scaler, loss), leaves, allow_unused=True)
+                    grads = torch.autograd.grad(scaled(loss), leaves, allow_unused=True)
         finally:
             if watcher is not None:
                 watcher.close()
@@ -268,11 +230,9 @@ def _rank_grads(
         else:
             # which parameters the loss reached is known when tracing: a constant of the graph
             used.append([float(g is not None) for g in grads])
-            by_path = {
-                s.path: g if g is not None else torch.zeros(s.shape, dtype=v.dtype, device=device)
-                for s, v, g in zip(train_slots, leaves, grads)
-            }
-            slot_grads = [by_path.get(s.path) for s in lay.slots]
+            got = {s.path: g if g is not None else torch.zeros(s.shape, dtype=v.dtype, device=device)
+                   for s, v, g in zip(train_slots, leaves, grads)}
+            slot_grads = [got.get(s.path) for s in lay.slots]
             for g in lay.groups:
                 flat[g.index].append(flatten_one(lay, g, slot_grads))
             del grads
@@ -280,7 +240,7 @@ def _rank_grads(
         for i, b in enumerate(bufs):
             new_buffers[i].append(b)
     return Grads(
-        tuple(stack_rows(f) for f in flat if f),
+        FlatGrads(lay.groups, [stack_rows(f) for f in flat]) if reduction is None else (),
         torch.stack(losses),
         tuple(stack_rows(b) for b in new_buffers),
         (stack_rows(new_rng),) if swap_rng else state.rng,

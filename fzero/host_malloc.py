@@ -17,15 +17,13 @@ TinyGPT of 40.7M parameters, RSS above the baseline at steps 50/100/150/200:
 it pinned at 4 MiB (live heap 115 MiB both ways); at 162M parameters, held RSS
 1811 and 1610 MiB against 1135 and 1122 MiB pinned (two launches each).
 
-So :func:`fzero.init_train_state` on CPU pins the threshold once per process at
-:data:`DEFAULT_MMAP_THRESHOLD` (``mallopt(M_MMAP_THRESHOLD)``, which also turns
-the dynamic adjustment off), unless the process already chose: the environment
-sets ``MALLOC_MMAP_THRESHOLD_`` or ``GLIBC_TUNABLES``'s
-``glibc.malloc.mmap_threshold``, or the program called :func:`pin_mmap_threshold`
-(its own value) or :func:`keep_host_malloc` (leave glibc as it is) first. It is
-a setting of the whole process, as the many applications that pin it at start
-do; fzero logs it (logger ``fzero``, INFO). Elsewhere (another C library, a
-preloaded jemalloc or tcmalloc) nothing is changed.
+So a training program on CPU should pin the threshold: :func:`tune_host_allocator`, one call
+at its start (the main job, the benchmarks and the long-run tests make it), sets it at
+:data:`DEFAULT_MMAP_THRESHOLD` (``mallopt(M_MMAP_THRESHOLD)``, which also turns the dynamic
+adjustment off) unless the environment chose (``MALLOC_MMAP_THRESHOLD_`` or ``GLIBC_TUNABLES``'s
+``glibc.malloc.mmap_threshold``). It is a setting of the whole process, so fzero never makes it
+on its own: ``import fzero`` and :func:`fzero.init_train_state` leave the allocator alone, as
+FSDP2 and DeepSpeed do. Elsewhere (another C library, a preloaded jemalloc) nothing changes.
 
 The heap's top. glibc's dynamic adjustment also raises the *trim threshold* (free memory at the
 heap's top beyond it goes back to the kernel at ``free``) to twice the mmap threshold; pinned,
@@ -63,8 +61,8 @@ import os
 import platform
 from typing import Mapping, Optional
 
-__all__ = ["DEFAULT_MMAP_THRESHOLD", "DEFAULT_TRIM_THRESHOLD", "pin_mmap_threshold", "keep_host_malloc",
-           "apply_host_malloc_policy", "large_pages", "THP_ENV"]
+__all__ = ["DEFAULT_MMAP_THRESHOLD", "DEFAULT_TRIM_THRESHOLD", "pin_mmap_threshold", "tune_host_allocator",
+           "large_pages", "THP_ENV"]
 
 # Above every activation and per-parameter gradient of a small model and below the
 # blocks that fragment a large one's heap (gathered units, flat gradients and their
@@ -82,7 +80,6 @@ THP_ENV = "THP_MEM_ALLOC_ENABLE"
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 _log = logging.getLogger("fzero")
-_decided: Optional[str] = None  # "pinned", "kept", "environment", "unsupported"
 
 
 def _glibc() -> Optional[ctypes.CDLL]:
@@ -117,39 +114,28 @@ def pin_mmap_threshold(nbytes: int = DEFAULT_MMAP_THRESHOLD,
                          f"got {trim_bytes}")
     libc = _glibc()
     if libc is None or not libc.mallopt(_M_MMAP_THRESHOLD, int(nbytes)):
-        _decided = "unsupported"
         return False
     if trim_bytes is not None and not _environment_chose("trim_threshold"):
         libc.mallopt(_M_TRIM_THRESHOLD, int(trim_bytes))
-    _decided = "pinned"
     return True
 
 
-def keep_host_malloc() -> None:
-    """Leave glibc's allocator as it is: fzero will not pin its mmap threshold."""
-    global _decided
-    _decided = "kept"
-
-
-def apply_host_malloc_policy(device_type: str) -> Optional[str]:
-    """Once per process, for a state on the CPU: pin the threshold at
-    :data:`DEFAULT_MMAP_THRESHOLD` unless the process chose already (see the module doc).
-    Returns what was decided (``None`` for other devices: their tensors are not ``malloc``'s)."""
-    global _decided
-    if device_type != "cpu":
-        return None
-    if _decided is None:
-        if _environment_chose():
-            _decided = "environment"
-        elif pin_mmap_threshold(DEFAULT_MMAP_THRESHOLD):
-            trim = ("" if _environment_chose("trim_threshold")
-                    else f" and its trim threshold at {DEFAULT_TRIM_THRESHOLD}")
-            _log.info("fzero: pinned glibc's mmap threshold at %d bytes%s (fzero.host_malloc; "
-                      "fzero.host_malloc.keep_host_malloc() before init_train_state leaves them alone)",
-                      DEFAULT_MMAP_THRESHOLD, trim)
-        on, why = large_pages()
-        _log.info("fzero: large tensors %s huge pages: %s", "get" if on else "do not get", why)
-    return _decided
+def tune_host_allocator() -> str:
+    """Pin glibc's mmap threshold at :data:`DEFAULT_MMAP_THRESHOLD` and its trim threshold at
+    :data:`DEFAULT_TRIM_THRESHOLD` for the whole process, unless the environment chose (module
+    doc); log it, and whether large tensors get huge pages (logger ``fzero``, INFO). Call it
+    once, at the start of a CPU training program. Returns ``"pinned"``, ``"environment"`` or
+    ``"unsupported"`` (not glibc)."""
+    if _environment_chose():
+        decided = "environment"
+    elif pin_mmap_threshold(DEFAULT_MMAP_THRESHOLD):
+        decided = "pinned"
+        _log.info("fzero: pinned glibc's mmap threshold at %d bytes (fzero.host_malloc)", DEFAULT_MMAP_THRESHOLD)
+    else:
+        decided = "unsupported"
+    on, why = large_pages()
+    _log.info("fzero: large tensors %s huge pages: %s", "get" if on else "do not get", why)
+    return decided
 
 
 def _kernel_thp_mode(path: str = _THP_MODE) -> Optional[str]:

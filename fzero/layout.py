@@ -386,3 +386,91 @@ def flatten_one(layout: Layout, group: FlatGroup, leaves: Sequence[torch.Tensor]
     if group.padding:
         parts.append(parts[0].new_zeros(group.padding))
     return torch.cat(parts)
+
+
+def trainable_index(layout: Layout) -> dict[int, int]:
+    """``{index in layout.slots: position in layout.trainable_slots}``: the order of
+    per-parameter vectors (``OptState.missed``, a step's ``used`` flags)."""
+    return {i: k for k, i in enumerate(i for i, s in enumerate(layout.slots) if s.group >= 0)}
+
+
+def shard_pieces(layout: Layout, group: FlatGroup, rank: int,
+                 where: Optional[dict[int, int]] = None) -> list[tuple[Optional[int], int, int]]:
+    """``(parameter, lo, hi)`` for each parameter's piece of ``group``'s shard on ``rank``, in
+    shard coordinates; ``parameter`` is its :func:`trainable_index` position (``None``: the
+    padding). A function of the layout only."""
+    where = trainable_index(layout) if where is None else where
+    lo, hi = rank * group.shard_numel, (rank + 1) * group.shard_numel
+    out, begin = [], 0
+    ends = [(where[i], layout.slots[i].numel) for i in group.slots] + [(None, group.padding)]
+    for k, n in ends:
+        a, b = max(begin, lo), min(begin + n, hi)
+        if b > a:
+            out.append((k, a - lo, b - lo))
+        begin += n
+    return out
+
+
+class FlatGrads(tuple):
+    """Gradients of some flat groups as their flat buffers: ``FlatGrads(groups, flats)`` holds
+    one ``[R, padded_numel]`` tensor per group of ``groups`` (a bucket's, or the layout's);
+    it is the tuple of those tensors. What :func:`fzero.reduce_scatter_grads` takes from a
+    gradient-ready hook."""
+
+    groups: tuple[FlatGroup, ...]
+
+    def __new__(cls, groups: Sequence[FlatGroup], flats: Sequence[torch.Tensor]) -> "FlatGrads":
+        if len(groups) != len(flats):
+            raise ValueError(f"FlatGrads: {len(flats)} flat buffers for {len(groups)} flat groups")
+        out = super().__new__(cls, flats)
+        out.groups = tuple(groups)
+        return out
+
+    def of(self, group: FlatGroup) -> torch.Tensor:
+        """The flat buffer of ``group``."""
+        return self[next(i for i, g in enumerate(self.groups) if g.index == group.index)]
+
+
+def flat_grads(layout: Layout, grads: Any, rows: int) -> FlatGrads:
+    """A tree of gradients shaped like the parameters (``{path: tensor}`` or the model's own
+    structure; each leaf ``[R, *shape]``; frozen parameters absent or None) as the flat
+    buffers of every flat group, checked against the layout (``ValueError`` naming the path)."""
+    by_path = dict(named_leaves(grads)[0])
+    known = set(layout.paths)
+    for path in by_path:
+        if path not in known:
+            raise ValueError(f"grads has an entry {path!r} that is not a parameter of the layout")
+    leaves: list[Optional[torch.Tensor]] = []
+    for s in layout.slots:
+        g = by_path.get(s.path)
+        if s.group >= 0:
+            if g is None:
+                raise ValueError(f"grads is missing trainable parameter {s.path!r}")
+            check_floating_tensor(f"grads[{s.path!r}]", g)
+            if tuple(g.shape) != (rows, *s.shape):
+                raise ValueError(f"grads[{s.path!r}] has shape {tuple(g.shape)}; parameter {s.path!r} needs "
+                                 f"{(rows, *s.shape)} (leading local-rank axis {rows})")
+        leaves.append(g if s.group >= 0 else None)
+    return FlatGrads(layout.groups, [flatten_group(layout, g, leaves) for g in layout.groups])
+
+
+def param_tree(layout: Layout, flats: Sequence[torch.Tensor], frozen: Sequence[torch.Tensor],
+               param_dtype: Optional[torch.dtype] = None) -> Any:
+    """The parameters in the user's structure, each leaf ``[R, *shape]``: trainable ones view
+    ``flats`` (one ``[R, padded_numel]`` per flat group), frozen ones broadcast views of their
+    replicated copy in their compute dtype."""
+    rows = flats[0].shape[0] if flats else 1
+    frozen_iter = iter(frozen)
+    leaves = []
+    for s in layout.slots:
+        if s.group >= 0:
+            leaves.append(flats[s.group][:, s.offset:s.offset + s.numel].view(rows, *s.shape))
+        else:
+            f = next(frozen_iter).to(compute_dtype(s, param_dtype))
+            leaves.append(f.unsqueeze(0).expand(rows, *f.shape))
+    return tp.tree_unflatten(leaves, layout.spec)
+
+
+def stack_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-rank tensors stacked on a new local-rank axis; one rank (a real process): a view."""
+    return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(list(rows))

@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import inspect
 import weakref
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.utils._pytree as tp
@@ -47,6 +47,10 @@ __all__ = [
     "release_parameters",
     "restore_parameters",
     "check_materialized",
+    "UnitPolicy",
+    "select_units",
+    "default_units",
+    "unit_buckets",
 ]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -235,16 +239,16 @@ class ModuleLoss:
         self._accepted = _accepts(module.forward)
         self._slots = _tensor_slots(module)
 
-    def bound(self, tensors: Mapping[str, torch.Tensor]) -> Any:
+    def bound(self, tensors: Mapping[str, torch.Tensor], traced: bool = False) -> Any:
         """A context in which the module's parameters and buffers are ``tensors`` (tied
         names follow the canonical one, as in ``functional_call``).
 
         Eagerly, a direct swap of the registered tensors through slots found once
         (``functional_call``'s general path re-walks the module on every call,
-        measured at about 15 % of a tiny GPT-2 step); under ``torch.compile``,
+        measured at about 15 % of a tiny GPT-2 step); in a traced step (``traced``),
         ``functional_call``'s own mechanism, which dynamo traces.
         """
-        if torch.compiler.is_compiling():
+        if traced:
             return _reparametrize_module(self.module, dict(tensors), tie_weights=True)
         return _swapped(self._slots, tensors)
 
@@ -449,3 +453,109 @@ def check_materialized(module: torch.nn.Module) -> None:
         "again (or copy.deepcopy it before the first init_train_state), or fzero.write_back(state, "
         "comm, model) first"
     )
+
+
+# -- stage 3's shard units: which submodules (wrap policy) --------------------------------------
+UnitPolicy = Union[type, tuple, Callable[[str, torch.nn.Module], bool]]
+
+
+def _predicate(policy: UnitPolicy) -> Callable[[str, torch.nn.Module], bool]:
+    if isinstance(policy, type):
+        policy = (policy,)
+    if isinstance(policy, (tuple, list, set, frozenset)):
+        classes = tuple(policy)
+        if not classes:
+            raise ValueError(
+                f"units={policy!r} is empty: give module classes, e.g. units=(TransformerBlock,), a predicate "
+                "(name, module) -> bool, or leave units out for a transformers model (its _no_split_modules)"
+            )
+        wrong = [c for c in classes if not (isinstance(c, type) and issubclass(c, torch.nn.Module))]
+        if wrong:
+            raise TypeError(
+                f"units: {wrong[0]!r} ({type(wrong[0]).__name__}) is not an nn.Module class; give module classes, "
+                "e.g. units=(TransformerBlock,), or a predicate (name, module) -> bool"
+            )
+        return lambda name, module: isinstance(module, classes)
+    if callable(policy):
+        return policy
+    raise TypeError(f"units: expected module classes or a predicate (name, module) -> bool, got {policy!r}")
+
+
+def select_units(module: torch.nn.Module, policy: UnitPolicy) -> tuple[str, ...]:
+    """The names of the submodules ``policy`` makes shard units, in ``named_modules`` order.
+
+    Units without parameters are left out (nothing to shard). Raises
+    ``ValueError`` if the policy selects no submodule with parameters, or
+    selects a module inside another unit (units may not nest: say which two).
+    """
+    pred = _predicate(policy)
+    chosen = []
+    for name, m in module.named_modules():
+        if name and pred(name, m) and any(True for _ in m.parameters()):
+            chosen.append(name)
+    if not chosen:
+        raise ValueError(
+            f"units: the wrap policy selects no submodule with parameters of {type(module).__name__} "
+            "(the root itself cannot be a unit); e.g. units=(TransformerBlock,) or "
+            "units=lambda name, m: name.startswith('layers.')"
+        )
+    for i, outer in enumerate(chosen):
+        for inner in chosen[i + 1 :]:
+            if inner.startswith(outer + "."):
+                raise ValueError(
+                    f"units: {inner!r} lies inside unit {outer!r}; units may not nest: choose one of "
+                    "them (e.g. only the transformer blocks)"
+                )
+    return tuple(chosen)
+
+
+def default_units(module: torch.nn.Module) -> tuple[str, ...]:
+    """The default wrap policy: the submodules whose class name a ``transformers`` model lists
+    in ``_no_split_modules`` (its blocks: what accelerate's FSDP auto-wrap wraps), outermost
+    only, in ``named_modules`` order (units without parameters left out).
+
+    Raises ``ValueError`` saying what to pass (``units=``) for a module that names no blocks,
+    or whose named blocks are not among its submodules."""
+    names = getattr(module, "_no_split_modules", None)
+    names = {names} if isinstance(names, str) else set(names or ())
+    if not names:
+        raise ValueError(
+            f"init_train_state: stage 3 needs the model's shard units, and {type(module).__name__} names no "
+            "blocks (no _no_split_modules, as transformers models have): pass units=(BlockClass,) or "
+            "units=lambda name, module: ..., as FSDP2's fully_shard per block"
+        )
+    chosen: list[str] = []
+    for name, m in module.named_modules():
+        if not name or type(m).__name__ not in names or any(name.startswith(c + ".") for c in chosen):
+            continue
+        if any(True for _ in m.parameters()):
+            chosen.append(name)
+    if not chosen:
+        raise ValueError(
+            f"init_train_state: stage 3 needs the model's shard units, and none of {type(module).__name__}'s "
+            f"_no_split_modules {sorted(names)} is a submodule with parameters: pass units=(BlockClass,) or "
+            "units=lambda name, module: ..."
+        )
+    return tuple(chosen)
+
+
+def _unit_of(name: str, units: Sequence[str]) -> Optional[int]:
+    for i, u in enumerate(units):
+        if name.startswith(u + "."):
+            return i
+    return None
+
+
+def unit_buckets(module: torch.nn.Module, units: Sequence[str]) -> dict[str, int]:
+    """``{parameter name: bucket}`` (``named_parameters`` names): unit ``i`` is bucket
+    ``i + 1``; bucket 0, the root, takes a parameter no unit claims and one
+    registered under names in more than one place (tied)."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    out = {}
+    for name, p in module.named_parameters():
+        owners = {_unit_of(n, units) for n in names[id(p)]}
+        only = owners.pop() if len(owners) == 1 else None
+        out[name] = 0 if only is None else only + 1
+    return out

@@ -41,9 +41,9 @@ from torch.optim import _muon as torch_muon
 
 from .comm import Communicator
 from .layout import FlatGroup, Layout
-from .optim import GroupSpec, Optimizer, _check_hyper, _groups
-from .sharding import update_by_piece, shard_pieces, trainable_index
-from .torch_optim_rules import TorchOptimRule, from_torch_optim
+from .layout import shard_pieces, trainable_index
+from .optim import GroupSpec, ShardRule, Update, _check_hyper, _groups
+from .torch_optim_rules import TorchOptimRule, from_torch_optim, update_by_piece
 
 __all__ = ["Muon", "muon", "muon_owners", "newton_schulz", "hidden_matrices"]
 
@@ -88,7 +88,7 @@ class _NotMatrix:
 
 
 @dataclasses.dataclass(frozen=True)
-class Muon(Optimizer):
+class Muon(ShardRule):
     """``torch.optim.Muon`` on the matrices (groups 0 and 2...), ``torch.optim.AdamW`` on the
     rest (group 1, the one :func:`muon` builds from ``matrices``); build it with :func:`muon`.
     Static: Muon's ``nesterov``, ``ns_coefficients``, ``ns_steps``, ``adjust_lr_fn``."""
@@ -99,9 +99,6 @@ class Muon(Optimizer):
     adjust_lr_fn: Optional[str] = None
 
     moment_names: ClassVar[tuple[str, ...]] = ("momentum_buffer", "exp_avg", "exp_avg_sq")
-    by_piece: ClassVar[bool] = True
-    needs_comm: ClassVar[bool] = True
-    compilable: ClassVar[bool] = False
     not_compilable: ClassVar[str] = ("its Newton-Schulz step gathers whole matrices to their owner ranks "
                                      "eagerly (an all_gather and a reduce_scatter inside the optimizer step)")
 
@@ -117,26 +114,25 @@ class Muon(Optimizer):
         """``torch.optim.AdamW`` as a by-piece rule (its hyperparameters come per step)."""
         return _adamw_rule()
 
-    def update_with_comm(self, layout: Layout, master: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                         moments: Sequence[tuple[torch.Tensor, ...]], hyper: Sequence[Mapping[str, torch.Tensor]],
-                         own: Sequence[int], take: Sequence[bool], ranks: Sequence[int],
-                         comm: Communicator) -> None:
-        """One step, in place on ``master`` and ``moments`` (per flat group ``[R, shard_numel]``)
-        from unscaled ``grads`` (same shapes). ``own``/``take``: per trainable parameter, its own
-        step count and whether it takes the step (agreed on every rank). Collectives: one
+    def update_shards(self, u: Update, comm: Communicator) -> None:
+        """One step, in place on ``u``'s master shards and moments. Collectives: one
         ``all_gather`` and one ``reduce_scatter(sum)`` of the Muon groups' shards, in bfloat16,
         when the layout has Muon groups."""
+        if comm is None:
+            raise ValueError("shard_step: optimizer muon calls collectives in its step: pass comm=")
+        layout, master, grads, moments, hyper, own, take, ranks = (u.layout, u.master, u.grads, u.moments, u.hyper,
+                                                                    u.own, u.take, u.ranks)
         where = trainable_index(layout)
         muon_groups = [g for g in layout.groups if self.is_muon_group(g.opt_group)]
         check_matrices(layout, muon_groups)  # before anything is written (a donated state is updated in place)
         for g in layout.groups:
             if not self.is_muon_group(g.opt_group):
                 h = hyper[g.opt_group]
-                update_by_piece(self._adamw(), layout, g, master[g.index], grads[g.index].to(master[g.index].dtype),
-                                 moments[g.index][1:], {k: h[k] for k in _ADAMW_KEYS}, own, take, [], ranks, where)
+                update_by_piece(self._adamw(), layout, g, master[g.index], grads[g.index], moments[g.index][1:],
+                                {k: h[k] for k in _ADAMW_KEYS}, own, take, [], ranks)
         if not muon_groups:
             return
-        blended = [self._momentum(layout, g, grads[g.index].to(master[g.index].dtype), moments[g.index][0],
+        blended = [self._momentum(layout, g, grads[g.index], moments[g.index][0],
                                   hyper[g.opt_group], take, ranks, where) for g in muon_groups]
         gathered = comm.all_gather(torch.cat([b.to(TRANSPORT) for b in blended], dim=1))
         owners = muon_owners(layout, comm.world_size, self.is_muon_group)

@@ -12,8 +12,8 @@ scalars (``[T]`` vectors), and per-parameter vector state (``OptState.vectors``)
 The built-in rules (:class:`SGD`, :class:`Adam`; :func:`sgd`, :func:`adam`,
 :func:`adamw`) follow ``torch.optim``'s single-tensor implementations operation
 by operation, written out of place; eagerly Adam(W) runs torch's fused kernel.
-Rules call no collective, except one with :attr:`Optimizer.needs_comm`
-(:meth:`Optimizer.update_with_comm`: :func:`fzero.muon`, :func:`fzero.adafactor`).
+Elementwise rules call no collective; a :class:`ShardRule` (``torch.optim`` classes on pieces,
+:func:`fzero.muon`, :func:`fzero.adafactor`) updates the whole state in place and may.
 
 Imports: ``fzero.pytree``.
 """
@@ -34,7 +34,8 @@ __all__ = [
     "SGD",
     "Adam",
     "OptState",
-    "Piece",
+    "Update",
+    "ShardRule",
     "check_compilable",
     "hyper_scalars",
     "sgd",
@@ -43,6 +44,7 @@ __all__ = [
     "init_opt_state",
     "init_scalars",
     "init_vectors",
+    "vector_dtype",
     "vector_spans",
     "set_hyperparams",
     "no_weight_decay",
@@ -105,21 +107,29 @@ def no_weight_decay_for(module: torch.nn.Module) -> Predicate:
     return frozenset(names).__contains__
 
 
-class Piece(NamedTuple):
-    """One parameter's piece of one local rank's shard, for a rule that updates by piece
-    (:attr:`Optimizer.by_piece`): views into the state's shards, written in place."""
+class Update(NamedTuple):
+    """What a :class:`ShardRule` updates in place (:meth:`ShardRule.update_shards`): per flat
+    group the master shard, its unscaled gradient and moments (``[R, shard_numel]``); per
+    optimizer group the hyperparameters; per trainable parameter (``Layout.trainable_slots``
+    order) its own step count, whether it takes this step, its scalar state (one list per
+    :attr:`Optimizer.scalar_names`, written back); the rows' global ranks; the vector state
+    (:attr:`Optimizer.vector_names`, written in place)."""
 
-    param: int  # the parameter's position in ``Layout.trainable_slots``
-    step: int  # its own step count: updates applied to it before this one
-    value: torch.Tensor  # [m] view of the master row (m = 0: the parameter lies on other ranks)
-    grad: torch.Tensor  # [m], the master dtype
-    moments: tuple[torch.Tensor, ...]  # [m] views, one per Optimizer.moment_names
-    scalars: tuple[float, ...]  # its scalar state, one per Optimizer.scalar_names
+    layout: Any
+    master: tuple[torch.Tensor, ...]
+    grads: tuple[torch.Tensor, ...]
+    moments: tuple[tuple[torch.Tensor, ...], ...]
+    hyper: tuple[Mapping[str, torch.Tensor], ...]
+    own: list[int]
+    take: list[bool]
+    ranks: list[int]
+    scalars: list[list[float]]
+    vectors: list[torch.Tensor]
 
 
 def check_compilable(optimizer: "Optimizer") -> None:
     """Raise ``ValueError`` naming the rule if it cannot run inside ``torch.compile``."""
-    if not optimizer.compilable:
+    if not optimizer.elementwise:
         raise ValueError(f"optimizer {optimizer.name} cannot run in a compiled step: {optimizer.not_compilable}; "
                          "use compile=False")
 
@@ -143,7 +153,7 @@ class Optimizer:
     replicated), :attr:`vector_names` and :meth:`vector_lengths` (per-parameter vector state,
     replicated, ``OptState.vectors``), :meth:`step_scalars` (what of an update depends on the parameter's own step
     count, for parameters that sat out steps), :meth:`update` (pure), :meth:`update_` (in
-    place; a fused kernel may go here), :attr:`compilable`. A rule must keep the padding
+    place; a fused kernel may go here). A rule must keep the padding
     zero: zero parameter, gradient and moments give zero parameter and moments.
     """
 
@@ -160,13 +170,15 @@ class Optimizer:
     vector_names: ClassVar[tuple[str, ...]] = ()
     #: what of an update depends on the step count (columns of :meth:`step_scalars`)
     step_scalar_names: ClassVar[tuple[str, ...]] = ()
-    #: whether the rule runs inside ``torch.compile`` (``make_train_step(compile=True)``)
-    compilable: ClassVar[bool] = True
-    #: why not, when not (:func:`check_compilable`'s message)
+    #: why a rule that is not elementwise cannot run in a compiled step (:func:`check_compilable`)
     not_compilable: ClassVar[str] = ("it updates each parameter's piece eagerly (torch.optim's own step on views "
                                      "of the shards)")
-    #: whether the step calls collectives (:meth:`update_with_comm`, eagerly, with :attr:`by_piece`)
-    needs_comm: ClassVar[bool] = False
+
+    @property
+    def elementwise(self) -> bool:
+        """Whether the rule is an elementwise :meth:`update` of flat shards (it runs in compiled
+        steps), not a :class:`ShardRule`."""
+        return not isinstance(self, ShardRule)
 
     @property
     def name(self) -> str:
@@ -295,29 +307,6 @@ class Optimizer:
         for old, new in zip((param, *moments), (new_param, *new_moments)):
             old.copy_(new if skip is None else torch.where(skip, old, new))
 
-    #: whether the rule runs on each parameter's piece of a shard (:meth:`update_pieces`,
-    #: eagerly) instead of on whole shards (:meth:`update`, :meth:`update_`)
-    by_piece: ClassVar[bool] = False
-
-    def update_pieces(self, pieces: Sequence["Piece"], hyper: Mapping[str, torch.Tensor]) -> list[tuple[float, ...]]:
-        """Update each :class:`Piece` in place (its ``value`` and ``moments`` views) for a rule
-        with :attr:`by_piece`; returns each piece's new scalar state (one value per
-        :attr:`scalar_names`). Every piece of one parameter must give the same scalars: they
-        are per-parameter state, replicated. No collective."""
-        raise NotImplementedError(f"{type(self).__name__} does not define update_pieces()")
-
-    def update_with_comm(self, layout: Any, master: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                         moments: Sequence[tuple[torch.Tensor, ...]], hyper: Sequence[Mapping[str, torch.Tensor]],
-                         own: Sequence[int], take: Sequence[bool], ranks: Sequence[int], comm: Any) -> None:
-        """For a rule with :attr:`needs_comm` (and :attr:`by_piece`): one step of every flat
-        group at once, in place on ``master`` and ``moments`` (per flat group ``[R, shard_numel]``)
-        from unscaled ``grads``; ``hyper`` per optimizer group; ``own``/``take`` per trainable
-        parameter (its own step count, whether it takes the step). It may call ``comm``'s
-        collectives: every rank calls this with the same layout and flags. A rule with
-        :attr:`vector_names` is also given ``vectors=`` (``OptState.vectors``, a list of
-        tensors to update in place; every rank must compute the same values)."""
-        raise NotImplementedError(f"{type(self).__name__} does not define update_with_comm()")
-
     # torch.optim interchange (fzero.checkpoint.torch_optim); a rule without a torch.optim
     # equivalent keeps these defaults, and export/import name it.
 
@@ -350,6 +339,20 @@ class Optimizer:
         """fzero's hyperparameters from a ``torch.optim`` param group, or ``ValueError`` naming
         the static setting or kind that differs (a phrase: "belongs to adam, ...")."""
         raise NotImplementedError
+
+
+class ShardRule(Optimizer):
+    """An update rule that is not elementwise: it updates each parameter's piece of the shards
+    (:func:`fzero.from_torch_optim`), or calls collectives (:func:`fzero.muon`,
+    :func:`fzero.adafactor`). Instead of :meth:`Optimizer.update` it has one in-place form for
+    the whole state, :meth:`update_shards`, which :func:`fzero.shard_step` runs eagerly on
+    copies (a pure step) or on the state's own tensors (a donating one)."""
+
+    def update_shards(self, u: Update, comm: Any) -> None:
+        """One step of every flat group, in place on ``u``'s master shards and moments, only for
+        the parameters that take it (``u.take``), at their own step counts (``u.own``). It may
+        call ``comm``'s collectives: every rank calls it with the same layout and flags."""
+        raise NotImplementedError(f"{type(self).__name__} does not define update_shards()")
 
 
 GroupSpec = Union[ParamGroup, tuple[Predicate, Mapping[str, float]]]
@@ -499,20 +502,12 @@ class Adam(Optimizer):
         return _adam_update(self, param, grad, moments, hyper, step, per_element)
 
     def update_(self, param, grad, moments, hyper, step, found_inf=None) -> None:  # noqa: ANN001
-        """:meth:`update` in place on ``param`` and ``moments``; a no-op where ``found_inf``.
-
-        Eagerly, torch's fused kernel (``torch._fused_adam(w)_``), which reads the
-        hyperparameters as Python floats from their CPU tensors (no device sync) and skips
-        the update itself when ``found_inf`` is nonzero. Under ``torch.compile`` the update
-        is written out and copied back through ``torch.where``, which inductor fuses into one
-        read-modify-write pass, together with what produced the gradient (the unscale and
-        clip multiply of a step). torch's kernel as an opaque operator in the graph measured
-        the same on a bare 50M-element shard, but cannot take that multiply in, so the
-        unscaled gradient is materialised: 3.6x slower (``benchmarks/bench_optimizer.py
-        --unscale``).
-        """
-        if torch.compiler.is_compiling():
-            return super().update_(param, grad, moments, hyper, step, found_inf)
+        """:meth:`update` in place on ``param`` and ``moments``; a no-op where ``found_inf``: torch's
+        fused kernel (``torch._fused_adam(w)_``), which reads the hyperparameters as Python floats
+        from their CPU tensors (no device sync) and skips itself on ``found_inf``. (A compiled
+        step writes the update out instead: inductor fuses the unscale and clip multiply into it;
+        torch's kernel as an operator of the graph could not take it in, 3.6x slower,
+        ``benchmarks/bench_optimizer.py --unscale``.)"""
         kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
         # One tensor per local rank: the kernel splits each tensor into vector-width blocks
         # and a scalar tail that can round differently, so a simulated rank must be its own
@@ -642,6 +637,10 @@ class OptState:
     # each trainable parameter's vector (``Optimizer.vector_lengths`` of its shape) joined in
     # ``Layout.trainable_slots`` order (:func:`vector_spans`). ``()`` for rules without any.
     vectors: tuple[torch.Tensor, ...] = ()
+    # Static: no parameter has sat out an applied step (``missed`` all zero), as the host last
+    # read it: a compiled step takes the plain update on it (fzero.compiled sets it before each
+    # call; eager steps read ``missed`` themselves). A change compiles the step once more.
+    all_stepped: bool = static_field(default=True)
 
 
 # CPU moments of at least this size start as pages the OS has not committed (below it, a mapping
@@ -683,12 +682,12 @@ def init_opt_state(optimizer: Optimizer, master: Sequence[torch.Tensor],
     )
     moments = tuple(tuple(zeros_on_demand(m) for _ in optimizer.moment_names) for m in master)
     scalars = () if num_params is None else init_scalars(optimizer, num_params)
-    vectors = () if shapes is None else init_vectors(optimizer, shapes, _vector_dtype(master), master[0].device)
+    vectors = () if shapes is None else init_vectors(optimizer, shapes, vector_dtype(master), master[0].device)
     return OptState(torch.zeros((), dtype=torch.int64, device=master[0].device), hyper, moments, optimizer,
                     scalars=scalars, vectors=vectors)
 
 
-def _vector_dtype(master: Sequence[torch.Tensor]) -> torch.dtype:
+def vector_dtype(master: Sequence[torch.Tensor]) -> torch.dtype:
     """The dtype of ``OptState.vectors``: the master dtype (the widest, if flat groups differ)."""
     dtype = master[0].dtype if master else torch.float32
     for m in master[1:]:

@@ -48,7 +48,9 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
 
     Fields declared with :func:`static_field` are metadata; all others are
     children. Children come first in flattening order, in declaration order.
+    ``obj.replace(**changes)``: a copy with fields changed (as flax's states).
     """
+    cls.replace = replace  # type: ignore[attr-defined]
     cls = dataclasses.dataclass(frozen=True)(cls)
     data, meta = _split_fields(cls)
 

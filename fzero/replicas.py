@@ -240,7 +240,7 @@ def replica_items(
     return items
 
 
-def _words(x: torch.Tensor, rows: int) -> torch.Tensor:
+def _words(x: torch.Tensor, rows: int, traced: bool = False) -> torch.Tensor:
     """The bit pattern of each row of ``x`` as int64 words ``[rows, n]``."""
     x = x.detach().reshape(rows, -1)
     if x.dtype == torch.bool:
@@ -255,7 +255,7 @@ def _words(x: torch.Tensor, rows: int) -> torch.Tensor:
     # buffers a free reinterpretation), others as their own words widened to int64. The same
     # words eagerly and compiled; a view at an offset that is not 8-byte aligned is copied first.
     if es < 8 and n % (8 // es) == 0 and n > 0:
-        if not torch.compiler.is_compiling() and (x.storage_offset() * es) % 8:
+        if not traced and (x.storage_offset() * es) % 8:
             x = x.clone()
         return x.view(torch.int64)
     w = x.view(_INT_OF_SIZE[es])
@@ -321,7 +321,8 @@ def _to_columns(h: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi], dim=2).reshape(h.shape[0], -1)
 
 
-def _hashes(items: list[tuple[str, Optional[torch.Tensor], bool]], state: Any, rows: int) -> torch.Tensor:
+def _hashes(items: list[tuple[str, Optional[torch.Tensor], bool]], state: Any, rows: int,
+            traced: bool = False) -> torch.Tensor:
     """``[rows, k]`` int64: one 64-bit hash per item (0-d replicated items: their bits)."""
     device = _digest_device(state)
     sig = torch.tensor([_static_signature(state)], dtype=torch.int64, device=device)
@@ -331,7 +332,7 @@ def _hashes(items: list[tuple[str, Optional[torch.Tensor], bool]], state: Any, r
     cols = [head.unsqueeze(0).expand(rows, -1)]
     for (_, t, ranked), s in zip(items, is_scalar):
         if not s:
-            h = _fold(_words(t.to(device), rows if ranked else 1))
+            h = _fold(_words(t.to(device), rows if ranked else 1, traced))
             cols.append((h if ranked else h.expand(rows)).unsqueeze(1))
     out = torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]
     # "static" (items[0]) is first in the scalar part, as in replica_items
@@ -345,7 +346,7 @@ def replica_digest(
     """Each local rank's digest of its replicated items: ``[R, 2k]`` float64, two exact
     columns per item of :func:`replica_items`. Pure, no collective, no host sync."""
     items = replica_items(state, buffers=buffers, rng=rng)
-    return _to_columns(_hashes(items, state, comm.local_ranks))
+    return _to_columns(_hashes(items, state, comm.local_ranks, comm.traced))
 
 
 def replicas_differ(
@@ -407,7 +408,7 @@ def digest_parts(
     is the same, and with 16-bit values both sides are exact integers in float64 up to
     W = 1448 ranks. No collective of its own: no latency added to the step.
     """
-    h = _hashes(replica_items(state, buffers=buffers, rng=rng), state, comm.local_ranks)
+    h = _hashes(replica_items(state, buffers=buffers, rng=rng), state, comm.local_ranks, comm.traced)
     d = torch.stack([(h >> s) & 0xFFFF for s in (0, 16, 32, 48)], dim=2).reshape(h.shape[0], -1)
     d = d.to(torch.float64)
     return torch.cat([d, d * d], dim=1)

@@ -6,16 +6,18 @@ bit for bit, extended with two options users of DeepSpeed know: a floor
 backing off). Every value that changes between steps is a 0-d tensor, so a
 compiled step never recompiles and never syncs with the host.
 
-:func:`unscale_and_clip` is the step's fused form for gradient shards: one
-``all_reduce(sum)`` agrees on the global norm, the overflow flag and the mean loss (and
-carries whatever else the step needs summed), then one pass unscales and clips.
+:func:`scale` multiplies the loss (or any tree) by the scale; :func:`unscale_and_check` divides
+the gradients by it and agrees across ranks on whether to skip the step (in the step's form,
+one ``all_reduce(sum)`` agrees on the global norm, the overflow flag, the mean loss and what
+else rides along, then one pass unscales and clips); :func:`update_scale` is the scale's rule.
 
 Imports: ``fzero.pytree``, ``fzero.comm`` (protocol only), ``fzero.layout`` (input checks).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence
+import functools
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.utils._pytree as tp
@@ -30,8 +32,7 @@ __all__ = [
     "static_scaler",
     "scale",
     "unscale_and_check",
-    "unscale_and_clip",
-    "Unscaled",
+    "Checked",
     "local_sq_norm",
     "update_scale",
 ]
@@ -133,116 +134,94 @@ def scale(scaler: ScalerState, tree: Any) -> Any:
     return tp.tree_map_with_path(one, tree)
 
 
-def unscale_and_check(
-    scaler: ScalerState, grads: Any, comm: Communicator
-) -> tuple[Any, torch.Tensor]:
-    """Unscale gradients and find non-finite values on any rank.
+def local_sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-rank sum of squares of ``[R, ...]`` gradients: ``[R]`` float64. No collective. Each
+    norm is taken in the gradient's dtype (no float64 copy) and squared in float64: a non-finite
+    value, or an fp32 norm that overflows (as ``clip_grad_norm_`` finds), gives a non-finite sum."""
+    return sum(torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).double().square() for g in grads)
 
-    ``grads``: a tree of floating tensors (fp32, fp16, bf16 or fp64), each with
-    the communicator's leading local-rank axis ``[R, ...]``. Each is multiplied
-    by ``1/scale`` (computed in float64 and rounded to float32, as torch does)
-    in float32 (float64 for fp64 grads) and rounded back to its own dtype.
 
-    Returns ``(grads, found_inf)``; ``found_inf`` is a 0-d float32 tensor, 1.0
-    if any rank saw a non-finite gradient. It is agreed through one
-    ``all_reduce(max)`` of ``R`` elements, so every rank skips together.
-    """
+class Checked(tuple):
+    """What :func:`unscale_and_check` gives: it unpacks as ``(grads, found_inf)`` (the unscaled
+    gradients, and a 0-d fp32 1.0 if any rank's gradient is not finite), and carries what the
+    step's agreement adds: ``grad_norm`` (0-d float64, unscaled, before clipping), ``loss``
+    (0-d fp32, the mean of every rank's loss), ``used`` (``[T]`` bool, some rank had a gradient)
+    and ``riders`` (``[k]`` float64, summed over ranks); None where not asked for."""
+
+    grad_norm: Optional[torch.Tensor]
+    loss: Optional[torch.Tensor]
+    used: Optional[torch.Tensor]
+    riders: Optional[torch.Tensor]
+
+    def __new__(cls, grads: Any, found_inf: torch.Tensor, grad_norm: Optional[torch.Tensor] = None,
+                loss: Optional[torch.Tensor] = None, used: Optional[torch.Tensor] = None,
+                riders: Optional[torch.Tensor] = None) -> "Checked":
+        out = super().__new__(cls, (grads, found_inf))
+        out.grad_norm, out.loss, out.used, out.riders = grad_norm, loss, used, riders
+        return out
+
+    @property
+    def grads(self) -> Any:
+        return self[0]
+
+    @property
+    def found_inf(self) -> torch.Tensor:
+        return self[1]
+
+
+def unscale_and_check(scaler: ScalerState, grads: Any, comm: Communicator, *, clip_norm: Optional[float] = None,
+                      losses: Optional[torch.Tensor] = None, used: Optional[torch.Tensor] = None,
+                      riders: Optional[torch.Tensor] = None, in_place: bool = False) -> Checked:
+    """Unscale gradients and agree across ranks on whether the step must be skipped.
+
+    ``grads``: a tree of floating tensors, each with the local-rank axis ``[R, ...]``. Each is
+    multiplied by ``1/scale`` (float64 reciprocal rounded to float32, as ``torch.amp`` does) in
+    float32 (float64 for fp64 gradients) and rounded back to its dtype.
+
+    Alone, it is ``torch.amp.GradScaler``'s check: ``found_inf`` from a per-element check, agreed
+    by one ``all_reduce(max)`` of ``R`` flags. The step's form (any of ``clip_norm``, ``losses``
+    ``[R]``, ``used`` ``[R, T]``, ``riders`` ``[R, k]`` given; ``grads`` are this rank's disjoint
+    gradient shards): one ``all_reduce(sum)`` of ``[R, 2 + T + k]`` float64 values, each rank's
+    sum of squares of its shards (:func:`local_sq_norm`), its loss, its used flags and riders
+    (the replica digest) at no collective of their own; ``found_inf`` when the agreed norm is
+    not finite, which is exactly when some rank's shard is (or a shard's norm is beyond fp32's
+    range, as ``clip_grad_norm_`` says too). Then one pass multiplies by ``1/scale`` times
+    ``clip_grad_norm_``'s ``min(1, clip_norm / (norm + 1e-6))`` of the unscaled norm
+    (DeepSpeed's fused form). ``in_place``: the caller owns the gradients; eagerly they are
+    scaled in place (traced, out of place: inductor fuses it)."""
     leaves_with_path, spec = tp.tree_flatten_with_path(grads)
     if not leaves_with_path:
         raise ValueError("unscale_and_check: the gradient tree has no tensors")
-    inv = scaler.scale.double().reciprocal().float()
-    local_found = None
-    out = []
     for path, g in leaves_with_path:
         g = check_floating_tensor(f"unscale_and_check: grads{tp.keystr(path)}", g)
         if g.dim() == 0 or g.shape[0] != comm.local_ranks:
-            raise ValueError(
-                f"unscale_and_check: grads{tp.keystr(path)} has shape {tuple(g.shape)}; "
-                f"expected a leading local-rank axis of size {comm.local_ranks}"
-            )
-        bad = (~torch.isfinite(g)).reshape(g.shape[0], -1).any(dim=1)
-        local_found = bad if local_found is None else local_found | bad
-        op = _opmath(g.dtype)
-        out.append((g.to(op) * inv.to(device=g.device, dtype=op)).to(g.dtype))
-    found = comm.all_reduce(local_found.to(torch.float32), "max")[0]
-    return tp.tree_unflatten(out, spec), found
-
-
-def local_sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-rank sum of squares of ``[R, shard_numel]`` shards: ``[R]`` float64. No collective.
-
-    Each shard's norm is taken in its own dtype (no float64 copy of the shard)
-    and squared in float64. A non-finite value gives a non-finite result; so
-    does a shard whose fp32 norm overflows (as ``clip_grad_norm_`` would).
-    """
-    return sum(torch.linalg.vector_norm(g, dim=1).double().square() for g in grads)
-
-
-class Unscaled(NamedTuple):
-    """What :func:`unscale_and_clip` agreed on and gives."""
-
-    grads: tuple[torch.Tensor, ...]   # the shards unscaled and clipped, each in its own dtype
-    found_inf: torch.Tensor           # 0-d fp32: 1.0 if any rank's gradient is not finite
-    grad_norm: torch.Tensor           # 0-d float64: the global norm, unscaled, before clipping
-    loss: torch.Tensor                # 0-d fp32: the mean of every rank's loss
-    used: Optional[torch.Tensor]      # [T] bool: some rank had a gradient (given ``used``)
-    riders: Optional[torch.Tensor]    # [k] float64: ``riders`` summed over ranks (given them)
-
-
-def unscale_and_clip(
-    scaler: ScalerState,
-    shards: Sequence[torch.Tensor],
-    comm: Communicator,
-    *,
-    losses: torch.Tensor,
-    clip_norm: Optional[float] = None,
-    used: Optional[torch.Tensor] = None,
-    riders: Optional[torch.Tensor] = None,
-    in_place: bool = False,
-) -> Unscaled:
-    """Unscale and clip sharded gradients in one pass, agreeing on overflow, norm and loss.
-
-    ``shards``: the averaged, still scaled gradient shards ``[R, shard_numel]`` (one per flat
-    group; disjoint, padding zero); ``losses``: ``[R]`` each local rank's unscaled loss.
-    One ``all_reduce(sum)`` of ``[R, 2 + T + k]`` float64 values: each rank's sum of squares
-    of its scaled shards (:func:`local_sq_norm`) and loss, ``used`` (``[R, T]``, nonzero where
-    the rank had a gradient for trainable parameter ``t``) and ``riders`` (``[R, k]``, summed
-    along at no extra collective: e.g. the replica digest). The sum is non-finite exactly when
-    some rank has a non-finite gradient (or a shard norm beyond fp32's range, which
-    ``clip_grad_norm_`` calls infinite too), so ``found_inf`` comes agreed.
-
-    Then every shard is multiplied by ``1/scale`` (float64 reciprocal rounded to fp32, as
-    ``torch.amp`` does) times ``clip_grad_norm_``'s coefficient
-    ``min(1, clip_norm / (norm + 1e-6))`` of the unscaled norm (DeepSpeed's fused form).
-    ``in_place=True`` (eager only; the caller owns the shards): the shards are scaled in place,
-    no second copy; under ``torch.compile`` always out of place (inductor fuses it).
-    """
-    local = torch.stack([local_sq_norm(shards), losses.double()], dim=1)
-    if used is not None:
-        local = torch.cat([local, used.to(local.device, torch.float64)], dim=1)
+            raise ValueError(f"unscale_and_check: grads{tp.keystr(path)} has shape {tuple(g.shape)}; "
+                             f"expected a leading local-rank axis of size {comm.local_ranks}")
+    leaves = [g for _, g in leaves_with_path]
+    if clip_norm is None and losses is None and used is None and riders is None:
+        inv = scaler.scale.double().reciprocal().float()
+        bad = [(~torch.isfinite(g)).reshape(g.shape[0], -1).any(dim=1) for g in leaves]
+        found = comm.all_reduce(functools.reduce(torch.logical_or, bad).to(torch.float32), "max")[0]
+        out = [(g.to(_opmath(g.dtype)) * inv.to(device=g.device, dtype=_opmath(g.dtype))).to(g.dtype) for g in leaves]
+        return Checked(tp.tree_unflatten(out, spec), found)
+    local = [local_sq_norm(leaves).unsqueeze(1),
+             (losses if losses is not None else torch.zeros(comm.local_ranks)).double().unsqueeze(1)]
     n_used = 0 if used is None else used.shape[1]
-    if riders is not None:
-        local = torch.cat([local, riders], dim=1)
-    sums = comm.all_reduce(local, "sum")[0]
+    local += [] if used is None else [used.to(local[0].device, torch.float64)]
+    local += [] if riders is None else [riders.to(local[0].device, torch.float64)]
+    sums = comm.all_reduce(torch.cat(local, dim=1), "sum")[0]
     scale64 = scaler.scale.double()
     norm64 = sums[0].sqrt() / scale64
     factor = scale64.reciprocal().float().double()
     if clip_norm is not None:
         factor = factor * torch.clamp(clip_norm / (norm64 + 1e-6), max=1.0)
-    if in_place and not torch.compiler.is_compiling():
-        for s in shards:
-            s.mul_(factor.to(s.dtype))
-        out = tuple(shards)
+    if in_place and not comm.traced:
+        out = [g.mul_(factor.to(g.dtype)) for g in leaves]
     else:
-        out = tuple(s * factor.to(s.dtype) for s in shards)
-    return Unscaled(
-        out,
-        (~torch.isfinite(norm64)).float(),
-        norm64,
-        (sums[1] / comm.world_size).float(),
-        None if used is None else sums[2:2 + n_used] > 0,
-        None if riders is None else sums[2 + n_used:],
-    )
+        out = [g * factor.to(g.dtype) for g in leaves]
+    return Checked(tp.tree_unflatten(out, spec), (~torch.isfinite(norm64)).float(), norm64,
+                   (sums[1] / comm.world_size).float(), None if used is None else sums[2:2 + n_used] > 0,
+                   None if riders is None else sums[2 + n_used:])
 
 
 def update_scale(scaler: ScalerState, found_inf: torch.Tensor) -> ScalerState:

@@ -24,8 +24,8 @@ them can be checked against what was allocated:
     after backward: the norm, unscale and clip, the optimizer step and the
     parameter all-gather of stages 1-2 (a pure step's new state is made here).
 
-Under ``torch.compile`` no scope is entered (a compiled graph's allocations
-are its own). Outside a profiler a scope costs one small dispatcher call.
+A traced step enters none (``step_scope(name, traced=True)``: a compiled graph's
+allocations are its own). Outside a profiler a scope costs one small dispatcher call.
 
 Imports: torch only.
 """
@@ -33,14 +33,11 @@ Imports: torch only.
 from __future__ import annotations
 
 import contextlib
-import functools
-from typing import Callable, ContextManager, TypeVar
+from typing import ContextManager
 
 import torch
 
-__all__ = ["GRAD_BUCKETS", "GRAD_REDUCTION", "GATHER", "UPDATE", "SCOPES", "step_scope", "scoped"]
-
-F = TypeVar("F", bound=Callable)
+__all__ = ["GRAD_BUCKETS", "GRAD_REDUCTION", "GATHER", "UPDATE", "SCOPES", "step_scope"]
 
 GRAD_BUCKETS = "fzero::grad_buckets"
 GRAD_REDUCTION = "fzero::grad_reduction"
@@ -49,22 +46,8 @@ UPDATE = "fzero::update"
 SCOPES = (GRAD_BUCKETS, GRAD_REDUCTION, GATHER, UPDATE)
 
 
-def step_scope(name: str) -> ContextManager[None]:
-    """``record_function(name)`` eagerly; nothing while dynamo traces."""
-    if torch.compiler.is_compiling():
+def step_scope(name: str, traced: bool = False) -> ContextManager[None]:
+    """``record_function(name)``; nothing in a traced step (``traced``)."""
+    if traced:
         return contextlib.nullcontext()
     return torch.profiler.record_function(name)
-
-
-def scoped(name: str) -> Callable[[F], F]:
-    """Decorator: the function runs inside :func:`step_scope` ``(name)``."""
-
-    def wrap(fn: F) -> F:
-        @functools.wraps(fn)
-        def run(*args, **kwargs):
-            with step_scope(name):
-                return fn(*args, **kwargs)
-
-        return run  # type: ignore[return-value]
-
-    return wrap

@@ -12,7 +12,7 @@ Building it (:func:`init_train_state`) hands the module's parameters to the stat
 (:func:`consume`, :func:`ensure_live`). No step composition here: :mod:`fzero.step`
 imports this module, never the reverse.
 
-Imports: buckets, comm, host_malloc, layout, materialize, module, optim, precision, pytree,
+Imports: buckets, comm, layout, materialize, module, optim, precision, pytree,
 rng, scaler, sharding, units.
 """
 
@@ -25,17 +25,16 @@ import torch.utils._pytree as tp
 
 from .buckets import size_buckets
 from .comm import Communicator
-from .host_malloc import apply_host_malloc_policy
 from .layout import FlatGroup, group_views, named_leaves
 from .materialize import Init, check_init, materialized_shard
-from .module import ModuleSpec, adopt_parameters, check_materialized, init_buffers, module_spec, release_parameters
+from .module import (ModuleSpec, UnitPolicy, adopt_parameters, check_materialized, default_units, init_buffers,
+                     module_spec, release_parameters, select_units, unit_buckets)
 from .optim import OptState, Optimizer, init_opt_state
 from .precision import MixedPrecision
 from .pytree import pytree_dataclass, replace, static_field
 from .rng import init_rng
 from .scaler import ScalerState, init_scaler, static_scaler
-from .sharding import ShardState, gather_flat_params, init_shard
-from .units import UnitPolicy, default_units, select_units, unit_buckets
+from .sharding import ShardState, all_gather_params, init_shard
 
 __all__ = ["TrainState", "init_train_state", "hand_over_parameters", "ensure_live", "consume"]
 
@@ -165,7 +164,6 @@ def init_train_state(
         shard, made_buffers = init_shard(params, comm, **layout_kw), None
     else:
         shard, made_buffers = materialized_shard(params, comm, init, unit_names, **layout_kw)
-    apply_host_malloc_policy(shard.master[0].device.type if shard.master else "cpu")
     opt = init_opt_state(optimizer, shard.master, len(shard.layout.trainable_slots),
                          [s.shape for s in shard.layout.trainable_slots])
     # per parameter, the steps it sat out (make_train_step(unused="skip")): none yet
@@ -183,10 +181,13 @@ def init_train_state(
         else:
             # group by group, so the module's own copy of a group is freed before the next group
             # is gathered: the init peak holds one model and one group, not two models
-            gathered = gather_flat_params(shard, comm, precision.param_dtype, then=lambda g, flat: (
-                hand_over_parameters(params, shard.layout, (flat,), stage, groups=(g,))))
+            gathered = []
+            for g in shard.layout.groups:
+                gathered += all_gather_params(shard, comm, precision.param_dtype, groups=(g,))
+                hand_over_parameters(params, shard.layout, gathered[-1:], stage, groups=(g,))
+            gathered = tuple(gathered)
     elif stage < 3:
-        gathered = gather_flat_params(shard, comm, precision.param_dtype)
+        gathered = all_gather_params(shard, comm, precision.param_dtype)
     calls = (torch.zeros((), dtype=torch.int64),)
     return TrainState(shard, opt, scaler, gathered, buffers, rng, calls, stage, precision, spec)
 

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
-from .optim import GroupSpec, Optimizer, Piece, _groups
+from .layout import FlatGroup, Layout, shard_pieces, trainable_index
+from .optim import GroupSpec, Optimizer, ShardRule, Update, _groups
 
-__all__ = ["TorchOptimRule", "from_torch_optim", "torch_rule_from_manifest"]
+__all__ = ["TorchOptimRule", "Piece", "update_by_piece", "from_torch_optim", "torch_rule_from_manifest"]
 
 ELEMENT, SCALAR, STEP = "element", "scalar", "step"
 
@@ -40,8 +41,42 @@ _RESERVED = frozenset({"master", "hyper", "scalar", "vector", "frozen", "buffer"
                        "step"})
 
 
+class Piece(NamedTuple):
+    """One parameter's piece of one local rank's shard: views into the state's shards, written
+    in place."""
+
+    param: int  # the parameter's position in ``Layout.trainable_slots``
+    step: int  # its own step count: updates applied to it before this one
+    value: torch.Tensor  # [m] view of the master row (m = 0: the parameter lies on other ranks)
+    grad: torch.Tensor  # [m], the master dtype
+    moments: tuple[torch.Tensor, ...]  # [m] views, one per moment name
+    scalars: tuple[float, ...]  # its scalar state, one per scalar name
+
+
+def update_by_piece(rule: "TorchOptimRule", layout: Layout, group: FlatGroup, p: torch.Tensor, grad: torch.Tensor,
+                    moments: tuple[torch.Tensor, ...], hyper: Mapping[str, torch.Tensor], own: Sequence[int],
+                    take: Sequence[bool], scalars: list[list[float]], ranks: Sequence[int]) -> None:
+    """In place: each parameter of ``group`` that takes the step updates its piece of every row
+    of ``p`` and ``moments`` (``[R, n]``) by ``rule``'s torch class at its own step count
+    ``own[k]``; ``scalars`` (per scalar name, per parameter) gets its new scalar state. A
+    parameter with no piece on a rank still steps its scalar state there (every rank holds it)."""
+    where = trainable_index(layout)
+    pieces = []
+    for row, rank in enumerate(ranks):
+        spans = {k: (lo, hi) for k, lo, hi in shard_pieces(layout, group, rank, where) if k is not None}
+        for i in group.slots:
+            k = where[i]
+            lo, hi = spans.get(k, (0, 0))
+            if take[k]:
+                views = [t[row, lo:hi] for t in (p, grad, *moments)]
+                pieces.append(Piece(k, own[k], views[0], views[1], tuple(views[2:]), tuple(s[k] for s in scalars)))
+    for piece, new in zip(pieces, rule.update_pieces(pieces, hyper)):
+        for s, v in zip(scalars, new):
+            s[piece.param] = v  # every piece of a parameter gives the same values
+
+
 @dataclasses.dataclass(frozen=True)
-class TorchOptimRule(Optimizer):
+class TorchOptimRule(ShardRule):
     """A ``torch.optim`` class run on each parameter's piece of the shards (see
     :func:`from_torch_optim`, which builds it).
 
@@ -58,9 +93,6 @@ class TorchOptimRule(Optimizer):
     tuples: tuple[tuple[str, int], ...] = ()
     state: tuple[tuple[str, str], ...] = ()
     scalar_dtype: Optional[torch.dtype] = torch.float32
-
-    by_piece = True
-    compilable = False
 
     @property
     def name(self) -> str:
@@ -97,6 +129,12 @@ class TorchOptimRule(Optimizer):
         for t, n in tupled.items():
             out[t] = tuple(values[x] for x in _tuple_names(t, n))
         return out
+
+    def update_shards(self, u: Update, comm: Any) -> None:
+        """Each flat group by piece (:func:`update_by_piece`). No collective."""
+        for g in u.layout.groups:
+            update_by_piece(self, u.layout, g, u.master[g.index], u.grads[g.index], u.moments[g.index],
+                            u.hyper[g.opt_group], u.own, u.take, u.scalars, u.ranks)
 
     def update_pieces(self, pieces: Sequence[Piece], hyper: Mapping[str, torch.Tensor]) -> list[tuple[float, ...]]:
         """The class's own ``step()`` on every piece at once (one torch param group), each

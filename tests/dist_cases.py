@@ -113,21 +113,22 @@ def one_step_volume(comm: fzero.Communicator, stage: int, precision=fzero.MixedP
 
 
 def pooled_stage3(comm: fzero.Communicator, min_bytes: int = 0, steps: int = 3) -> dict:
-    """Eager stage 3 on an MLP of three units of one size, with every step buffer of at least
-    ``min_bytes`` through the step's scratch pool (``fzero.scratch``; 0: all of them): its
-    masters, and how many of the pool's requests an earlier buffer served."""
-    import fzero.grads
-    import fzero.scratch as scratch
+    """Eager stage 3 on an MLP of three units of one size, with every collective's buffer of at
+    least ``min_bytes`` through the communicator's pool (``fzero.dist.gloo.ScratchPool``; 0: all
+    of them; the simulated world pools nothing): its masters, and how many of the pool's
+    requests an earlier buffer served."""
+    import fzero.dist
+    from fzero.dist import gloo
 
     pools: list = []
 
-    class Recorded(scratch.ScratchPool):
+    class Recorded(gloo.ScratchPool):
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
             pools.append(self)
 
-    saved = scratch.MIN_BYTES, fzero.grads.ScratchPool
-    scratch.MIN_BYTES, fzero.grads.ScratchPool = min_bytes, Recorded
+    saved = gloo.MIN_BYTES, fzero.dist.ScratchPool
+    gloo.MIN_BYTES, fzero.dist.ScratchPool = min_bytes, Recorded
     try:
         model = mlp(sizes=(64, 128, 128, 128, 128, 16))
         state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, stage=3,
@@ -139,7 +140,7 @@ def pooled_stage3(comm: fzero.Communicator, min_bytes: int = 0, steps: int = 3) 
             batch = (torch.randn(4 * world, 64, generator=g), torch.randn(4 * world, 16, generator=g))
             state, _ = step(state, comm.split_batch(batch))
     finally:
-        scratch.MIN_BYTES, fzero.grads.ScratchPool = saved
+        gloo.MIN_BYTES, fzero.dist.ScratchPool = saved
     return {"masters": masters(state), "reused": sum(p.reused for p in pools),
             "held": sum(p.held_bytes() for p in pools), "threads": torch.get_num_threads()}
 
@@ -177,7 +178,7 @@ def padding_only_rank(comm: fzero.Communicator, steps: int = 5) -> list[torch.Te
     g = torch.Generator().manual_seed(3)
     for _ in range(steps):
         state, _ = step(state, comm.split_batch(torch.randn(comm.world_size, 2, generator=g)))
-    return masters(state) + [fzero.all_gather_params(state.shard, comm)["w"].clone()]
+    return masters(state) + [fzero.full_params(state.shard, comm)["w"].clone()]
 
 
 def fp16_large_value(world: int) -> float:
@@ -210,7 +211,7 @@ def overlap_order(comm: fzero.Communicator, stage: int) -> dict:
     return {
         "reductions": len(reductions),
         "before_first_layer": sum(i < marks[-1] for i in reductions),
-        "params": {k: v[-1].clone() for k, v in fzero.all_gather_params(state.shard, comm).items()},
+        "params": {k: v[-1].clone() for k, v in fzero.full_params(state.shard, comm).items()},
     }
 
 
@@ -514,7 +515,7 @@ def branchy(comm: fzero.Communicator, stage: int) -> dict[str, torch.Tensor]:
     step = fzero.make_train_step(fzero.module_loss(model, mse), comm)
     for x, y in branchy_batches(comm.world_size):
         state, _ = step(state, comm.split_batch((x, y)))
-    return {k: v[-1].clone() for k, v in fzero.all_gather_params(state.shard, comm).items()}
+    return {k: v[-1].clone() for k, v in fzero.full_params(state.shard, comm).items()}
 
 
 class WideBlock(torch.nn.Module):
@@ -618,9 +619,9 @@ def stage3_gather_schedule(comm: fzero.Communicator, steps: int = 2) -> dict:
         state, _ = step(state, batch)
     lay = state.layout
     live = [a for a in census.allocations if a.live_at(census.peak_ns)]
-    rep = fzero.memory_report(lay, state.opt.optimizer, stage=3, comm=comm, compiled=True)
     return {"gathered": census.scope_peaks.get(GATHER, 0), "reduction": census.scope_peaks.get(GRAD_REDUCTION, 0),
-            "predicted gathered": rep.step_buffers.get(GATHER), "predicted reduction": rep.step_buffers.get(GRAD_REDUCTION),
+            "shards": sum(4 * g.shard_numel for g in lay.groups),
+            "largest group": max(4 * g.padded_numel for g in lay.groups),
             "unseen reduction": census.unseen_bytes(GRAD_REDUCTION, census.scope_peak_ns(GRAD_REDUCTION)),
             "root": sum(4 * g.padded_numel for g in lay.groups if g.bucket == 0),
             "unit": max(4 * g.padded_numel for g in lay.groups if g.bucket > 0),
@@ -631,10 +632,10 @@ def stage3_gather_schedule(comm: fzero.Communicator, steps: int = 2) -> dict:
 def compiled_reduction_census(comm: fzero.Communicator, sizes: tuple[int, ...], stage: int = 2,
                               steps: int = 2) -> dict:
     """A donating compiled stage-1 or -2 fp32 step of an MLP of ``sizes`` under the census (the step
-    after ``steps`` steps), beside ``memory_report(compiled=True)``'s prediction: the census's
-    ``fzero::grad_reduction`` peak and its in-block bytes at the step's peak (activations are a
-    few rows), and the bytes live at the peak whose free the census did not see (freed on
-    gloo's thread: they count until their address is reused)."""
+    after ``steps`` steps): the census's ``fzero::grad_reduction`` peak and its in-block bytes at
+    the step's peak (activations are a few rows), the bytes live at the peak whose free the
+    census did not see (freed on gloo's thread: they count until their address is reused), and
+    the layout's gradient shards and largest flat group."""
     from fzero.testing.census import Census
 
     model = mlp(sizes=sizes)
@@ -647,11 +648,10 @@ def compiled_reduction_census(comm: fzero.Communicator, sizes: tuple[int, ...], 
         state, _ = step(state, batch)
     with Census() as census:
         state, _ = step(state, batch)
-    rep = fzero.memory_report(state.layout, state.opt.optimizer, stage=stage, comm=comm, compiled=True)
+    lay = state.layout
     return {"reduction": census.scope_peaks.get(GRAD_REDUCTION, 0), "peak": census.peak_bytes,
-            "unseen": census.unseen_bytes(at_ns=census.peak_ns),
-            "predicted reduction": rep.step_buffers.get(GRAD_REDUCTION), "predicted peak": rep.step_peak,
-            "groups": len(state.layout.groups)}
+            "unseen": census.unseen_bytes(at_ns=census.peak_ns), "shards": sum(4 * g.shard_numel for g in lay.groups),
+            "largest group": max(4 * g.padded_numel for g in lay.groups), "groups": len(lay.groups)}
 
 
 # --- ranks that call different stage-3 units -------------------------------------------------

@@ -30,7 +30,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _fzero_full_params(state, comm) -> dict:
-    return {k: v[0] for k, v in fzero.all_gather_params(state.shard, comm).items()}
+    return {k: v[0] for k, v in fzero.full_params(state.shard, comm).items()}
 
 
 def case_ddp_adamw(comm):

@@ -77,7 +77,7 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def params_of_rank(state: fzero.TrainState, comm: fzero.Communicator, row: int) -> dict[str, torch.Tensor]:
-    full = fzero.all_gather_params(state.shard, comm)
+    full = fzero.full_params(state.shard, comm)
     return {k: v[row] for k, v in full.items()}
 
 
@@ -181,7 +181,7 @@ def train_sharded(model: torch.nn.Module, rule, data, world: int, stage: int,  #
 def assert_params_close(state, comm, ref: torch.nn.Module, tol: float, where=()) -> None:  # noqa: ANN001
     """Every rank's gathered parameters equal ``ref``'s within relative ``tol`` (max over
     elements, :func:`max_rel_err`); ``where`` labels a failure."""
-    full = fzero.all_gather_params(state.shard, comm)
+    full = fzero.full_params(state.shard, comm)
     for n, p in ref.named_parameters():
         for r in range(comm.world_size):
             err = max_rel_err(full[n][r], p.detach())

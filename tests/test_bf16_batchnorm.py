@@ -162,7 +162,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def assert_matches_oracle(state, comm, ref, replicas, tol):
-    full = fzero.all_gather_params(state.shard, comm)  # the float32 masters
+    full = fzero.full_params(state.shard, comm)  # the float32 masters
     for name, p in ref.named_parameters():
         for r in range(comm.local_ranks):
             assert full[name].dtype == torch.float32
@@ -238,7 +238,7 @@ def test_compiled_follows_eager(kind, stage):
     eager, comm, le = run(build(), fzero.sgd(lr=1e-3), data, stage=stage, units=_units(kind, stage))
     compiled, _, lc = run(build(), fzero.sgd(lr=1e-3), data, stage=stage, units=_units(kind, stage), compile=True)
     assert lc == pytest.approx(le, rel=5e-3)
-    e, c = fzero.all_gather_params(eager.shard, comm), fzero.all_gather_params(compiled.shard, comm)
+    e, c = fzero.full_params(eager.shard, comm), fzero.full_params(compiled.shard, comm)
     for k in e:
         torch.testing.assert_close(c[k], e[k], rtol=1e-3, atol=1e-5, msg=k)
     for g, flat in zip(compiled.layout.groups, compiled.params):
@@ -265,7 +265,7 @@ def test_reduce_dtype_bf16_reduces_kept_gradients_in_bf16_too():
     s2, comm, l2 = run(model, fzero.sgd(lr=0.1), data, stage=2, reduce_dtype=BF16)
     s3, _, l3 = run(model, fzero.sgd(lr=0.1), data, stage=3, units=CNN_UNITS, reduce_dtype=BF16)
     assert l2 == l3
-    p2, p3 = fzero.all_gather_params(s2.shard, comm), fzero.all_gather_params(s3.shard, comm)
+    p2, p3 = fzero.full_params(s2.shard, comm), fzero.full_params(s3.shard, comm)
     for k in p2:
         assert torch.equal(p2[k], p3[k]), k
 
@@ -347,9 +347,8 @@ def test_frozen_batchnorm_stays_float32():
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_memory_report_predicts_two_compute_dtypes(stage):
     """memory_report against the state and a census of one eager step: the kept groups'
-    gathered parameters and gradient buckets are float32, the others bf16 (the slack as in
-    tests/test_census.py and tests/test_census_stage3.py: a few 0-d scalars and the
-    simulated all-gather's index scratch)."""
+    gathered parameters and gradient buckets are float32, the others bf16 (the step's buffers
+    at their joint peak against the census on larger models: tests/test_memory_census.py)."""
     comm = fzero.SimulatedWorld(WORLD)
     model = convnet()
     precision = fzero.MixedPrecision(param_dtype=BF16)
@@ -368,12 +367,8 @@ def test_memory_report_predicts_two_compute_dtypes(stage):
     R, got = comm.local_ranks, census.scope_peaks
     if stage < 3:
         assert got[GRAD_BUCKETS] == rep.step_buffers[GRAD_BUCKETS] * R
-        assert 0 <= got[GRAD_REDUCTION] - rep.step_buffers[GRAD_REDUCTION] * R <= 256
-        assert 0 <= census.joint_peak((GRAD_BUCKETS, GRAD_REDUCTION)) - rep.step_peak * R <= 256
-    else:
-        assert 0 <= got[GATHER] - rep.step_buffers[GATHER] * R <= 256
-        assert 0 <= got[GRAD_REDUCTION] - rep.step_buffers[GRAD_REDUCTION] * R <= 256
-        assert 0 <= census.joint_peak((GATHER, GRAD_REDUCTION)) - rep.step_peak * R <= 256
+    else:  # the root and two units gathered at once, in their two compute dtypes
+        assert got[GATHER] == pytest.approx(rep.step_buffers[GATHER] * R, rel=0.1)
 
 
 def test_checkpoint_round_trip(tmp_path):

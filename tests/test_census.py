@@ -1,17 +1,13 @@
 """The live-tensor census: exact bytes on known allocations, peak vs end, categories,
-autograd's backward, and a real fzero step against ``memory_report``."""
+autograd's backward (a real fzero step against ``memory_report``: tests/test_memory_census.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.utils._pytree as tp
 
-import fzero
-from fzero.scopes import GATHER, GRAD_BUCKETS, GRAD_REDUCTION
 from fzero.testing import Census
 from fzero.testing.census import _replay, storages_of
-from helpers import mlp
 
 MIB = 2.0**20
 
@@ -139,73 +135,3 @@ def test_storages_of_deduplicates_and_skips_empty():
     t = torch.empty(10)
     got = storages_of([t, t[2:], t.view(2, 5), torch.empty(0), "not a tensor"])
     assert [s.nbytes() for s in got] == [40]
-
-
-def _state_tensors(state: fzero.TrainState) -> list[torch.Tensor]:
-    return tp.tree_leaves(state)
-
-
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("donate", [False, True])
-def test_fzero_step_against_memory_report(stage, donate):
-    """A real step on SimulatedWorld(2): the state's tensors (counted as "held" before the
-    step) are ``memory_report(...).held_total`` per rank within 1% (the rest: the per-rank
-    generator states and 0-d scalars). The step allocates at least the report's transient
-    bytes (it also holds activations and, in stages 1-2, full local gradients); without
-    donation it allocates a whole new state, with it the state's buffers are reused."""
-    torch.manual_seed(0)
-    model = mlp(sizes=(64, 256, 256, 16))
-    comm = fzero.SimulatedWorld(2)
-    units = (lambda name, m: name in ("0", "3", "5")) if stage == 3 else None
-    # stages 1-2 in buckets of unequal sizes (one parameter alone, two together, ...)
-    state = fzero.init_train_state(model, fzero.adamw(), comm, stage=stage, units=units,
-                                   bucket_numel=None if units else 20_000)
-    step = fzero.make_train_step(fzero.module_loss(model, torch.nn.functional.mse_loss), comm, donate=donate)
-    assert stage == 3 or len({g.bucket for g in state.layout.groups}) >= 3
-    batch = comm.split_batch((torch.randn(8, 64), torch.randn(8, 16)))
-    state, _ = step(state, batch)                          # warm-up: lazily built pieces
-    rep = fzero.memory_report(state.layout, state.opt.optimizer, stage=stage)
-    held = {"s": state}
-    del state
-    census = Census(known={"held": _state_tensors(held["s"]), "module": list(model.parameters()),
-                           "new state": lambda: _state_tensors(held["s"])})
-    with census:
-        held["s"], _ = step(held["s"], batch)
-    R = comm.local_ranks
-    print(f"\nstage {stage} donate {donate}: memory_report per rank: held {rep.held_total / MIB:.3f} MiB, "
-          f"transient {rep.transient_total / MIB:.3f} MiB; census (both simulated ranks):\n{census.table()}")
-    assert census.baseline["held"] == pytest.approx(R * rep.held_total, rel=0.01)
-    assert census.baseline["held"] >= R * rep.held_total
-    # The module holds no parameter memory of its own: at stage 3 its parameters are on the meta
-    # device; at stages 1-2 they view the gathered buffers they were given at init, which a
-    # donating step refills in place and a pure step replaces (the module then keeps the old ones).
-    if stage == 3:
-        assert census.baseline.get("module", 0) == 0
-    elif donate:
-        assert {p.untyped_storage().data_ptr() for p in model.parameters()} <= {
-            t.untyped_storage().data_ptr() for t in held["s"].params}
-    else:
-        assert census.baseline["module"] == R * rep.held["params"]
-    assert census.peak_bytes >= R * rep.transient_total
-    # the step's own buffers, by their profiler scope: the buckets as predicted to the byte,
-    # the reductions within the 0-d scalars their averages allocate
-    buffers = fzero.memory_report(held["s"].layout, held["s"].opt.optimizer, stage=stage, comm=comm).step_buffers
-    assert set(buffers) == ({GRAD_BUCKETS, GRAD_REDUCTION} if stage < 3 else {GATHER, GRAD_REDUCTION})
-    if stage < 3:
-        assert buffers[GRAD_BUCKETS] * R == census.scope_peaks[GRAD_BUCKETS]
-        assert 0 <= census.scope_peaks[GRAD_REDUCTION] - buffers[GRAD_REDUCTION] * R <= 256
-        # together (simulated ranks share their buckets: no lone-parameter gradient here)
-        together = fzero.memory_report(held["s"].layout, held["s"].opt.optimizer, stage=stage, comm=comm).step_peak
-        assert 0 <= census.joint_peak((GRAD_BUCKETS, GRAD_REDUCTION)) - together * R <= 256
-    else:  # the gathers and reductions of the unit schedule (tests/test_census_stage3.py)
-        assert 0 <= census.scope_peaks[GATHER] - buffers[GATHER] * R <= 256
-        assert 0 <= census.scope_peaks[GRAD_REDUCTION] - buffers[GRAD_REDUCTION] * R <= 256
-    new = census.in_block_by_category.get("new state", 0)
-    made = census.end_by_category.get("new state", 0)
-    if donate:
-        # master and moments are updated in place; stages 1-2 gather into the parameters
-        reused = R * (rep.held["master"] + rep.held["moments"])
-        assert made <= R * rep.held_total - reused + 0.01 * R * rep.held_total
-    else:
-        assert made == pytest.approx(R * rep.held_total, rel=0.01)
-    assert new <= made

@@ -140,7 +140,7 @@ def test_load_is_pure_and_gathers_params(saved_w4):
     before = [x.clone() for x in torch.utils._pytree.tree_leaves(template)]
     state, _ = load_checkpoint(saved_w4, template, comm)
     assert all(torch.equal(x, y) for x, y in zip(before, torch.utils._pytree.tree_leaves(template)))
-    assert all(torch.equal(p, q) for p, q in zip(state.params, fzero.sharding.gather_flat_params(state.shard, comm)))
+    assert all(torch.equal(p, q) for p, q in zip(state.params, fzero.all_gather_params(state.shard, comm)))
     again, _ = load_checkpoint(saved_w4 / "step-00000008", template, comm)  # the directory itself
     assert states_equal(state, again)
 

@@ -74,7 +74,7 @@ def test_donated_step_reuses_the_buffers_and_consumes_its_input():
     with pytest.raises(ValueError, match="consumed"):
         step(old, comm.split_batch(batches(1, 2, 2, torch.float32)[0]))
     with pytest.raises(ValueError, match="consumed"):
-        fzero.all_gather_params(old.shard, comm)
+        fzero.full_params(old.shard, comm)
     assert all(m.numel() == 0 for m in old.shard.master)  # never garbage: empty
     state, _ = step(state, comm.split_batch(batches(1, 2, 2, torch.float32)[0]))  # the new one works
 
@@ -137,7 +137,7 @@ def test_donating_steps_gather_into_the_buffers_the_module_views(compile):
     for batch in batches(3, 1, 4, torch.float32):
         state, _ = step(state, comm.split_batch(batch))
         assert [p.data_ptr() for p in state.params] == ptrs
-    gathered = fzero.all_gather_params(state.shard, comm)
+    gathered = fzero.full_params(state.shard, comm)
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), gathered[name][0]), name
 

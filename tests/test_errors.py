@@ -127,15 +127,15 @@ def test_reduce_scatter_and_gather_with_other_world_size(shard):
     with pytest.raises(ValueError, match=r"world.size"):
         fzero.reduce_scatter_grads(shard, _grads(world=4), comm4)
     with pytest.raises(ValueError, match=r"world.size"):
-        fzero.all_gather_params(shard, comm4)
+        fzero.full_params(shard, comm4)
     with pytest.raises(ValueError, match=r"world.size"):
-        fzero.sharding.gather_flat_params(shard, comm4)
+        fzero.all_gather_params(shard, comm4)
 
 
 def test_master_shard_of_wrong_shape(shard, comm):
     bad = dataclasses.replace(shard, master=(shard.master[0][:, :-1],))
     with pytest.raises(ValueError, match=r"master\[0\]"):
-        fzero.all_gather_params(bad, comm)
+        fzero.full_params(bad, comm)
 
 
 def test_shard_step_with_wrong_number_of_grad_shards(comm):

@@ -1,6 +1,7 @@
-"""The host allocator policy (fzero.host_malloc): a freed block of a step's size goes back to
-the system once a CPU state is built, the heap's top keeps what a step frees under that size,
-and a process that chose its own policy keeps it.
+"""The host allocator policy (fzero.host_malloc): after the one documented call
+(``tune_host_allocator``) a freed block of a step's size goes back to the system and the heap's
+top keeps what a step frees under that size; without it (``import fzero`` and building a state
+change no process setting) glibc is left as it is; a policy the environment chose is kept.
 
 Each case runs in a fresh interpreter: the policy is a setting of the whole process."""
 
@@ -29,10 +30,8 @@ def rss():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 mode = sys.argv[1]
-if mode == "keep":
-    host_malloc.keep_host_malloc()
 fzero.init_train_state(torch.nn.Linear(4, 4), fzero.sgd(lr=0.1), fzero.SimulatedWorld(1))
-decided = host_malloc.apply_host_malloc_policy("cpu")
+decided = host_malloc.tune_host_allocator() if mode == "init" else "kept"
 a = torch.ones(6 << 20)  # 24 MiB
 del a
 before = rss()
@@ -49,11 +48,11 @@ def _probe(mode: str, env: dict | None = None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_a_cpu_state_pins_the_threshold_and_freed_blocks_go_back():
+def test_the_tuning_call_pins_the_threshold_and_freed_blocks_go_back():
     pinned = _probe("init")
     assert pinned["decided"] == "pinned"
     assert pinned["kept_mib"] < 4, pinned
-    # the same probe where the program keeps glibc's dynamic threshold: the freed block stays
+    # the same probe without the call: building a state left glibc's dynamic threshold, the block stays
     kept = _probe("keep")
     assert kept["decided"] == "kept"
     assert kept["kept_mib"] > 16, kept
@@ -78,7 +77,8 @@ def test_a_threshold_chosen_in_the_environment_is_left_alone():
 _TOP = r"""
 import ctypes, json, resource, torch
 import fzero
-fzero.init_train_state(torch.nn.Linear(4, 4), fzero.sgd(lr=0.1), fzero.SimulatedWorld(1))
+from fzero import host_malloc
+host_malloc.tune_host_allocator()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes, libc.memset.argtypes = [ctypes.c_void_p], [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]

@@ -16,7 +16,7 @@ from hypothesis import given
 
 import fzero
 from fzero.layout import flatten_one
-from fzero.sharding import flatten_group
+from fzero.layout import flatten_group
 from fzero.testing.strategies import LayoutCase, layout_cases
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
@@ -167,7 +167,7 @@ def test_all_gather_after_init_round_trips_bitwise(case: Case):
     tensors = case.tensors()
     comm = fzero.SimulatedWorld(case.world)
     shard = fzero.init_shard(case.tree(tensors), comm, alignment=case.alignment)
-    full = fzero.all_gather_params(shard, comm)
+    full = fzero.full_params(shard, comm)
     assert isinstance(full, dict) and set(full) == {"a", "b"}
     assert isinstance(full["a"], list) and isinstance(full["b"], tuple)
     leaves = case.leaves_of(full)
@@ -179,7 +179,7 @@ def test_all_gather_after_init_round_trips_bitwise(case: Case):
             assert_bitwise(x[r], t, f"{path} rank {r}")
 
     # Flat buffers: every rank holds the whole padded buffer, padding zero.
-    flats = fzero.sharding.gather_flat_params(shard, comm)
+    flats = fzero.all_gather_params(shard, comm)
     for f, (dtype, members) in zip(flats, ref_groups(case.dtypes)):
         numel = sum(tensors[i].numel() for i in members)
         ref = ref_flat([tensors[i] for i in members], dtype, ref_padded(numel, case.world, case.alignment))
@@ -188,7 +188,7 @@ def test_all_gather_after_init_round_trips_bitwise(case: Case):
             assert_bitwise(f[r], ref, f"flat rank {r}")
 
     # An explicit compute dtype casts every leaf (float64 holds every value exactly).
-    full64 = fzero.all_gather_params(shard, comm, dtype=F64)
+    full64 = fzero.full_params(shard, comm, dtype=F64)
     for path, x, t in zip(case.paths, case.leaves_of(full64), tensors):
         assert x.dtype == F64
         assert torch.equal(x, t.to(F64).expand(case.world, *t.shape)), path
@@ -230,13 +230,13 @@ def test_reduce_scatter_grads_is_sharded_mean(case: Case):
 
     # Round trip: gathering the reduced shards reproduces the mean gradients.
     as_params = dataclasses.replace(shard, master=out)
-    back = fzero.all_gather_params(as_params, comm, dtype=F64)
+    back = fzero.full_params(as_params, comm, dtype=F64)
     for path, x, mean, d in zip(case.paths, case.leaves_of(back), means, case.dtypes):
         assert tuple(x.shape) == (W, *mean.shape), path
         for r in range(W):
             torch.testing.assert_close(x[r], mean, **TOL[MASTER[d]], msg=path)
     # ... and in the parameters' own dtypes (a cast of the master values).
-    back_own = fzero.all_gather_params(as_params, comm)
+    back_own = fzero.full_params(as_params, comm)
     for path, x, x64, d in zip(case.paths, case.leaves_of(back_own), case.leaves_of(back), case.dtypes):
         assert x.dtype == d, path
         assert_bitwise(x, x64.to(d), path)
@@ -363,7 +363,7 @@ def test_padding_stays_zero_through_training(stage, clip):
     # The gathered compute parameters carry zero padding too, and the real params moved.
     for n, p in zip(numels, state.params):
         assert torch.equal(p[:, n:], torch.zeros_like(p[:, n:]))
-    full = fzero.all_gather_params(state.shard, comm)
+    full = fzero.full_params(state.shard, comm)
     assert not torch.equal(full["w1"][0], params["w1"])
     assert not torch.equal(full["layers"][0][0], params["layers"][0])
 
@@ -381,7 +381,7 @@ def test_two_elements_on_three_ranks():
     assert (g.numel, g.shard_numel, g.padded_numel, g.padding) == (2, 1, 3, 1)
     shard = fzero.init_shard({"w": w}, comm, alignment=1)
     assert torch.equal(shard.master[0], torch.tensor([[1.5], [-2.25], [0.0]]))
-    full = fzero.all_gather_params(shard, comm)
+    full = fzero.full_params(shard, comm)
     assert torch.equal(full["w"], w.expand(3, 2))
 
     grads = {"w": torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 9.0]])}
@@ -402,7 +402,7 @@ def test_two_elements_on_three_ranks():
             assert torch.equal(mom[2], torch.zeros(1))
     assert not torch.equal(state.shard.master[0][:2, 0], w)
     # What the ranks own is what they gather.
-    full = fzero.all_gather_params(state.shard, comm)
+    full = fzero.full_params(state.shard, comm)
     assert torch.equal(full["w"][0], state.shard.master[0][:2, 0])
 
 
@@ -417,7 +417,7 @@ def test_seven_elements_on_four_ranks(alignment, shard_numel):
     ref = torch.chunk(torch.cat([w, torch.zeros(W * shard_numel - 7)]), W)
     for r in range(W):
         assert torch.equal(shard.master[0][r], ref[r])
-    assert torch.equal(fzero.all_gather_params(shard, comm)["w"], w.expand(W, 7))
+    assert torch.equal(fzero.full_params(shard, comm)["w"], w.expand(W, 7))
     gr = torch.arange(28, dtype=F32).reshape(W, 7)
     out = fzero.reduce_scatter_grads(shard, {"w": gr}, comm)[0]
     mean = torch.cat([gr.double().mean(0), torch.zeros(W * shard_numel - 7, dtype=F64)])
@@ -470,7 +470,7 @@ def test_frozen_module_parameters():
         batch = (torch.randn(4, 4, generator=g), torch.randn(4, 3, generator=g))
         state, metrics = step(state, comm.split_batch(batch))
         assert metrics["found_inf"].item() == 0
-    full = fzero.all_gather_params(state.shard, comm)
+    full = fzero.full_params(state.shard, comm)
     assert set(full) == set(original)
     for name in ("0.weight", "0.bias"):
         for r in range(W):
@@ -514,7 +514,7 @@ def test_frozen_pytree_leaf_via_trainable():
     step = fzero.make_train_step(loss_fn, comm)
     for _ in range(2):
         state, _ = step(state, comm.split_batch(torch.randn(W * 2, 3, generator=g)))
-    full = fzero.all_gather_params(state.shard, comm)
+    full = fzero.full_params(state.shard, comm)
     assert torch.equal(full["b"], params["b"].expand(W, 2))
     assert not torch.equal(full["a"][0], params["a"])
     assert not torch.equal(full["c"][0], params["c"])
@@ -564,7 +564,7 @@ def _check_decay_groups(model, decay: list[str], no_decay: list[str], predicate=
     params = dict(model.named_parameters())
     zeros = tuple(torch.zeros_like(m) for m in state.shard.master)
     shard, _ = fzero.shard_step(state.shard, state.opt, zeros)
-    full = fzero.all_gather_params(shard, comm)
+    full = fzero.full_params(shard, comm)
     for name in decay:
         torch.testing.assert_close(full[name][0], params[name].detach() * 0.99, rtol=1e-6, atol=0)
     for name in no_decay:

@@ -104,7 +104,7 @@ def test_llama_equals_torch_muon_and_adamw(world, stage):
     pytest.importorskip("transformers")
     data = um.token_batches(STEPS, world * 2)
     model = um.llama().double()
-    matrices = fzero.hidden_matrices(model)
+    matrices = fzero.muon_rules.hidden_matrices(model)
     assert any(matrices(n) for n, _ in model.named_parameters())
     assert not matrices("model.embed_tokens.weight") and not matrices("lm_head.weight")
     ref, _, _ = um.oracle_run(model, lambda m: MuonAdamW(m, matrices), data, world, um.oracle_loss("lm"))
@@ -117,7 +117,7 @@ def test_each_matrix_is_orthogonalized_once_in_the_world(monkeypatch):
     each by its owner row, and the owners spread the work over the ranks."""
     world = 4
     model = um.llama().double() if _has_transformers() else mlp(torch.float64, sizes=SIZES)
-    matrices = fzero.hidden_matrices(model) if _has_transformers() else is_matrix_of(model)
+    matrices = fzero.muon_rules.hidden_matrices(model) if _has_transformers() else is_matrix_of(model)
     n_matrices = sum(1 for n, _ in model.named_parameters() if matrices(n))
     calls: collections.Counter = collections.Counter()
     by_rank: collections.Counter = collections.Counter()

@@ -140,7 +140,7 @@ def test_group_overrides_first_match_wins():
 def test_init_opt_state_and_set_hyperparams():
     opt = fzero.adamw(lr=0.1, groups=[(lambda p: p == "x", {"lr": 0.2})])
     master = [torch.randn(2, 4), torch.randn(2, 3, dtype=torch.float64)]
-    st = fzero.init_opt_state(opt, master)
+    st = fzero.optim.init_opt_state(opt, master)
     assert st.step.dtype == torch.int64 and int(st.step) == 0
     assert [h["lr"].item() for h in st.hyper] == [0.1, 0.2]
     assert all(v.dtype == torch.float64 and v.shape == () for h in st.hyper for v in h.values())
@@ -195,36 +195,36 @@ TRAINABLE = {"a": True, "b": True, "f": False, "c": True}.__getitem__
 
 @pytest.mark.parametrize("W", [1, 2, 3])
 def test_gather_and_merge_round_trip(W):
-    from fzero.sharding import merge_params, trainable_views
+    from fzero.layout import param_tree
 
     params = _tree_params()
     comm = fzero.SimulatedWorld(W)
     shard = fzero.init_shard(params, comm, trainable=TRAINABLE, alignment=2)
     assert len(shard.frozen) == 1 and torch.equal(shard.frozen[0], params["f"])
-    flats = fzero.sharding.gather_flat_params(shard, comm)
+    flats = fzero.all_gather_params(shard, comm)
     assert [f.dtype for f in flats] == [g.dtype for g in shard.layout.groups]
     assert all(f.shape == (W, g.padded_numel) for f, g in zip(flats, shard.layout.groups))
-    half = fzero.sharding.gather_flat_params(shard, comm, torch.bfloat16)
+    half = fzero.all_gather_params(shard, comm, torch.bfloat16)
     assert all(h.dtype == torch.bfloat16 and torch.equal(h, f.to(torch.bfloat16)) for h, f in zip(half, flats))
+    tree = param_tree(shard.layout, flats, shard.frozen, torch.float64)
+    assert list(tree) == ["a", "b", "f", "c"]
     for row in range(W):
-        views = trainable_views(shard.layout, flats, row)
+        views = {k: v[row] for k, v in tree.items() if k != "f"}
         assert sorted(views) == ["a", "b", "c"]
         for k, v in views.items():
             assert torch.equal(v, params[k])
             assert v.untyped_storage().data_ptr() == flats[shard.layout.slots[shard.layout.paths.index(k)].group][
                 row].untyped_storage().data_ptr()
-        tree = merge_params(shard.layout, views, shard.frozen, torch.float64)
-        assert list(tree) == ["a", "b", "f", "c"]
-        assert tree["f"].dtype == torch.float64 and torch.equal(tree["f"], params["f"].double())
-        assert merge_params(shard.layout, views, shard.frozen)["f"].dtype == torch.float32
-    full = fzero.all_gather_params(shard, comm, dtype=torch.float64)
+        assert tree["f"][row].dtype == torch.float64 and torch.equal(tree["f"][row], params["f"].double())
+    assert param_tree(shard.layout, flats, shard.frozen)["f"].dtype == torch.float32
+    full = fzero.full_params(shard, comm, dtype=torch.float64)
     for k, v in params.items():
         assert full[k].shape == (W, *v.shape) and full[k].dtype == torch.float64
         assert torch.equal(full[k], v.double().expand(W, *v.shape))
 
 
 def test_stack_rows():
-    from fzero.sharding import stack_rows
+    from fzero.layout import stack_rows
 
     x = torch.arange(4.0)
     one = stack_rows([x])
@@ -234,7 +234,7 @@ def test_stack_rows():
 
 
 def test_local_sq_norm_and_global_norm():
-    from fzero.sharding import local_sq_norm
+    from fzero.scaler import local_sq_norm
 
     g = torch.Generator().manual_seed(0)
     shards = [torch.randn(3, 5, generator=g), torch.randn(3, 2, generator=g, dtype=torch.float64)]
@@ -273,7 +273,7 @@ def test_check_world_errors():
     with pytest.raises(ValueError, match="donated"):
         fzero.reduce_scatter_grads(consumed, {"w": torch.ones(2, 6)}, comm)
     with pytest.raises(ValueError, match="donated"):
-        fzero.sharding.gather_flat_params(consumed, comm)
+        fzero.all_gather_params(consumed, comm)
 
 
 def test_reduce_scatter_grads_dtypes_and_mean():
@@ -299,7 +299,7 @@ def test_shard_step_checks_and_step_count():
     comm = fzero.SimulatedWorld(2)
     opt = fzero.sgd(lr=0.5)
     shard = fzero.init_shard({"w": torch.ones(4)}, comm, optimizer=opt, alignment=1)
-    st = fzero.init_opt_state(opt, shard.master)
+    st = fzero.optim.init_opt_state(opt, shard.master)
     g = (torch.ones(2, 2),)
     with pytest.raises(ValueError, match="got 2 gradient shards for 1 flat groups"):
         fzero.shard_step(shard, st, g + g)

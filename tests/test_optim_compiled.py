@@ -80,12 +80,13 @@ def _shards(full: torch.Tensor, shard_numel: int) -> torch.Tensor:
     return padded.reshape(W, shard_numel)
 
 
-def _both_steps(shard, opt_state, grads, found_inf):
-    """shard_step pure and donating (on copies) in one function: one compile covers both paths."""
-    pure = fzero.shard_step(shard, opt_state, grads, found_inf)
+def _both_steps(shard, opt_state, grads, found_inf, comm=None):
+    """shard_step pure and donating (on copies) in one function: one compile covers both paths.
+    Compiled, it is given the traced communicator (who compiles says so: ``comm.tracing()``)."""
+    pure = fzero.shard_step(shard, opt_state, grads, found_inf, comm=comm)
     donor = replace(shard, master=tuple(m.clone() for m in shard.master))
     donor_opt = replace(opt_state, moments=tuple(tuple(x.clone() for x in mm) for mm in opt_state.moments))
-    donated = fzero.shard_step(donor, donor_opt, grads, found_inf, donate=True)
+    donated = fzero.shard_step(donor, donor_opt, grads, found_inf, donate=True, comm=comm)
     return pure, donated
 
 
@@ -96,7 +97,8 @@ def compiled_both():
     limit = getattr(cfg, name)
     setattr(cfg, name, 64)  # one graph per static flag set
     try:
-        yield torch.compile(_both_steps, fullgraph=True)
+        traced = fzero.SimulatedWorld(W).tracing()
+        yield torch.compile(lambda *args: _both_steps(*args, comm=traced), fullgraph=True)
     finally:
         setattr(cfg, name, limit)
 
@@ -105,7 +107,7 @@ def _run_fzero(opt, step_fn, found_inf_none=False):
     w, grads = _data()
     comm = fzero.SimulatedWorld(W)
     shard = fzero.init_shard({"w": w}, comm, optimizer=opt, alignment=1)
-    opt_state = fzero.init_opt_state(opt, shard.master)
+    opt_state = fzero.optim.init_opt_state(opt, shard.master)
     n = shard.master[0].shape[1]
     history = []
     for i, g in enumerate(grads):
@@ -167,7 +169,7 @@ def test_out_of_place_update_eagerly_matches_torch_optim(name, opt, cls, kw):
     w, grads = _data()
     p = torch.stack([w, -w])  # two independent rows: the second sees negated data
     moments = tuple(torch.zeros_like(p) for _ in opt.moment_names)
-    state = fzero.init_opt_state(opt, [p])
+    state = fzero.optim.init_opt_state(opt, [p])
     step = torch.zeros((), dtype=torch.int64)
     for i, g in enumerate(grads):
         if i == SKIP_AT:
@@ -195,7 +197,7 @@ def test_fused_update_of_rows_equals_each_row_alone(kind, amsgrad):
     R, n = 8, 76  # 76 = 4 * 16 + 12: every row has a tail on its own
     p = torch.randn(R, n, generator=g)
     moments = tuple(torch.zeros(R, n) for _ in opt.moment_names)
-    state = fzero.init_opt_state(opt, [p])
+    state = fzero.optim.init_opt_state(opt, [p])
     rows = [(p[r : r + 1].clone(), tuple(m[r : r + 1].clone() for m in moments)) for r in range(R)]
     for step in range(6):
         grad = torch.randn(R, n, generator=g) * 10.0 ** -step
@@ -263,7 +265,7 @@ def test_skipped_step_leaves_every_bit(mode, kind, amsgrad, found, compiled_both
     for m in moments:
         m[1, :4] = special
     shard = replace(shard, master=(master,))
-    state = replace(fzero.init_opt_state(opt, shard.master), step=torch.tensor(3), moments=(moments,))
+    state = replace(fzero.optim.init_opt_state(opt, shard.master), step=torch.tensor(3), moments=(moments,))
     grad = torch.randn(W, n, generator=g)
     grad[0, ::2] = float("nan")
     grad[1, ::3] = -float("inf")
@@ -277,7 +279,10 @@ def test_skipped_step_leaves_every_bit(mode, kind, amsgrad, found, compiled_both
 
 
 def _pure_and_donated(shard, opt_state, grads, found_inf):
-    return _both_steps(shard, opt_state, grads, found_inf)
+    return _both_steps(shard, opt_state, grads, found_inf, comm=TRACED)
+
+
+TRACED = fzero.SimulatedWorld(W).tracing()
 
 
 def test_compiled_step_does_not_recompile_as_hyperparameters_change():
@@ -288,7 +293,7 @@ def test_compiled_step_does_not_recompile_as_hyperparameters_change():
     comm = fzero.SimulatedWorld(W)
     w, grads = _data()
     shard = fzero.init_shard({"w": w}, comm, optimizer=opt, alignment=1)
-    state = fzero.init_opt_state(opt, shard.master)
+    state = fzero.optim.init_opt_state(opt, shard.master)
     n = shard.master[0].shape[1]
     graphs, recompiles = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
     compiled = torch.compile(_pure_and_donated, fullgraph=True)

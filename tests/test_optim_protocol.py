@@ -113,7 +113,7 @@ def test_user_rule_lion_trains_at_every_stage_like_plain_torch(compile):
             assert counters["stats"]["unique_graphs"] == 1, stage
             assert not counters["recompiles"] and not counters["graph_break"], stage
         assert int(state.opt.step) == STEPS
-        full = fzero.all_gather_params(state.shard, comm)
+        full = fzero.full_params(state.shard, comm)
         for n, p in ref.items():
             for r in range(W):
                 assert max_rel_err(full[n][r], p.detach()) <= 1e-10, (stage, n, r)

@@ -73,7 +73,7 @@ def test_launch_order_is_fixed_whatever_order_backward_completes_buckets():
             counting.reset()
             state, _ = step(state, counting.split_batch((x, y)))
         sizes = [r.elements for r in counting.records if is_grad_reduction(r, state.layout)]
-        results.append((sizes, fzero.all_gather_params(state.shard, counting)))
+        results.append((sizes, fzero.full_params(state.shard, counting)))
     one, many = results
     # reverse registration order: stem's bias, stem's weight, body's bias, ... (padded to 16 x 2)
     want = [g.padded_numel for g in reversed(
@@ -101,7 +101,7 @@ def train_bucketed(stage, accum, defer, world, bucket_numel, clip_norm=None):
                                  defer_reduce=defer, clip_norm=clip_norm)
     for x, y in data(3, world, accum, torch.float32):
         state, metrics = step(state, comm.split_batch((x, y), micro_batches=accum))
-    return len(state.layout.groups), fzero.all_gather_params(state.shard, comm), metrics
+    return len(state.layout.groups), fzero.full_params(state.shard, comm), metrics
 
 
 @pytest.mark.parametrize("stage,accum,defer", [(1, 1, False), (1, 3, False), (2, 1, False), (2, 3, False), (2, 3, True)])
@@ -143,7 +143,7 @@ def test_bucketed_stage2_equals_torch_adamw_float64():
     step = fzero.make_train_step(fzero.module_loss(model, mse), comm)
     for x, y in batches:
         state, _ = step(state, comm.split_batch((x, y)))
-    got = fzero.all_gather_params(state.shard, comm)
+    got = fzero.full_params(state.shard, comm)
     for k, v in ref.named_parameters():
         assert max_rel_err(got[k][1], v.detach()) < 1e-12, k
 
@@ -162,7 +162,7 @@ def test_bf16_reduction_in_buckets_equals_one_bucket():
         step = fzero.make_train_step(fzero.module_loss(model, mse), comm)
         for x, y in batches:
             state, _ = step(state, comm.split_batch((x, y)))
-        out.append(fzero.all_gather_params(state.shard, comm))
+        out.append(fzero.full_params(state.shard, comm))
     for k in out[0]:
         assert torch.equal(out[0][k], out[1][k]), k
 
@@ -230,7 +230,7 @@ def test_a_lone_parameter_bucket_reduces_autograds_gradient_itself(world, monkey
     else:
         assert sorted(set(taken)) == sorted(world * n for n in padded)
     ref = trained_in_one_bucket(world, batches)
-    got = fzero.all_gather_params(state.shard, comm)
+    got = fzero.full_params(state.shard, comm)
     for k in got:
         assert torch.equal(got[k], ref[k]), k
 
@@ -244,4 +244,4 @@ def trained_in_one_bucket(world: int, batches) -> dict:
     step = fzero.make_train_step(fzero.module_loss(fresh, mse), comm)
     for x, y in batches:
         state, _ = step(state, comm.split_batch((x, y)))
-    return fzero.all_gather_params(state.shard, comm)
+    return fzero.full_params(state.shard, comm)

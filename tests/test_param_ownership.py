@@ -33,7 +33,7 @@ def test_stage12_module_views_the_state_and_a_donating_step_keeps_it_current(sta
     for batch in batches(3, 2, 2, torch.float32):
         state, _ = step(state, comm.split_batch(batch))
     assert {_storage(p) for p in state.params} == buffers  # gathered in place
-    trained = {k: v[0] for k, v in fzero.all_gather_params(state.shard, comm).items()}
+    trained = {k: v[0] for k, v in fzero.full_params(state.shard, comm).items()}
     for n, p in model.named_parameters():
         assert torch.equal(p, trained[n]), n
         assert not torch.equal(p, before[n]), n
@@ -71,7 +71,7 @@ def test_stage3_module_holds_no_parameters_until_write_back():
     fzero.write_back(state, comm, model)
     assert all(a is b for a, b in zip(model.parameters(), held))  # the same objects, now with memory
     assert not any(p.is_meta for p in model.parameters())
-    trained = {k: v[0] for k, v in fzero.all_gather_params(state.shard, comm).items()}
+    trained = {k: v[0] for k, v in fzero.full_params(state.shard, comm).items()}
     for n, p in model.named_parameters():
         assert torch.equal(p, trained[n]), n
     reference.load_state_dict(trained)

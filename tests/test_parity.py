@@ -74,7 +74,7 @@ def test_parity_with_torch_optim(name, stage, world, dtype, tol):
     data = batches(STEPS, world, 2, dtype)
     ref = reference_run(model, make_torch, data, world)
     state, comm = _fzero_run(model, make_fzero(), data, world, stage, dtype)
-    gathered = fzero.all_gather_params(state.shard, comm)
+    gathered = fzero.full_params(state.shard, comm)
     assert int(state.opt.step) == STEPS
     for n, p in ref.named_parameters():
         for r in range(world):  # every rank holds the same parameters
@@ -89,7 +89,7 @@ def test_optimizer_variants_f64(name):
     data = batches(STEPS, world, 2, dtype)
     ref = reference_run(model, make_torch, data, world)
     state, comm = _fzero_run(model, make_fzero(), data, world, 2, dtype)
-    gathered = fzero.all_gather_params(state.shard, comm)
+    gathered = fzero.full_params(state.shard, comm)
     for n, p in ref.named_parameters():
         assert max_rel_err(gathered[n][0], p.detach()) <= 1e-10, n
 
@@ -133,7 +133,7 @@ def test_by_hand_composition_equals_helper():
     for batch in batches(5, world, 2, dtype):
         x, y = comm.split_batch(batch)
         state, _ = step(state, (x, y))
-        params = fzero.all_gather_params(shard, comm)
+        params = fzero.full_params(shard, comm)
         grads = {}
         for r in range(world):
             p_r = {k: v[r].detach().requires_grad_(True) for k, v in params.items()}

@@ -63,22 +63,48 @@ def _not_allowed(calls: dict[str, object]) -> list[str]:
     return sorted(bad)
 
 
+PIECES = ("scale", "loss_grads", "reduce_scatter_grads", "accumulate", "unscale_and_check", "shard_step",
+          "all_gather_params", "update_scale")
+
+
 def test_make_train_step_calls_only_public_functions():
-    calls = _fzero_calls(fzero.make_train_step)
-    assert not _not_allowed(calls), f"make_train_step calls fzero functions that are not its public pieces: " \
+    calls = _fzero_calls(step_module.train_step)
+    assert not _not_allowed(calls), f"the step calls fzero functions that are not its public pieces: " \
         f"{_not_allowed(calls)}"
     # the pieces the product promises, each called by the step itself
-    for piece in ("loss_grads", "unscale_and_clip", "shard_step", "update_scale", "all_gather_params"):
+    for piece in PIECES:
         assert piece in calls and calls[piece] is getattr(fzero, piece), piece
 
 
 def test_the_check_finds_a_private_twin():
-    def step_with_twins(shard, comm, flats, layout):
-        sharding.average_flat_grads_at_once(flats, layout, comm, None)  # a variant of reduce_scatter_grads
-        sharding._grad_leaves(layout, {}, 1)  # private
-        return fzero.all_gather_params(shard, comm, flat=True)
+    def step_with_twins(shard, comm, grads, layout):
+        sharding.global_norm(grads, comm)  # public in its module, not a piece of the step
+        sharding._cut(grads, layout.groups)  # private
+        return fzero.all_gather_params(shard, comm)
 
-    assert _not_allowed(_fzero_calls(step_with_twins)) == ["sharding._grad_leaves", "sharding.average_flat_grads_at_once"]
+    assert _not_allowed(_fzero_calls(step_with_twins)) == ["sharding._cut", "sharding.global_norm"]
+
+
+def test_the_hand_composed_step_is_the_pieces_by_name():
+    """``examples/compose_by_hand.py`` imports only torch and fzero, its step is at most 60
+    lines, and it calls each piece by its name."""
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "compose_by_hand.py"
+    tree = ast.parse(path.read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree)
+                 if isinstance(n, ast.ImportFrom) and n.module and n.module != "__future__"}
+    assert imported <= {"torch", "fzero", "typing"}, imported
+    spec = importlib.util.spec_from_file_location("compose_by_hand", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    hand = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "hand_step")
+    step = next(n for n in ast.walk(hand) if isinstance(n, ast.FunctionDef) and n.name == "step")
+    assert step.end_lineno - step.lineno + 1 <= 60
+    called = {n.func.attr for n in ast.walk(step) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+              and isinstance(n.func.value, ast.Name) and n.func.value.id == "fzero"}
+    assert set(PIECES) <= called, set(PIECES) - called
 
 
 def test_step_module_is_small():
@@ -97,14 +123,13 @@ def test_top_level_is_small_and_documented():
         assert internal not in names
 
 
-def test_flat_and_started_forms_equal_the_tree_forms():
-    """``reduce_scatter_grads`` on the parameter tree, on the flat groups, and started then
-    waited for give the same bits; ``all_gather_params(flat=True)`` (new buffers and ``into=``)
-    holds exactly the tree form's parameters. Buckets of unequal sizes, W=3."""
+def test_flat_and_tree_forms_equal():
+    """``reduce_scatter_grads`` on the parameter tree and on the flat groups give the same bits;
+    ``all_gather_params`` (new buffers and ``into=``) holds exactly ``full_params``' parameters.
+    Buckets of unequal sizes, W=3."""
     import torch
 
-    from fzero.layout import flatten_group
-    from fzero.sharding import _grad_leaves
+    from fzero.layout import flat_grads
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
@@ -113,25 +138,22 @@ def test_flat_and_started_forms_equal_the_tree_forms():
     lay = state.layout
     assert len(lay.groups) > 1
     tree = {n: torch.randn(3, *p.shape) for n, p in model.named_parameters()}
-    leaves = _grad_leaves(lay, tree, 3)
-    flats = tuple(flatten_group(lay, g, leaves) for g in lay.groups)
+    flats = flat_grads(lay, tree, 3)
     by_tree = fzero.reduce_scatter_grads(state.shard, tree, comm)
-    by_flat = fzero.reduce_scatter_grads(state.shard, flats, comm, flat=True)
-    started = fzero.reduce_scatter_grads(state.shard, flats, comm, flat=True, start=True)
-    assert callable(started)
-    for a, b, c in zip(by_tree, by_flat, started()):
-        assert torch.equal(a, b) and torch.equal(a, c)
-    params = fzero.all_gather_params(state.shard, comm)
-    flat = fzero.all_gather_params(state.shard, comm, flat=True)
+    by_flat = fzero.reduce_scatter_grads(state.shard, flats, comm)
+    for a, b in zip(by_tree, by_flat):
+        assert torch.equal(a, b)
+    params = fzero.full_params(state.shard, comm)
+    flat = fzero.all_gather_params(state.shard, comm)
     into = tuple(torch.full_like(f, float("nan")) for f in flat)
-    assert fzero.all_gather_params(state.shard, comm, flat=True, into=into) is not None
+    assert fzero.all_gather_params(state.shard, comm, into=into) is not None
     for g, f, i in zip(lay.groups, flat, into):
         assert torch.equal(f, i)
         for k in g.slots:
             s = lay.slots[k]
             assert torch.equal(f[:, s.offset:s.offset + s.numel].reshape(3, *s.shape), params[s.path])
-    with pytest.raises(ValueError, match="flat group"):
-        fzero.reduce_scatter_grads(state.shard, flats[:-1], comm, flat=True)
+    with pytest.raises(ValueError, match="flat buffers for"):
+        fzero.reduce_scatter_grads(state.shard, type(flats)(flats.groups, flats[:-1]), comm)
 
 
 def test_import_fzero_leaves_dynamo_unloaded():

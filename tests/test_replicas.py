@@ -9,7 +9,6 @@ import torch
 
 import fzero
 from fzero.pytree import replace
-from fzero.compiled import compiled_step
 from fzero.replicas import Divergence, replica_digest, replica_items
 from helpers import batches, children, mlp
 from helpers import CHEAP_COMPILE
@@ -147,10 +146,11 @@ def test_replicas_differ_compiles_without_graph_breaks():
     state, comm = _trained(world=2, steps=1)
     bad = _with_params(state, 0, lambda p: _flip(p, 1, 0, 0))
     counters.clear()
-    f = torch.compile(lambda s: fzero.replicas.replicas_differ(s, comm), fullgraph=True)
+    traced = comm.tracing()  # who compiles passes the traced communicator
+    f = torch.compile(lambda s: fzero.replicas.replicas_differ(s, traced), fullgraph=True)
     assert not bool(f(state)) and bool(f(bad))
     assert sum(counters["graph_break"].values()) == 0
-    assert torch.equal(torch.compile(lambda s: replica_digest(s, comm), fullgraph=True)(bad), replica_digest(bad, comm))
+    assert torch.equal(torch.compile(lambda s: replica_digest(s, traced), fullgraph=True)(bad), replica_digest(bad, comm))
 
 
 def test_replicas_differ_inside_a_compiled_step_one_graph():
@@ -160,15 +160,16 @@ def test_replicas_differ_inside_a_compiled_step_one_graph():
     model = mlp(torch.float32)
     comm = fzero.SimulatedWorld(2)
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-2), comm, alignment=4)
-    core = fzero.make_train_step(fzero.module_loss(model, mse), comm)
+    loss = fzero.module_loss(model, mse)
+    core = fzero.step.train_step(loss)
 
-    def step(s, b):
-        new, metrics = core(s, b)
+    def step(s, b, comm, workspace):
+        new, metrics = core(s, b, comm, workspace)
         return new, {**metrics, "replicas_differ": fzero.replicas.replicas_differ(new, comm).float()}
 
     counters.clear()
     # torch.compile(fullgraph=True) + autograd flag; inductor: test_in_step_flag_compiles_and_reports_every_step
-    compiled = compiled_step(step, comm.local_ranks, compile=CHEAP_COMPILE)
+    compiled = fzero.bind_step(step, loss, comm, compile=CHEAP_COMPILE)
     for b in batches(3, 2, 2, torch.float32):
         state, m = compiled(state, comm.split_batch(b))
         assert m["replicas_differ"].item() == 0.0

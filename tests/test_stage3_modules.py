@@ -277,7 +277,7 @@ def test_checkpoints_move_between_stage3_and_stage2(tmp_path):
     data = data_for("lm", 2, torch.float32, n=2)
     s3, _, _ = run(model, (GPT2Block,), "lm", data, 2, stage=3, opt=fzero.adamw(), comm=comm)
     path = fzero.save_checkpoint(s3, tmp_path, comm)
-    a = fzero.all_gather_params(s3.shard, comm)
+    a = fzero.full_params(s3.shard, comm)
     w3 = fzero.SimulatedWorld(3)
     # into stage 2 (no units: another bucketing) at W=3, and back into stage 3 at W=3
     template = fzero.init_train_state(um.gpt2(), fzero.adamw(), w3, stage=2)
@@ -286,7 +286,7 @@ def test_checkpoints_move_between_stage3_and_stage2(tmp_path):
     template3 = fzero.init_train_state(um.gpt2(), fzero.adamw(), w3, stage=3, units=(GPT2Block,))
     back, _ = fzero.load_checkpoint(path2, template3, w3)
     for st in (loaded, back):
-        b = fzero.all_gather_params(st.shard, w3)
+        b = fzero.full_params(st.shard, w3)
         for k in a:
             assert torch.equal(a[k][0], b[k][0]), k
         assert torch.equal(st.opt.step, s3.opt.step)

@@ -9,7 +9,6 @@ import torch
 from torch._dynamo.utils import counters
 
 import fzero
-from fzero.compiled import compiled_step
 from helpers import batches, max_rel_err, mlp
 
 mse = torch.nn.functional.mse_loss
@@ -36,10 +35,10 @@ def _poison(batch, rank, world):
 def test_compiled_equals_eager_without_recompiles(stage):
     world = 2
     scaler = fzero.init_scaler(2.0**8, growth_interval=2)
-    _, comm, state, step = _setup(world, scaler=scaler, stage=stage)
+    model, comm, state, step = _setup(world, scaler=scaler, stage=stage)
     torch._dynamo.reset()
     counters.clear()
-    compiled = compiled_step(step, world)
+    compiled = fzero.make_train_step(fzero.module_loss(model, mse), comm, compile=True)
     eager_state = state
     scales, skipped = [], []
     for i, batch in enumerate(batches(10, world, 3, torch.float32)):
@@ -142,7 +141,7 @@ def test_dynamic_scaling_equals_torch_grad_scaler():
         gs.update()
         assert m["found_inf"].item() == float(i in bad)
         assert state.scaler.scale.item() == gs.get_scale()
-    gathered = fzero.all_gather_params(state.shard, comm)
+    gathered = fzero.full_params(state.shard, comm)
     for n, p in ref.named_parameters():
         assert max_rel_err(gathered[n][0], p.detach()) <= 1e-5, n
 
@@ -174,8 +173,8 @@ def test_mixed_precision_equals_reference(param_dtype):
             pm.grad = sum(gs) / world
         opt.step()
     assert all(p.dtype == param_dtype for p in state.params)
-    assert all(v.dtype == param_dtype for v in fzero.all_gather_params(state.shard, comm, param_dtype).values())
-    master_full = fzero.all_gather_params(state.shard, comm, torch.float32)
+    assert all(v.dtype == param_dtype for v in fzero.full_params(state.shard, comm, param_dtype).values())
+    master_full = fzero.full_params(state.shard, comm, torch.float32)
     for n, p in master.named_parameters():
         assert max_rel_err(master_full[n][0], p.detach()) <= 1e-5, n
 
@@ -238,7 +237,7 @@ def test_frozen_module_params_and_clipping():
         norm = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 0.05)
         assert abs(m["grad_norm"].item() - norm.item()) <= 1e-6 * norm.item()
         opt.step()
-    gathered = fzero.all_gather_params(state.shard, comm)
+    gathered = fzero.full_params(state.shard, comm)
     for n, p in ref.named_parameters():
         assert max_rel_err(gathered[n][1], p.detach()) <= 1e-10, n
     assert torch.equal(gathered["0.weight"][0], model[0].weight)

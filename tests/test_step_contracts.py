@@ -41,14 +41,14 @@ def test_schedules_are_captured_when_the_step_is_made():
 
 @pytest.mark.parametrize("world,accum,regions", [(1, 1, 1), (1, 3, 3), (2, 2, 4)])
 def test_compiled_step_counts_backward_regions(monkeypatch, world, accum, regions):
-    """compiled_step gets local ranks x micro-batches: inductor's tag-based remat is kept
-    only for one backward region (see fzero.compiled.compiled_step)."""
+    """bind_step gets local ranks x micro-batches: inductor's tag-based remat is kept
+    only for one backward region (see fzero.compiled.bind_step)."""
     import fzero.step as step_module
 
     seen = []
-    real = step_module.compiled_step
-    monkeypatch.setattr(step_module, "compiled_step",
-                        lambda fn, n=1, *args, **kw: seen.append(n) or real(fn, n, *args, **kw))
+    real = step_module.bind_step
+    monkeypatch.setattr(step_module, "bind_step", lambda fn, loss, comm, **kw: seen.append(
+        comm.local_ranks * kw["accum_steps"]) or real(fn, loss, comm, **kw))
     model = mlp()
     comm = fzero.SimulatedWorld(world)
     fzero.make_train_step(fzero.module_loss(model, mse), comm, compile=True, accum_steps=accum)

@@ -90,7 +90,7 @@ def _matches_one_device(world: int, tree: fst.ParamTree) -> bool:
     for comm in (DropLastRank(world), fzero.SimulatedWorld(1)):
         state = fzero.init_train_state(tree.tree(), fzero.sgd(lr=0.1), comm, trainable=tree.trainable)
         state, _ = fzero.make_train_step(tree_loss, comm)(state, comm.split_batch(tree_batch(2 * world)))
-        out.append(torch.utils._pytree.tree_leaves(fzero.all_gather_params(state.shard, comm)))
+        out.append(torch.utils._pytree.tree_leaves(fzero.full_params(state.shard, comm)))
     many, one = out
     return all(torch.allclose(a[0].double(), b[0].double(), rtol=1e-2, atol=1e-3) for a, b in zip(many, one))
 

@@ -83,7 +83,7 @@ def test_clipping_equals_clip_grad_norm_with_loss_scaling(stage):
         opt.step()
         assert abs(m["grad_norm"].item() - norm.item()) <= 1e-6 * norm.item()
         assert norm.item() > clip  # clipping is active in every step
-    full = fzero.all_gather_params(state.shard, comm)
+    full = fzero.full_params(state.shard, comm)
     for n, p in ref.named_parameters():
         assert max_rel_err(full[n][0], p.detach()) <= 1e-6, n
 
@@ -149,7 +149,7 @@ def test_schedule_drives_the_optimizer_like_torch_lambda_lr():
         (sum(mse(ref(a), b) for a, b in zip(x.chunk(world), y.chunk(world))) / world).backward()
         opt.step()
         lam.step()
-    full = fzero.all_gather_params(state.shard, comm)
+    full = fzero.full_params(state.shard, comm)
     for n, p in ref.named_parameters():
         assert max_rel_err(full[n][0], p.detach()) <= 1e-10, n
 

@@ -194,7 +194,7 @@ def _switch_run(compile_from: int, steps: int = 5) -> dict[str, torch.Tensor]:
         batch = comm.split_batch((torch.randn(4, 4, generator=g, dtype=torch.float64),
                                   torch.randn(4, 4, generator=g, dtype=torch.float64)))
         state, _ = (compiled if i >= compile_from else eager)(state, batch)
-    return {k: v[0] for k, v in fzero.all_gather_params(state.shard, comm).items()}
+    return {k: v[0] for k, v in fzero.full_params(state.shard, comm).items()}
 
 
 def test_compiled_steps_after_a_parameter_sat_out_use_its_own_step_count():

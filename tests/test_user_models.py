@@ -71,7 +71,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def assert_params_match(state, comm, model, tol):
-    full = fzero.all_gather_params(state.shard, comm)
+    full = fzero.full_params(state.shard, comm)
     ref = dict(model.named_parameters())
     assert set(full) == set(ref)
     for name, p in ref.items():

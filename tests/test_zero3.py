@@ -30,7 +30,7 @@ def _pair(model, world, *, optimizer=None, scaler=None, precision=fzero.MixedPre
 
 
 def _params(state, comm):
-    return {k: v[0] for k, v in fzero.all_gather_params(state.shard, comm, torch.float64).items()}
+    return {k: v[0] for k, v in fzero.full_params(state.shard, comm, torch.float64).items()}
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-6)], ids=["f64", "f32"])
@@ -256,9 +256,7 @@ def test_one_collective_for_all_groups_equals_one_per_group(world, reduce_dtype,
     """What a compiled stage-3 step uses: one all_gather and one reduce_scatter for every flat
     group at once give bitwise what one collective per group gives (groups of two master
     dtypes reduce one by one)."""
-    from fzero.sharding import (
-        average_flat_grads, average_flat_grads_at_once, gather_flat_params, gather_flat_params_at_once,
-    )
+    from fzero.layout import FlatGrads
 
     model, opt = _grouped_model(kind)
     comm = fzero.comm.CountingCommunicator(fzero.SimulatedWorld(world))
@@ -266,51 +264,33 @@ def test_one_collective_for_all_groups_equals_one_per_group(world, reduce_dtype,
     lay = state.layout
     assert len(lay.groups) == groups
     comm.reset()
-    at_once = gather_flat_params_at_once(state.shard, comm, torch.bfloat16)
+    at_once = fzero.all_gather_params(state.shard, comm, torch.bfloat16)
     assert [r.op for r in comm.records] == ["all_gather"]
-    reference = gather_flat_params(state.shard, comm, torch.bfloat16)
+    reference = [fzero.all_gather_params(state.shard, comm, torch.bfloat16, groups=(grp,))[0] for grp in lay.groups]
     assert len(at_once) == len(reference) == groups
     for a, b in zip(at_once, reference):
         assert torch.equal(a, b)
     g = torch.Generator().manual_seed(0)
     flats = [torch.randn(world, grp.padded_numel, generator=g, dtype=grp.dtype) for grp in lay.groups]
     comm.reset()
-    mine = average_flat_grads_at_once(flats, lay, comm, reduce_dtype)
+    mine = fzero.reduce_scatter_grads(state.shard, FlatGrads(lay.groups, flats), comm, reduce_dtype=reduce_dtype)
     one_dtype = len({reduce_dtype or grp.master_dtype for grp in lay.groups}) == 1
     assert [r.op for r in comm.records] == ["reduce_scatter"] * (1 if one_dtype else groups)
     assert len(mine) == groups
     for grp, f, m in zip(lay.groups, flats, mine):
-        ref = average_flat_grads(f, comm, reduce_dtype or grp.master_dtype, grp.master_dtype)
+        (ref,) = fzero.reduce_scatter_grads(state.shard, FlatGrads((grp,), (f,)), comm, reduce_dtype=reduce_dtype)
         assert m.dtype == ref.dtype and torch.equal(m, ref)
 
 
-@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 8])
-def test_started_reduction_equals_average_flat_grads(world, reduce_dtype):
-    """Stage 3's reduction started per unit and finished after backward computes what stage 2's
-    does, bit for bit (FSDP's pre/post divide factors in 16 bits included)."""
-    from fzero.sharding import average_flat_grads, average_flat_grads_start
-
-    comm = fzero.SimulatedWorld(world)
-    g = torch.Generator().manual_seed(world)
-    flat = (torch.randn(world, world * 5, generator=g) * 100).to(reduce_dtype)
-    done = average_flat_grads_start(flat, comm, reduce_dtype, torch.float32)
-    ref = average_flat_grads(flat, comm, reduce_dtype, torch.float32)
-    out = done()
-    assert out.dtype == torch.float32 and torch.equal(out, ref)
-
-
-def test_started_fp16_reduction_does_not_overflow():
-    from fzero.sharding import average_flat_grads_start
-
+def test_fp16_reduction_does_not_overflow():
     comm = fzero.SimulatedWorld(2)
-    flat = torch.full((2, 8), 40000.0, dtype=torch.float16)
-    assert torch.all(average_flat_grads_start(flat, comm, torch.float16, torch.float32)() == 40000.0)
+    shard = fzero.init_shard({"w": torch.zeros(8)}, comm, alignment=1)
+    grads = {"w": torch.full((2, 8), 40000.0, dtype=torch.float16)}
+    (out,) = fzero.reduce_scatter_grads(shard, grads, comm, reduce_dtype=torch.float16)
+    assert torch.all(out == 40000.0)
 
 
 def test_gathering_at_once_checks_the_world():
-    from fzero.sharding import gather_flat_params_at_once
-
     state = fzero.init_train_state(mlp(), fzero.adamw(), fzero.SimulatedWorld(2), stage=3, units=children)
     with pytest.raises(ValueError, match="world size is 3"):
-        gather_flat_params_at_once(state.shard, fzero.SimulatedWorld(3), torch.float32)
+        fzero.all_gather_params(state.shard, fzero.SimulatedWorld(3), torch.float32)

@@ -85,7 +85,7 @@ def run_fzero(comm: fzero.Communicator, opt: str, stage: int, compile: fzero.com
                                  unused=unused, accum_steps=accum)
     for b in batches(comm.world_size * accum):
         state, _ = step(state, comm.split_batch(b, micro_batches=accum))
-    rows = {k: v.clone() for k, v in fzero.all_gather_params(state.shard, comm).items()}
+    rows = {k: v.clone() for k, v in fzero.full_params(state.shard, comm).items()}
     counts = state.opt.step - state.opt.missed[0]
     return {"params": {k: v[0] for k, v in rows.items()}, "rows": rows,
             "steps": dict(zip([s.path for s in state.layout.trainable_slots], counts.tolist()))}

@@ -67,7 +67,7 @@ def case_bn_vs_ddp(comm):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x[0]), y[0]).backward()
         opt.step()
-    full = {k: v[0] for k, v in fzero.all_gather_params(state.shard, comm).items()}
+    full = {k: v[0] for k, v in fzero.full_params(state.shard, comm).items()}
     ref = dict(ddp.module.named_parameters())
     p_err = max(((full[k] - p).abs().max() / p.abs().max()).item() for k, p in ref.items())
     bufs = dict(ddp.module.named_buffers())
@@ -134,7 +134,7 @@ def case_stage3_vs_fsdp2_gpt2(comm):
         opt.step()
     state, _ = _train(model, comm, data, opt=fzero.sgd(lr=0.1, momentum=0.9), stage=3,
                       units=(_gpt2_block(),))
-    mine = {k: v[0] for k, v in fzero.all_gather_params(state.shard, comm).items()}
+    mine = {k: v[0] for k, v in fzero.full_params(state.shard, comm).items()}
     return {n: ((mine[n] - p.full_tensor()).abs().max() / p.full_tensor().abs().max()).item()
             for n, p in ref.named_parameters()}
 

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from ..comm import Communicator
 from ..pytree import replace
-from ..sharding import check_world, gather_flat_params, gather_step_params
+from ..sharding import all_gather_params, check_world
 from ..state import TrainState, consume, ensure_live
 from .checksums import CheckedDir
 from .errors import CheckpointMismatchError
@@ -409,7 +409,7 @@ def _assemble(
     params = ()
     if len(template.params):
         dtype = template.precision.param_dtype
-        params = gather_step_params(shard, comm, dtype, into) if into else gather_flat_params(shard, comm, dtype)
+        params = all_gather_params(shard, comm, dtype, into=into or None)
     saved = dict(persistent_buffers(template))
     buffers = tuple(
         replicated[f"{BUFFER_PREFIX}{n}"].unsqueeze(0).expand_as(b).clone() if n in saved else b

@@ -24,7 +24,7 @@ from ..materialize import has_meta, to_empty_tied
 from ..optim import Adam, Optimizer, SGD, init_vectors, vector_spans
 from ..torch_optim_rules import torch_rule_from_manifest
 from ..pytree import replace
-from ..sharding import check_world, gather_flat_params
+from ..sharding import all_gather_params, check_world
 from ..module import ModuleSpec, restore_parameters
 from ..state import TrainState, ensure_live, hand_over_parameters
 from .errors import CheckpointMismatchError
@@ -378,7 +378,7 @@ def import_torch_optim_state_dict(
                       vectors=_torch_vectors(template, per_slot))
     if template.opt.missed or any(missed):
         new_opt = replace(new_opt, missed=(torch.tensor(missed, dtype=torch.int64, device=step.device),))
-    gathered = gather_flat_params(shard, comm, template.precision.param_dtype) if len(template.params) else ()
+    gathered = all_gather_params(shard, comm, template.precision.param_dtype) if len(template.params) else ()
     return replace(template, shard=shard, opt=new_opt, params=gathered)
 
 

@@ -1,0 +1,307 @@
+"""The communicator over a ``torch.distributed`` process group: :class:`TorchCommunicator`.
+
+One process is one rank (the local-rank axis has size 1), launched by ``torchrun``. Eagerly,
+collectives are c10d calls with ``async_op=True`` whose waits are bounded by ``timeout``, and
+``overlaps`` is set: the step may run them on a thread of their own while backward goes on.
+Traced (:meth:`~fzero.comm.Communicator.tracing`), on gloo they are fzero's operators
+(:mod:`fzero.dist.gloo`), elsewhere ``torch.distributed._functional_collectives``. Both run
+the process group's own algorithm, so eager and compiled steps reduce to the same bits.
+
+Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.scopes``, ``fzero.dist.gloo``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from ..comm import Communicator, ReduceOp
+from ..layout import Layout, first_difference
+from .gloo import C10D_OP, Bound, ScratchPool, average_owned, point_to_point_gather, waiter
+
+__all__ = ["TorchCommunicator", "LayoutMismatchError", "REDUCE_SCATTER_PATHS", "ALL_GATHER_PATHS",
+           "launcher_world_size", "choose_comm"]
+
+REDUCE_SCATTER_PATHS = ("reduce_scatter", "all_to_all", "all_reduce")
+ALL_GATHER_PATHS = ("all_gather", "point_to_point")
+
+# torch 2.13 names these *_single; older torch only has the *_tensor names
+_funcol_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_c10d_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_c10d_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def launcher_world_size(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The world size a launcher (``torchrun``) gave this process, or ``None``."""
+    env = os.environ if env is None else env
+    if "LOCAL_RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    return int(env["WORLD_SIZE"])
+
+
+def choose_comm(requested: str, env: Optional[Mapping[str, str]] = None) -> str:
+    """``"sim"`` or ``"torch"`` for a script's ``--comm {auto,sim,torch}``: ``auto`` is ``torch``
+    under a launcher and ``sim`` otherwise; ``sim`` under a launcher of several ranks raises
+    ``ValueError`` (each process would run the same simulated world and write the same files)."""
+    if requested not in ("auto", "sim", "torch"):
+        raise ValueError(f"--comm must be auto, sim or torch, got {requested!r}")
+    world = launcher_world_size(env)
+    if requested == "auto":
+        return "torch" if world is not None else "sim"
+    if requested == "sim" and world is not None and world > 1:
+        raise ValueError(f"--comm sim under a launcher of {world} ranks (WORLD_SIZE={world}): each process would "
+                         "run its own simulated world and write the same files; use --comm torch (or auto) under "
+                         "torchrun, or run the script without torchrun for a simulated world")
+    return requested
+
+
+class LayoutMismatchError(ValueError):
+    """Ranks built different parameter layouts (different models or settings)."""
+
+
+class TorchCommunicator(Communicator):
+    """Collectives over ``group`` (default: the world group) for this process's rank.
+
+    ``reduce_scatter_via``: ``"reduce_scatter"`` (the backend's own), ``"all_to_all"`` (each
+    rank sends every other rank its chunk and sums what it received in rank order: a
+    reduce-scatter's traffic and the simulated world's bits at any W), ``"all_reduce"`` (an
+    all-reduce and a slice, twice the traffic). Default: ``"all_to_all"`` on gloo, whose own
+    reduce-scatter is its slowest collective (W=2, 1M floats: 5.5 ms native, 4.7 all-reduce,
+    2.6 all-to-all; ``benchmarks/bench_collectives.py``), the backend's own elsewhere.
+
+    ``all_gather_via``: ``"all_gather"`` (the backend's own) or ``"point_to_point"``
+    (:func:`fzero.dist.gloo.point_to_point_gather`; the default on gloo).
+
+    ``timeout`` (seconds or a ``timedelta``; default None: the process group's own): the
+    longest a rank waits for one collective of a step; a stalled or dead peer then raises
+    :class:`~fzero.comm.CollectiveError` naming it. Compiled steps on gloo too (fzero's
+    operators wait inside the graph). Pass the same bound to ``init_process_group(timeout=)``:
+    it bounds what runs outside the step."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, *, reduce_scatter_via: Optional[str] = None,
+                 timeout: Optional[Union[float, datetime.timedelta]] = None, all_gather_via: Optional[str] = None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("TorchCommunicator needs an initialised default process group: call "
+                               "torch.distributed.init_process_group (e.g. under torchrun) first")
+        # The default group is not held (None means it to c10d): holding it kept gloo's threads
+        # alive after destroy_process_group, and a thread freeing a tensor during interpreter
+        # shutdown aborted the process (about 1 run in 10 under load).
+        self._pg = group
+        self._name = (group if group is not None else dist.group.WORLD).group_name
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.local_ranks, self.ranks = 1, (self.rank,)
+        self.backend = str(dist.get_backend(group))
+        gloo = self.backend == "gloo"
+        reduce_scatter_via = reduce_scatter_via or ("all_to_all" if gloo else "reduce_scatter")
+        if reduce_scatter_via not in REDUCE_SCATTER_PATHS:
+            raise ValueError(f"reduce_scatter_via must be one of {REDUCE_SCATTER_PATHS}, got {reduce_scatter_via!r}")
+        all_gather_via = all_gather_via or ("point_to_point" if gloo else "all_gather")
+        if all_gather_via not in ALL_GATHER_PATHS:
+            raise ValueError(f"all_gather_via must be one of {ALL_GATHER_PATHS}, got {all_gather_via!r}")
+        self.reduce_scatter_via, self.all_gather_via = reduce_scatter_via, all_gather_via
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds()
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+        self.timeout = None if timeout is None else float(timeout)
+        self.overlaps = True
+        # all_to_all receives the input's size beside the result, an all-reduce reduces a copy of
+        # it, gloo's own reduce-scatter copies its input too (census, tests/test_memory_census.py)
+        self.reduce_scatter_buffers = 0.0 if reduce_scatter_via == "reduce_scatter" and not gloo else 1.0
+        self.all_reduce_buffers = 1.0
+        self._ops = gloo and self.world_size > 1  # traced: fzero's operators (fzero.dist.gloo)
+        self._sent_tags = 0  # point-to-point gathers: each its own tag, in the same order everywhere
+        self._pool: Optional[ScratchPool] = None
+
+    def __repr__(self) -> str:
+        bound = "" if self.timeout is None else f", timeout={self.timeout:g}s"
+        return f"TorchCommunicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend}{bound})"
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        """The process group (the default one while it exists, when none was given)."""
+        return self._pg if self._pg is not None else dist.group.WORLD
+
+    def tracing(self) -> "TorchCommunicator":
+        out = super().tracing()
+        out.overlaps = False
+        return out
+
+    @contextlib.contextmanager
+    def reusing_buffers(self) -> Iterator[None]:
+        """Eagerly: gathers and all-to-all receives inside the block come from a
+        :class:`~fzero.dist.gloo.ScratchPool`, dropped at its end."""
+        if self.traced or self._pool is not None:
+            yield
+            return
+        self._pool = ScratchPool()
+        try:
+            yield
+        finally:
+            self._pool.clear()
+            self._pool = None
+
+    def _empty(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        pool = self._pool
+        return pool.empty((numel,), like.dtype, like.device) if pool is not None else like.new_empty(numel)
+
+    def _bound(self, collective: str) -> Bound:
+        return None if self.timeout is None else (collective, self.rank, self.timeout)
+
+    def _t(self) -> float:
+        return self.timeout or 0.0
+
+    def _finish(self, total: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        # a functional collective's result waited for here: states hold plain tensors
+        return self._average(funcol.wait_tensor(total), op)
+
+    def _average(self, total: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        return total / self.world_size if op == "avg" and self.world_size > 1 else total
+
+    # -- all-reduce -------------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        return self.all_reduce_start(x, op)()
+
+    def all_reduce_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
+        self._check_rows(x, "all_reduce")
+        if op not in ("sum", "avg", "max"):
+            raise ValueError(f"unknown reduce op {op!r}")
+        if not self.traced:
+            out = x[0].clone()  # c10d reduces in place; the caller's tensor stays as it was
+            work = dist.all_reduce(out, C10D_OP[op], group=self._pg, async_op=True)
+            return waiter(work, lambda: average_owned(out, op, self.world_size).unsqueeze(0),
+                          self._bound(f"all_reduce ({op}) of {out.numel()} {out.dtype}"))
+        if self._ops:
+            out = torch.ops.fzero.all_reduce_shard(x[0], self.world_size, -1, op, self._name, self._t())
+            return lambda: out.unsqueeze(0)
+        started = funcol.all_reduce(x[0], "max" if op == "max" else "sum", self._name)
+        return lambda: self._finish(started, op).unsqueeze(0)
+
+    def all_reduce_shard_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
+        """Traced on gloo one operator that frees the whole sum inside; otherwise the default."""
+        if not (self.traced and self._ops):
+            return super().all_reduce_shard_start(x, op)
+        self._check_rows(x, "all_reduce_shard")
+        self._chunk(x, "all_reduce_shard")
+        if op not in ("sum", "avg"):
+            raise ValueError(f"all_reduce_shard supports 'sum' and 'avg', got {op!r}")
+        out = torch.ops.fzero.all_reduce_shard(x[0], self.world_size, self.rank, op, self._name, self._t())
+        return lambda: out.unsqueeze(0)
+
+    # -- reduce-scatter ---------------------------------------------------------------
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        return self.reduce_scatter_start(x, op)()
+
+    def reduce_scatter_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
+        self._check_rows(x, "reduce_scatter")
+        if op not in ("sum", "avg"):
+            raise ValueError("reduce_scatter supports 'sum' and 'avg'")
+        n = self._chunk(x, "reduce_scatter")
+        world = self.world_size
+        what = f"reduce_scatter ({op}) of {x[0].numel()} {x.dtype}"
+        if self.reduce_scatter_via == "all_reduce":
+            # the whole sum is waited for, then sliced (slicing first was slower traced on gloo)
+            reduced = self.all_reduce_start(x, "sum")
+            mine = slice(self.rank * n, (self.rank + 1) * n)
+            return lambda: self._average(reduced()[:, mine], op)
+        if self.reduce_scatter_via == "all_to_all":
+            if self.traced and self._ops:
+                out = torch.ops.fzero.reduce_scatter_all_to_all(x[0].contiguous(), world, op, self._name, self._t())
+                return lambda: out.unsqueeze(0)
+            if self.traced:
+                started = funcol.all_to_all_single(x[0].contiguous(), None, None, self._name)
+                return lambda: self._average(funcol.wait_tensor(started).view(world, n).sum(0), op).unsqueeze(0)
+            received, sent = self._empty(world * n, x), x[0].contiguous()
+            work = dist.all_to_all_single(received, sent, group=self._pg, async_op=True)
+            return waiter(work, lambda: average_owned(received.view(world, n).sum(0), op, world).unsqueeze(0),
+                          self._bound(what.replace(")", ", as all_to_all_single)", 1)), sent)
+        if self.traced:
+            started = funcol.reduce_scatter_tensor(x[0], "sum", 0, self._name)
+            return lambda: self._finish(started, op).unsqueeze(0)
+        out, sent = x.new_empty(n), x[0].contiguous()
+        work = _c10d_reduce_scatter(out, sent, dist.ReduceOp.SUM, group=self._pg, async_op=True)
+        return waiter(work, lambda: average_owned(out, op, world).unsqueeze(0), self._bound(what), sent)
+
+    # -- all-gather -------------------------------------------------------------------
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return self.all_gather_start(x)()
+
+    def all_gather_start(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        self._check_rows(x, "all_gather")
+        if x.dim() != 2:
+            raise ValueError(f"all_gather: expected shape [R, n], got {tuple(x.shape)}")
+        if self.traced:
+            if self._ops and self.all_gather_via == "point_to_point":
+                out = torch.ops.fzero.all_gather_point_to_point(x[0].contiguous(), self.world_size, self._name,
+                                                                self._t())
+                return lambda: out.unsqueeze(0)
+            started = _funcol_gather(x[0].contiguous(), 0, self._name)
+            return lambda: self._finish(started, "sum").unsqueeze(0)
+        out = self._empty(self.world_size * x.shape[1], x)
+        return self._gather_into(out, x[0].contiguous(), lambda: out.unsqueeze(0))
+
+    def all_gather_into_start(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Eagerly c10d gathers straight into ``out``; traced, the operator writes it (gloo's
+        point-to-point path) or the functional gather's result is copied into it."""
+        self._check_into(x, out)
+        if self.traced and self._ops and self.all_gather_via == "point_to_point" and out.is_contiguous():
+            torch.ops.fzero.gather_point_to_point_many([out[0]], [x[0].contiguous()], self._name, self._t())
+            return lambda: out
+        if self.traced or not out.is_contiguous():
+            started = self.all_gather_start(x)
+            return lambda: out.copy_(started())
+        return self._gather_into(out[0], x[0].contiguous(), lambda: out)
+
+    def all_gather_into(self, xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+        """Traced on gloo's point-to-point path one operator for every pair, all sends and
+        receives started before any wait; otherwise the default."""
+        if not (self.traced and self._ops and self.all_gather_via == "point_to_point"
+                and all(o.is_contiguous() for o in outs)):
+            return super().all_gather_into(xs, outs)
+        for x, out in zip(xs, outs):
+            self._check_into(x, out)
+        torch.ops.fzero.gather_point_to_point_many([o[0] for o in outs], [x[0].contiguous() for x in xs],
+                                                   self._name, self._t())
+
+    def _gather_into(self, out: torch.Tensor, sent: torch.Tensor,
+                     result: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """Start the eager gather of ``sent`` into ``out`` (``[W * n]``) as ``all_gather_via``
+        says; what is sent is kept until the wait."""
+        if self.all_gather_via == "point_to_point" and self.world_size > 1:
+            self._sent_tags = (self._sent_tags + 1) % (1 << 30)
+            work: Any = point_to_point_gather(out, sent, self._pg, self.rank, self.world_size, self._sent_tags)
+        else:
+            work = _c10d_all_gather(out, sent, group=self._pg, async_op=True)
+        return waiter(work, result, self._bound(f"all_gather of {out.numel()} {out.dtype}"), sent)
+
+    # -- broadcast, layout ------------------------------------------------------------
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self._check_rows(x, "broadcast")
+        self._check_src(src)
+        if self.timeout is not None and not self.traced:  # c10d's work, so that the wait is bounded
+            out = x[0].contiguous().clone()
+            work = dist.broadcast(out, group_src=src, group=self._pg, async_op=True)
+            return waiter(work, lambda: out, self._bound(f"broadcast of {out.numel()} {out.dtype}"))().unsqueeze(0)
+        out = funcol.broadcast(x[0].contiguous(), src, self._name)  # the rank within the group
+        return funcol.wait_tensor(out).unsqueeze(0)
+
+    def check_layout(self, layout: Layout) -> None:
+        """Raise :class:`LayoutMismatchError` on every rank unless all built ``layout`` alike: one
+        ``all_gather_object`` every rank joins whatever it built (an error, not a hang)."""
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, (layout.fingerprint, layout.describe()), group=self._pg)
+        fingerprints = [g[0] for g in gathered]
+        if len(set(fingerprints)) == 1:
+            return
+        odd = next(r for r, f in enumerate(fingerprints) if f != fingerprints[0])
+        raise LayoutMismatchError(
+            f"rank {self.rank}: ranks built different parameter layouts (rank 0 vs rank {odd}: "
+            f"{first_difference(gathered[0][1], gathered[odd][1])}); every rank must build the same model with "
+            "the same trainable set, parameter groups, dtypes and alignment")
