@@ -100,19 +100,33 @@ class Runner:
     """Runs the calls a step hands it in the order it hands them: on one thread of its own
     when the communicator ``overlaps`` (so that the collectives of the reductions run while
     backward goes on), otherwise at once. Each call returns a function giving its result
-    (raising its error). One runner per step function; every collective of a gradient
-    computation goes through it, so every rank issues them in one order."""
+    (raising its error). Every collective of a gradient computation goes through it, so every
+    rank issues them in one order; the block (``with runner:``) ends only once everything
+    handed to it has run, also after an error: a collective left running could otherwise pair
+    with the next one another thread issues. While a profiler runs (it records the thread it
+    was started on: a census, a trace) they run on the calling thread, one at a time."""
 
     def __init__(self) -> None:
         self._thread: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._pending: list[concurrent.futures.Future] = []
 
     def submit(self, threaded: bool, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[[], Any]:
-        if not threaded:
+        # a profiler records the thread it was started on: while one runs, so do the collectives
+        if not threaded or torch.autograd.profiler._is_profiler_enabled:
             out = fn(*args, **kwargs)
             return lambda: out
         if self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fzero-collectives")
-        return self._thread.submit(fn, *args, **kwargs).result
+        future = self._thread.submit(fn, *args, **kwargs)
+        self._pending.append(future)
+        return future.result
+
+    def __enter__(self) -> "Runner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pending, self._pending = self._pending, []
+        concurrent.futures.wait(pending)
 
     def __del__(self) -> None:
         if self._thread is not None:

@@ -132,6 +132,12 @@ def loss_grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicato
     per buffer dtype); otherwise from its own."""
     if broadcast_buffers and state.buffers:
         state = state.replace(buffers=broadcast_module_buffers(state.buffers, comm))
+    with workspace.runner:
+        return _grads(loss_fn, state, batch, comm, workspace, scaled, on_ready)
+
+
+def _grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicator, workspace: Workspace,
+           scaled: Callable[[torch.Tensor], torch.Tensor], on_ready: Optional[OnReady]) -> Grads:
     if state.stage == 3:
         if on_ready is None:
             raise ValueError("loss_grads: stage 3 reduces every micro-batch (it never holds whole gradients)")

@@ -145,8 +145,7 @@ def _step_buffers(layout: Layout, precision: MixedPrecision, stage: int, rows: i
     world = layout.world_size
     buckets = [b for b in buckets_of(layout) if b]
     shards = rows * sum(_size(g.master_dtype) * g.shard_numel for g in layout.groups)
-    # one reduction's own buffers (the communicator states them per element of one rank's input),
-    # for the reductions under way at once: several where they overlap backward, else one
+    # one reduction's own buffers (the communicator states them per element of one rank's input)
     factor = 0.0 if comm is None or world == 1 else comm.all_reduce_buffers if stage == 1 \
         else comm.reduce_scatter_buffers
     if comm is not None and precision.reduce_dtype in LOW_PRECISION and gradient_divide_factors(world)[0] > 1:
@@ -154,21 +153,41 @@ def _step_buffers(layout: Layout, precision: MixedPrecision, stage: int, rows: i
     # what one reduction call allocates beside its result: the communicator's share of its input,
     # and the joined copy of several small groups travelling in one collective
     launches = buckets if stage < 3 else [buckets[0] + buckets[1], *buckets[2:]] if len(buckets) > 1 else buckets
-    cost = [_bytes(b, reduce) * (factor + rows * (len(b) > 1 and sum(g.padded_numel for g in b) <= JOIN_NUMEL))
+    # (and a cast of the input to the reduce dtype, where the compute dtype is another; joined
+    # groups are cast, then copied into one buffer)
+    casts = any(_size(compute(g)) != _size(reduce(g)) for g in layout.groups)
+    cost = [_bytes(b, reduce) * (factor + rows * casts
+                                 + rows * (len(b) > 1 and sum(g.padded_numel for g in b) <= JOIN_NUMEL) * (1 + casts))
             for b in launches]
-    reduction = shards + sum(sorted(cost, reverse=True)[:MAX_IN_FLIGHT if comm is not None and comm.overlaps else 1])
+    reduction = shards + max(cost, default=0)  # the step runs its reductions one at a time
     if stage < 3:
-        lone = [rows == 1 and len(b) == 1 and len(b[0].slots) == 1 and not b[0].padding for b in buckets]
-        sizes = sorted((rows * _bytes(b, compute) for b, alone in zip(buckets, lone) if not alone), reverse=True)
         same = all(_size(compute(g)) == _size(reduce(g)) == _size(g.master_dtype) for g in layout.groups)
-        if world == 1 and same and stage == 2:  # one rank's reduce-scatter is its input: every bucket kept as a shard
-            sizes, reduction = sizes + [0] * len(sizes), 0.0
-        # the simulated world's ranks run one after another: every bucket waits for the last rank
-        held = sum(sizes) if rows > 1 or (world == 1 and same and stage == 2) else sum(sizes[:MAX_IN_FLIGHT + 1])
+        kept = world == 1 and same and stage == 2  # one rank's reduce-scatter is its input: buckets kept as shards
+        # in launch order (the last bucket first); a bucket of one parameter that fills its flat
+        # group takes autograd's gradient on a real rank (no buffer)
+        order = list(range(len(buckets) - 1, -1, -1))
+        size = [0 if rows == 1 and len(b) == 1 and len(b[0].slots) == 1 and not b[0].padding
+                else rows * _bytes(b, compute) for b in buckets]
+        shard = [0 if kept else rows * sum(_size(g.master_dtype) * g.shard_numel for g in b) for b in buckets]
+        held = peak = done = 0.0
+        pool: list[float] = []  # bucket buffers given back, the largest kept (MAX_IN_FLIGHT + 1)
+        for k, i in enumerate(order):
+            # the simulated world's ranks run one after another: every bucket waits for the last
+            # rank; a real rank fills each bucket just before it is launched
+            waiting = sum(size[j] for j in order[k:]) if rows > 1 else size[i]
+            buckets_live = waiting + sum(pool)
+            held = max(held, buckets_live)
+            # a reduce-scatter sums into its result while its buffers are held; ZeRO-1's all-reduce
+            # cuts the rank's chunk out of its sum once the cast it started from is gone
+            reducing = 0 if kept else cost[i] + shard[i] if stage == 2 else \
+                max(cost[i], factor * _bytes(buckets[i], reduce) + shard[i])
+            peak = max(peak, buckets_live + done + reducing)
+            done += shard[i]
+            if not kept:
+                pool = sorted(pool + [size[i]], reverse=True)[:MAX_IN_FLIGHT + 1]
+        if kept:
+            held, reduction = float(sum(size)), 0.0
         out = {GRAD_BUCKETS: float(held), GRAD_REDUCTION: reduction}
-        pool = sum(sizes[:MAX_IN_FLIGHT + 1])
-        # every bucket waiting with the first reduction under way; or the pool's buffers with every shard
-        peak = max(held + reduction - shards, pool + reduction) if held > pool else held + reduction
     else:
         if world == 1 and all(_size(compute(g)) == _size(reduce(g)) == _size(g.master_dtype) for g in layout.groups):
             reduction = shards = 0  # one rank's reduce-scatter is its input: autograd's own gradient
@@ -181,12 +200,17 @@ def _step_buffers(layout: Layout, precision: MixedPrecision, stage: int, rows: i
             # the master shards cast to the compute dtype to be sent: every row's ([R, n]) at once
             gathered += max(by.values()) * (1 if rows > 1 else 1 / world)
         out = {GATHER: float(gathered), GRAD_REDUCTION: reduction}
-        # in backward the gathers beside the largest unit's shard and a reduction under way; at its
-        # end every shard, the root, and the reduction of the root with the first unit
-        shard_of = sorted((rows * sum(_size(g.master_dtype) * g.shard_numel for g in b) for b in buckets[1:]),
-                          reverse=True) if shards else []
-        early = gathered + (shard_of[0] if shard_of else 0) + max(cost[1:], default=0)
-        peak = max(early, rank_rows * by.get(0, 0) + shards + cost[0])
+        # backward, unit by unit from the last: its reduction under way beside the root, the two
+        # units before it (regathered or prefetched) and the shards reduced so far; at the end the
+        # root's reduction (with the first unit's) beside every shard
+        shard_of = {b[0].bucket: rows * sum(_size(g.master_dtype) * g.shard_numel for g in b) for b in buckets}
+        cost_of = dict(zip([b[0].bucket for b in launches], cost))
+        done, peak = 0.0, gathered
+        for k in sorted((u for u in by if u > 0), reverse=True):
+            done += shard_of[k] if shards else 0
+            held = by.get(0, 0) + by.get(k - 1, 0) * (k > 1) + by.get(k - 2, 0) * (k > 2)
+            peak = max(peak, rank_rows * held + done + cost_of.get(k, 0))
+        peak = max(peak, rank_rows * by.get(0, 0) + shards + cost[0])
     return {k: v / rows for k, v in out.items()}, peak / rows
 
 

@@ -316,10 +316,14 @@ class _RankRun:
         self.check.record(self.row, len(self.events) - 1, event)
         if self.check.tagged:
             self.pending = self.runner.submit(self.comm.overlaps, _tags, self.comm, (len(self.events), prev, event))
-        if nxt is not None and event != _END:
+        if nxt is not None:
+            # the same gather on every rank (chosen from checked events), also at the end of the
+            # forward, where no rank knows yet whether its peers called another unit: dropped then
             self.prefetch(nxt)
         if event == _END or not self.held(event):
             self.verify()
+        if event == _END and nxt is not None:
+            self.ahead.pop(nxt)()
 
     def verify(self) -> None:
         """Wait for the last event's tags and compare them (raises :class:`UnitCallError`)."""

@@ -59,7 +59,8 @@ def run_case(name: str, comm: fzero.Communicator) -> dict:
     rep = fzero.memory_report(state.layout, state.opt.optimizer, stage=3, comm=comm, precision=state.precision)
     unseen = {k: census.unseen_bytes(k) for k in SCOPES}
     return {
-        "census": {**{k: census.scope_peaks.get(k, 0) for k in SCOPES}, "together": census.joint_peak(SCOPES)},
+        "census": {**{k: census.scope_peaks.get(k, 0) for k in SCOPES}, "together": census.joint_peak(SCOPES),
+                   "seen": census.joint_peak(SCOPES, seen_only=True)},
         "predicted": {**{k: rep.step_buffers.get(k) for k in SCOPES}, "together": rep.step_peak},
         "unseen": {**unseen, "together": sum(unseen.values())},
     }

@@ -251,8 +251,10 @@ def reduction_buffers(comm: fzero.Communicator, stage: int, precision: str, two_
     return {"buckets": len({g.bucket for g in held["state"].layout.groups}),
             "joined": sum(len(gs) > 1 for gs in buckets_of(held["state"].layout)),
             "census": {k: census.scope_peaks.get(k, 0) for k in report.step_buffers},
-            "unseen frees": unseen,
-            "predicted": {k: v * comm.local_ranks for k, v in report.step_buffers.items()}}
+            "joint": census.joint_peak(tuple(report.step_buffers)),
+            "seen": census.joint_peak(tuple(report.step_buffers), seen_only=True), "unseen frees": unseen,
+            "predicted": {k: v * comm.local_ranks for k, v in report.step_buffers.items()},
+            "predicted peak": report.step_peak * comm.local_ranks}
 
 
 def live_tensors(comm: fzero.Communicator, stage: int, checks: tuple[int, ...] = (3, 13)) -> list[int]:
@@ -403,7 +405,7 @@ class C10dCalls:
     # (label, the module attribute TorchCommunicator calls through, on fzero.dist or torch.distributed):
     # an all-gather is gloo's own or point to point (TorchCommunicator's all_gather_via)
     PATCHED = [("all_to_all", "dist", "all_to_all_single"), ("all_reduce", "dist", "all_reduce"),
-               ("all_gather", "fdist", "_c10d_all_gather"), ("all_gather", "fdist", "_point_to_point_gather"),
+               ("all_gather", "fdist", "_c10d_all_gather"), ("all_gather", "fdist", "point_to_point_gather"),
                ("reduce_scatter", "fdist", "_c10d_reduce_scatter")]
 
     def __init__(self):
@@ -457,28 +459,6 @@ def gather_ways(comm: fzero.Communicator) -> dict:
             into = torch.empty(1, c.world_size * shards[1].shape[1], dtype=dtype)
             got.append([c.all_gather_into_start(shards[1], into)()])
         out[via] = got
-    return out
-
-
-def batched_collectives(comm: fzero.Communicator) -> dict:
-    """Collectives started in ``comm.batched()`` blocks: results, the same collectives
-    outside a block, and the c10d calls each block issued."""
-    world, rank = comm.world_size, comm.ranks[0]
-    x = reduce_scatter_inputs(world, torch.float32)[rank : rank + 1]
-    x16 = reduce_scatter_inputs(world, torch.bfloat16)[rank : rank + 1]
-    shard = torch.arange(5.0).unsqueeze(0) + 10 * rank
-    out = {"plain": (comm.reduce_scatter(x, "avg"), comm.all_gather(shard), comm.reduce_scatter(x16, "sum"))}
-    with C10dCalls() as calls:
-        with comm.batched():
-            rs, ag, rs16 = comm.reduce_scatter_start(x, "avg"), comm.all_gather_start(shard), \
-                comm.reduce_scatter_start(x16, "sum")
-        out["block"] = (rs(), ag(), rs16(), calls.counts)
-    with C10dCalls() as calls:
-        with comm.batched():
-            ag = comm.all_gather_start(shard)
-            early = ag()  # waited for inside the block: issued then, by itself
-            rs = comm.reduce_scatter_start(x, "avg")
-        out["waited_inside"] = (early, rs(), calls.counts)
     return out
 
 

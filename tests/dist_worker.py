@@ -226,10 +226,6 @@ def case_reduce_scatter_ways(comm):
     return out
 
 
-def case_batched(comm):
-    return cases.batched_collectives(comm)
-
-
 def case_stage3_calls(comm):
     return cases.stage3_c10d_calls(comm)
 

@@ -22,11 +22,11 @@ pytestmark = pytest.mark.distributed
 W2_CASES = [
     "eager_s2", "eager_s1", "compiled_s1", "compiled_s2", "eager_s3", "compiled_s3", "fsdp_full_vs_stage3", "ddp_adamw", "zero_sgd", "zero_adam", "fsdp",
     "inf_even", "volume", "mismatch", "padding_only", "fp16_40000", "overlap", "branchy",
-    "live_tensors", "reduce_scatter_ways", "batched", "stage3_calls", "reduction_buffers", "torch_nadam",
+    "live_tensors", "reduce_scatter_ways", "stage3_calls", "reduction_buffers", "torch_nadam",
     "muon", "adafactor", "eager_s3_pooled", "gather_ways", "compiled_s2_donating",
 ]
 W4_CASES = ["eager_s2", "compiled_s2", "inf_even", "volume", "padding_only", "fp16_40000", "ddp_adamw",
-            "reduce_scatter_ways", "batched", "reduction_buffers", "gather_ways"]
+            "reduce_scatter_ways", "reduction_buffers", "gather_ways"]
 
 
 @pytest.fixture(scope="module")
@@ -252,22 +252,6 @@ def test_gloo_all_gather_paths_give_every_rank_every_shard(fixture, world, reque
                 assert torch.equal(got[2 * d + 1][0], want[1]), (r, via, dtype)
 
 
-@pytest.mark.parametrize("fixture", ["w2", "w4"])
-def test_gloo_batched_collectives_travel_in_one_all_to_all(fixture, request):
-    """A reduce-scatter and an all-gather started in ``batched()`` give what they give alone,
-    in one all-to-all (a bf16 reduce-scatter beside them: its own); one waited for inside the
-    block is issued then, alone (a native all-gather), and the rest at the end."""
-    for r, res in enumerate(_case(request.getfixturevalue(fixture), "batched")):
-        rs, ag, rs16 = res["plain"]
-        *got, calls = res["block"]
-        assert calls == {"all_to_all": 2}, (r, calls)
-        for a, b in zip(got, (rs, ag, rs16)):
-            assert a.shape == b.shape and torch.equal(a, b), r
-        early, late, calls = res["waited_inside"]
-        assert calls == {"all_gather": 1, "all_to_all": 1}, (r, calls)
-        assert torch.equal(early, ag) and torch.equal(late, rs), r
-
-
 def test_gloo_stage3_backward_gathers_ride_on_reductions(w2):
     """Four units and a root on gloo: U all-gathers in forward (the unit-call tags ride on them),
     and one of the tags alone at the end of the forward (the last unit's call and the end:
@@ -320,18 +304,16 @@ def test_fp16_communication_of_large_gradients_does_not_overflow(fixture, world,
 
 @pytest.mark.parametrize("kind", ["s1", "s2", "s2_native", "s2_all_reduce"])
 def test_gloo_reductions_start_during_backward(w2, kind):
-    """On a real rank each bucket's reduction is issued from its own backward: the eight buckets
-    after the first Linear before backward reaches it; the result equals the simulated world."""
+    """On a real rank each bucket's reduction is handed to the collectives' thread from its own
+    backward and runs while backward goes on: of the eight buckets after the first Linear, at
+    least half are issued before backward reaches it (the thread issues them one after another:
+    all eight where it keeps up); the result equals the simulated world."""
     sim = cases.overlap_order(fzero.SimulatedWorld(2), int(kind[1]))
     for r, res in enumerate(_case(w2, "overlap")):
         got = res[kind]
-        assert got["reductions"] == 10 and got["before_first_layer"] == 8, (r, got)
+        assert got["reductions"] == 10 and 4 <= got["before_first_layer"] <= 8, (r, got)
         for k, v in sim["params"].items():
             assert max_rel_err(got["params"][k], v) < 1e-12, (r, k)
-
-
-# what memory_report's replay leaves out: the 0-d scalars an average allocates (a few bytes)
-SCALAR_SLACK = 256
 
 
 @pytest.mark.parametrize("fixture", ["w2", "w4"])
@@ -339,18 +321,20 @@ def test_gloo_step_buffers_as_memory_report_predicts(fixture, request):
     """On real ranks, every way of reducing (all_to_all, the backend's reduce_scatter,
     all_reduce), stages 1-2, fp32 and bf16 parameters and/or reductions, one or two flat
     groups per bucket: the peak bytes of the eager step's bucket buffers equal
-    ``memory_report(..., comm=comm).step_buffers`` to the byte, and of its gradient
-    reductions (receive buffers, copies, shards) within the scalars of the average, plus
-    what the census could not see freed (a buffer gloo's own thread releases)."""
+    ``memory_report(..., comm=comm).step_buffers``, and the step's buffers at their joint peak
+    are its ``step_peak`` within 10 % (a buffer gloo's own thread releases counts until its
+    address is reused: the census may see that much more)."""
     for r, res in enumerate(_case(request.getfixturevalue(fixture), "reduction_buffers")):
         assert len(res) == 3 * 2 * len(cases.REDUCTION_PRECISIONS) * 2
         for name, got in res.items():
             assert got["buckets"] >= 3 and (got["joined"] >= 1) == ("2 groups" in name), (name, got)
-            census, predicted, unseen = got["census"], got["predicted"], got["unseen frees"]
-            assert set(predicted) == {GRAD_BUCKETS, GRAD_REDUCTION}, (r, name)
+            census, predicted = got["census"], got["predicted"]
             assert census[GRAD_BUCKETS] == predicted[GRAD_BUCKETS], (r, name, got)
-            extra = census[GRAD_REDUCTION] - predicted[GRAD_REDUCTION]
-            assert 0 <= extra <= unseen[GRAD_REDUCTION] + SCALAR_SLACK, (r, name, got)
+            # the truth lies between the peak without what gloo's thread freed and the peak with it
+            # (16-bit reductions: the report is up to 25 % above, its stated factor for FSDP's
+            # pre-divided copy being the simulated world's: held to 25 %)
+            slack = 0.25 if "and reduce" in name or "bf16 reduce" in name else 0.1
+            assert (1 - slack) * got["seen"] <= got["predicted peak"] <= (1 + slack) * got["joint"], (r, name, got)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

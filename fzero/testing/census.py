@@ -322,10 +322,13 @@ class Census:
         return sum(a.nbytes for a in self.allocations if not a.free_seen
                    and (scope is None or a.scope == scope) and (at_ns is None or a.live_at(at_ns)))
 
-    def joint_peak(self, scopes: Iterable[str]) -> int:
-        """The most bytes the allocations of ``scopes`` held at once, together."""
+    def joint_peak(self, scopes: Iterable[str], seen_only: bool = False) -> int:
+        """The most bytes the allocations of ``scopes`` held at once, together. ``seen_only``:
+        without the allocations whose free the census did not see (:meth:`unseen_bytes`): a
+        lower bound where another thread freed them, the plain peak an upper one."""
         wanted = set(scopes)
-        return _peak([a for a in self.allocations if a.scope in wanted], self.start_ns)[0]
+        return _peak([a for a in self.allocations if a.scope in wanted and (a.free_seen or not seen_only)],
+                     self.start_ns)[0]
 
     @property
     def total_at_peak(self) -> int:
