@@ -61,7 +61,7 @@ def ways(n: int, world: int) -> dict[tuple[str, str], Callable[[], object]]:
     import torch.distributed as dist
 
     from fzero.dist import _c10d_all_gather, _c10d_reduce_scatter  # the *_single names where torch has them
-    from fzero.dist import _point_to_point_gather
+    from fzero.dist.gloo import point_to_point_gather as _point_to_point_gather
 
     full = torch.randn(n)  # a reduction's input
     chunk = n // world

@@ -484,6 +484,9 @@ def make_fzero_runner(stage: int, compiled: bool, donate: bool, ctx: dict, bucke
     from fzero.dist import TorchCommunicator
 
     cfg = ctx["cfg"]
+    from fzero.host_malloc import tune_host_allocator
+
+    tune_host_allocator()  # fzero's documented allocator setting for CPU training
     comm = TorchCommunicator()
     model = build(ctx["model"], cfg, ctx["seed"])
     if ctx.get("optimizer", "adamw") == "muon":
@@ -500,8 +503,9 @@ def make_fzero_runner(stage: int, compiled: bool, donate: bool, ctx: dict, bucke
     r.note = f"stage {stage}" + (", units: blocks" if units else "") + (", fullgraph" if compiled else "") \
         + (", donating" if donate else "") \
         + (f", {len({g.bucket for g in holder['state'].layout.groups})} buckets" if stage < 3 else "")
-    report = fzero.memory_report(holder["state"].layout, opt, stage=stage, comm=comm, compiled=bool(compiled))
-    r.step_buffers, r.step_peak = report.step_buffers, report.step_peak
+    # the report states an eager step's buffers (a compiled graph's are inductor's)
+    report = fzero.memory_report(holder["state"].layout, opt, stage=stage, comm=comm)
+    r.step_buffers, r.step_peak = ({}, None) if compiled else (report.step_buffers, report.step_peak)
 
     def step(i: int) -> None:
         holder["state"], holder["metrics"] = step_fn(holder["state"], batches[i])

@@ -132,7 +132,9 @@ def loss_grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicato
     per buffer dtype); otherwise from its own."""
     if broadcast_buffers and state.buffers:
         state = state.replace(buffers=broadcast_module_buffers(state.buffers, comm))
-    with workspace.runner:
+    if comm.traced:  # a graph's collectives are the graph's
+        return _grads(loss_fn, state, batch, comm, workspace, scaled, on_ready)
+    with workspace.runner:  # every collective handed to the runner has run when it ends
         return _grads(loss_fn, state, batch, comm, workspace, scaled, on_ready)
 
 

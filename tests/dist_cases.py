@@ -631,7 +631,11 @@ def compiled_reduction_census(comm: fzero.Communicator, sizes: tuple[int, ...], 
     lay = state.layout
     return {"reduction": census.scope_peaks.get(GRAD_REDUCTION, 0), "peak": census.peak_bytes,
             "unseen": census.unseen_bytes(at_ns=census.peak_ns), "shards": sum(4 * g.shard_numel for g in lay.groups),
-            "largest group": max(4 * g.padded_numel for g in lay.groups), "groups": len(lay.groups)}
+            # the largest collective: the groups joined when small (fzero.sharding.JOIN_NUMEL), else a group
+            "largest group": 4 * max(sum(g.padded_numel for g in lay.groups)
+                                     if sum(g.padded_numel for g in lay.groups) <= fzero.sharding.JOIN_NUMEL else 0,
+                                     *(g.padded_numel for g in lay.groups)),
+            "groups": len(lay.groups)}
 
 
 # --- ranks that call different stage-3 units -------------------------------------------------

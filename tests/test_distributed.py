@@ -252,11 +252,11 @@ def test_gloo_all_gather_paths_give_every_rank_every_shard(fixture, world, reque
                 assert torch.equal(got[2 * d + 1][0], want[1]), (r, via, dtype)
 
 
-def test_gloo_stage3_backward_gathers_ride_on_reductions(w2):
-    """Four units and a root on gloo: U all-gathers in forward (the unit-call tags ride on them),
-    and one of the tags alone at the end of the forward (the last unit's call and the end:
-    every rank called the same units); in backward the U - 2 regathers travel in the
-    all-to-alls of the reductions (U of them, the root's in the first unit's); one scalar
+def test_gloo_stage3_collectives_per_step(w2):
+    """Four units and a root on gloo: in forward the root and the first unit in one all-gather,
+    the three other units prefetched, and the unit-call check's small all-gather at each of the
+    five events (four calls and the end of the forward: every rank called the same units); in
+    backward the U - 2 regathers and U reductions (the root's with the first unit's); one scalar
     all-reduce. The parameters equal the simulated world's bit for bit."""
     threads = torch.get_num_threads()
     torch.set_num_threads(SIM_THREADS)  # as the workers (see _sim)
@@ -265,7 +265,7 @@ def test_gloo_stage3_backward_gathers_ride_on_reductions(w2):
     finally:
         torch.set_num_threads(threads)
     for r, res in enumerate(_case(w2, "stage3_calls")):
-        assert res["calls"] == {"all_gather": 5, "all_to_all": 4, "all_reduce": 1}, (r, res["calls"])
+        assert res["calls"] == {"all_gather": 1 + 3 + 5 + 2, "all_to_all": 4, "all_reduce": 1}, (r, res["calls"])
         for mine, want in zip(res["masters"], sim):
             assert torch.equal(mine[0], want[r]), r
 
