@@ -46,6 +46,7 @@ import torch
 
 import fzero
 import fzero.checkpoint
+import fzero.host_malloc
 from fzero.dist import choose_comm
 from fzero.schedules import warmup_cosine
 
@@ -275,6 +276,8 @@ def run(args: argparse.Namespace) -> dict:
         comm: fzero.Communicator = TorchCommunicator(timeout=args.timeout or None)
     else:
         comm = fzero.SimulatedWorld(args.world_size)
+    if not torch.cuda.is_available():
+        fzero.host_malloc.tune_host_allocator()  # a CPU training program's allocator setting (README)
     world = comm.world_size
     lead = comm.ranks[0] == 0
     say = print if lead else (lambda *a, **k: None)

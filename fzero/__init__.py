@@ -74,52 +74,15 @@ def __getattr__(name: str):  # noqa: ANN202 - PEP 562 lazy attributes
 
 
 __all__ = [
-    # states
-    "TrainState",
-    "ShardState",
-    "OptState",
-    "ScalerState",
-    # building them
-    "init_train_state",
-    "init_shard",
-    "init_scaler",
-    "static_scaler",
-    # the pieces of a step
-    "scale",
-    "loss_grads",
-    "reduce_scatter_grads",
-    "accumulate",
-    "unscale_and_check",
-    "shard_step",
-    "all_gather_params",
-    "update_scale",
-    "micro_batch",
-    "full_params",
-    # composed
-    "make_train_step",
-    "bind_step",
-    "module_loss",
-    # communicators
-    "Communicator",
-    "SimulatedWorld",
-    # update rules
-    "Optimizer",
-    "sgd",
-    "adam",
-    "adamw",
-    "from_torch_optim",
-    "muon",
-    "adafactor",
-    # mixed precision, schedules
-    "MixedPrecision",
-    "schedules",
-    # checkpoints, weights
-    *_CHECKPOINT_API[1:],
-    "pretrained",
-    # errors
-    "CollectiveError",
-    "ReplicaDivergenceError",
-    _CHECKPOINT_API[0],
-    # memory
-    "memory_report",
+    "TrainState", "ShardState", "OptState", "ScalerState",  # states
+    "init_train_state", "init_shard", "init_scaler", "static_scaler",  # building them
+    "scale", "loss_grads", "reduce_scatter_grads", "accumulate", "unscale_and_check", "shard_step",  # the pieces
+    "all_gather_params", "update_scale", "micro_batch", "full_params",
+    "make_train_step", "bind_step", "module_loss",  # composed
+    "Communicator", "SimulatedWorld",  # communicators
+    "Optimizer", "sgd", "adam", "adamw", "from_torch_optim", "muon", "adafactor",  # update rules
+    "MixedPrecision", "schedules",  # mixed precision, schedules
+    *_CHECKPOINT_API[1:], "pretrained",  # checkpoints, weights
+    "CollectiveError", "ReplicaDivergenceError", _CHECKPOINT_API[0],  # errors
+    "memory_report",  # memory
 ]

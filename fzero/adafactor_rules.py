@@ -1,37 +1,20 @@
-"""Adafactor on flat ZeRO shards: ``torch.optim.Adafactor``, its statistics taken from the
-whole, fully reduced gradient of each parameter, with two small ``all_reduce``\\ s per step.
+"""Adafactor on flat shards: ``torch.optim.Adafactor``, its statistics taken from each parameter's whole,
+fully reduced gradient with two small ``all_reduce``\\ s per step; no matrix is gathered.
 
-:func:`adafactor` builds the rule (:class:`Adafactor`) with ``torch.optim.Adafactor``'s
-arguments. Per parameter, torch's single-tensor step (``_single_tensor_adafactor``):
-``rho = min(lr, 1/sqrt(t))``, ``alpha = max(eps2, ||p|| / sqrt(numel)) * rho``, decoupled
-weight decay, and for a parameter of two or more dimensions (torch factors the last two)
-the factored second moment ``row_var`` ([..., R, 1]) and ``col_var`` ([..., 1, C]), for the
-others the elementwise ``variance``; the update ``rsqrt(max(var, eps1^2)) * grad`` is
-clipped by ``max(1, ||update|| / (sqrt(numel) * d))``.
+Per parameter, torch's single-tensor step: ``rho = min(lr, 1/sqrt(t))``, ``alpha = max(eps2, ||p|| /
+sqrt(numel)) * rho``, decoupled weight decay; for two dimensions or more the factored second moment
+``row_var``/``col_var`` of the last two, else the elementwise ``variance``; the update ``rsqrt(max(var,
+eps1^2)) * grad`` clipped by ``max(1, ||update|| / (sqrt(numel) * d))``. ``variance`` is a sharded moment;
+``row_var``/``col_var`` (``R + C`` per ``R x C`` matrix) are replicated vector state (``OptState.vectors``).
 
-Where the state lives: ``variance`` is elementwise, a flat moment (``[R, shard_numel]``,
-sharded). ``row_var`` and ``col_var`` are tiny (``R + C`` per ``R x C`` matrix) and every
-rank holding a piece of the matrix needs all of them: they are replicated, world-size
-independent vector state (``Optimizer.vector_names``, ``OptState.vectors``), which every rank
-computes alike from the same reduced statistics.
-
-What travels (``Adafactor.update_shards``): each rank computes, on its own pieces only,
-partial sums of ``p^2`` per parameter and of ``g^2`` per row and per column of each matrix;
-one ``all_reduce(sum)`` of them joined (``T + sum(B*R + B*C)`` elements) gives every rank the
-whole statistics. Each rank computes the update of its own pieces; a second
-``all_reduce(sum)`` of the per-parameter partial sums of ``update^2`` (``T`` elements) gives
-the clipping denominators. No matrix is gathered.
-
-Eager only (a Python loop over pieces); a compiled step raises naming the rule.
-
-Imports: ``fzero.optim``, ``fzero.layout``, ``fzero.comm``, ``fzero.sharding``.
+Imports: optim, layout, comm.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar, Iterator, Mapping, Optional, Sequence
+from typing import ClassVar, Iterator, Optional, Sequence
 
 import torch
 
@@ -41,15 +24,10 @@ from .optim import GroupSpec, ShardRule, Update, _groups, vector_dtype, vector_s
 
 __all__ = ["Adafactor", "adafactor"]
 
-# torch.optim.Adafactor's constructor checks, as (name, test, requirement)
-_RANGES = {
-    "lr": (lambda v: v >= 0, ">= 0"),
-    "beta2_decay": (lambda v: v <= 0, "<= 0"),
-    "eps1": (lambda v: v >= 0, ">= 0"),
-    "eps2": (lambda v: v >= 0, ">= 0"),
-    "d": (lambda v: v >= 1, ">= 1"),
-    "weight_decay": (lambda v: v >= 0, ">= 0"),
-}
+# torch.optim.Adafactor's constructor checks: name: (test, requirement)
+_RANGES = {"lr": (lambda v: v >= 0, ">= 0"), "beta2_decay": (lambda v: v <= 0, "<= 0"),
+           "eps1": (lambda v: v >= 0, ">= 0"), "eps2": (lambda v: v >= 0, ">= 0"), "d": (lambda v: v >= 1, ">= 1"),
+           "weight_decay": (lambda v: v >= 0, ">= 0")}
 
 
 def _factored(shape: Sequence[int]) -> bool:
@@ -63,11 +41,9 @@ def _dims(shape: Sequence[int]) -> tuple[int, int, int]:
 
 
 def _rectangles(a: int, b: int, R: int, C: int) -> Iterator[tuple[int, int, int, int, int, int]]:
-    """The elements ``[a, b)`` of a parameter ``[B, R, C]`` (flat, row-major) as rectangles
-    ``(start, row, rows, col, cols, batch)``: ``rows x cols`` elements at the flat positions
-    from ``a + start``, global rows ``row..row+rows`` (``batch * R + i``), columns
-    ``col..col+cols`` of batch ``batch``. A partial first row, whole rows (split where the
-    batch changes), a partial last row. No collective."""
+    """The elements ``[a, b)`` of a parameter ``[B, R, C]`` (flat, row-major) as rectangles ``(start, row,
+    rows, col, cols, batch)``: ``rows x cols`` elements from flat position ``a + start``, global rows
+    ``row..row+rows`` (``batch * R + i``), columns ``col..col+cols`` of ``batch``. No collective."""
     pos = a
     while pos < b:
         row, col = divmod(pos, C)
@@ -84,11 +60,9 @@ def _rectangles(a: int, b: int, R: int, C: int) -> Iterator[tuple[int, int, int,
 
 @dataclasses.dataclass(frozen=True)
 class Adafactor(ShardRule):
-    """``torch.optim.Adafactor`` on flat shards (build it with :func:`adafactor`).
-
-    Hyperparameters (``OptState.hyper``, schedulable per group): ``lr``, ``beta2_decay``,
-    ``eps2``, ``d``, ``weight_decay``, and ``eps1`` when given (absent: torch's ``None``, the
-    machine epsilon of the master dtype). Static: ``maximize``."""
+    """``torch.optim.Adafactor`` on flat shards (built by :func:`adafactor`). Hyperparameters: ``lr``,
+    ``beta2_decay``, ``eps2``, ``d``, ``weight_decay``, and ``eps1`` when given (absent: torch's ``None``,
+    the master dtype's machine epsilon). Static: ``maximize``."""
 
     maximize: bool = False
 
@@ -102,8 +76,8 @@ class Adafactor(ShardRule):
         return "adafactor"
 
     def vector_lengths(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """``(B*R, B*C)`` for a parameter ``[..., R, C]`` (``B`` the leading dimensions'
-        product), ``(0, 0)`` for one of fewer than two dimensions."""
+        """``(B*R, B*C)`` for a parameter ``[..., R, C]`` (``B`` the leading dimensions' product), else
+        ``(0, 0)``."""
         if not _factored(shape):
             return (0, 0)
         B, R, C = _dims(shape)
@@ -115,13 +89,9 @@ class Adafactor(ShardRule):
             raise ValueError(f"{where}: invalid {name} {value}" + (f" (torch.optim.Adafactor requires {name} {need})"
                                                                    if need else ""))
 
-    def _eps1(self, h: Mapping[str, float], dtype: torch.dtype) -> float:
-        return h["eps1"] if "eps1" in h else torch.finfo(dtype).eps
-
     def update_shards(self, u: Update, comm: Communicator) -> None:
-        """One step, in place on ``u``'s master shards, moments (``variance``) and vectors
-        (``[row_var, col_var]``, replicated). Collectives: two ``all_reduce(sum)``: the
-        statistics (``T + len(row_var) + len(col_var)`` elements) and the update norms (``T``)."""
+        """One step, in place on ``u``'s master shards, ``variance`` and ``[row_var, col_var]``. Collectives:
+        two ``all_reduce(sum)``, of the statistics (``T + len(row_var) + len(col_var)``) and the norms (``T``)."""
         if comm is None:
             raise ValueError("shard_step: optimizer adafactor calls collectives in its step: pass comm=")
         layout, master, grads, moments, hyper, own, take, ranks, vectors = (
@@ -176,7 +146,7 @@ class Adafactor(ShardRule):
             rho_t = min(hk["lr"], 1 / (t ** 0.5))
             numel = math.prod(s.shape)
             alpha = max(hk["eps2"], math.sqrt(param_sq[k]) / (numel ** 0.5)) * rho_t
-            eps1 = self._eps1(hk, dtype)
+            eps1 = hk.get("eps1", torch.finfo(dtype).eps)
             scal[k] = (one_minus_beta2_t, alpha, eps1)
             if _factored(s.shape):
                 B, R, C = _dims(s.shape)
@@ -218,90 +188,23 @@ class Adafactor(ShardRule):
                 p.mul_(1 - hk["lr"] * hk["weight_decay"])
             p.add_(update, alpha=-alpha / denom)
 
-    # torch.optim interchange (fzero.checkpoint.torch_optim)
-
-    def torch_class(self) -> Optional[type]:
-        return torch.optim.Adafactor
-
-    def torch_kwargs(self, hyper: Mapping[str, Any]) -> dict[str, Any]:
-        v = {k: float(x) for k, x in hyper.items()}
-        return dict(lr=v["lr"], beta2_decay=v["beta2_decay"], eps=(v.get("eps1"), v["eps2"]), d=v["d"],
-                    weight_decay=v["weight_decay"], maximize=self.maximize)
-
-    def torch_state(self, own_step: int, moments: Mapping[str, torch.Tensor], scalars: Mapping[str, float],
-                    shape: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
-                    vectors: Optional[Mapping[str, torch.Tensor]] = None) -> dict[str, Any]:
-        """torch's state of one parameter: ``step`` (0-d, torch's scalar dtype), ``row_var``
-        ``[..., R, 1]`` and ``col_var`` ``[..., 1, C]`` for a parameter of two dimensions or more,
-        else ``variance``; ``{}`` before its first step."""
-        if own_step <= 0:
-            return {}
-        from torch.optim.optimizer import _get_scalar_dtype
-
-        out: dict[str, Any] = {"step": torch.tensor(float(own_step), dtype=_get_scalar_dtype())}
-        if _factored(shape):
-            vectors = vectors or {}
-            row_shape, col_shape = list(shape), list(shape)
-            row_shape[-1], col_shape[-2] = 1, 1
-            out["row_var"] = vectors["row_var"].reshape(row_shape).to(dtype)
-            out["col_var"] = vectors["col_var"].reshape(col_shape).to(dtype)
-        else:
-            out["variance"] = moments["variance"]
-        return out
-
-    def from_torch_state(self, state: Mapping[str, Any]) -> tuple[int, dict[str, torch.Tensor], dict[str, float]]:
-        own = int(float(state["step"])) if "step" in state else 0
-        return own, ({"variance": state["variance"]} if "variance" in state else {}), {}
-
-    def vectors_from_torch_state(self, state: Mapping[str, Any], shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
-        return {k: state[k].reshape(-1) for k in self.vector_names if k in state}
-
-    def hyper_from_torch_group(self, group: Mapping[str, Any]) -> dict[str, float]:
-        if "beta2_decay" not in group or "d" not in group:
-            raise ValueError(f"belongs to another optimizer than {self.name} (no 'beta2_decay' or 'd')")
-        if bool(group.get("maximize", False)) != self.maximize:
-            raise ValueError(f"has maximize {group.get('maximize')}, here {self.maximize}")
-        eps1, eps2 = group["eps"]
-        mine = "eps1" in dict(self.defaults)
-        if (eps1 is not None) != mine:
-            raise ValueError(f"has eps1 {eps1!r}, here {'a number' if mine else 'None'} (eps1 None and a "
-                             "number are different configurations)")
-        out = {k: float(group[k]) for k in ("lr", "beta2_decay", "d", "weight_decay")}
-        out["eps2"] = float(eps2)
-        if eps1 is not None:
-            out["eps1"] = float(eps1)
-        return out
-
 
 def check_real(layout: Layout) -> None:
-    """Raise ``ValueError`` naming the first complex trainable parameter (torch.optim.Adafactor
-    refuses them too)."""
+    """Raise ``ValueError`` naming the first complex trainable parameter (as torch.optim.Adafactor)."""
     for s in layout.trainable_slots:
         if s.dtype.is_complex:
             raise ValueError(f"adafactor: parameter {s.path} is complex ({s.dtype}); torch.optim.Adafactor does "
                              "not support complex parameters")
 
 
-def adafactor(
-    lr: float = 1e-2,
-    beta2_decay: float = -0.8,
-    eps: tuple[Optional[float], float] = (None, 1e-3),
-    d: float = 1.0,
-    weight_decay: float = 0.0,
-    *,
-    foreach: Optional[bool] = None,
-    maximize: bool = False,
-    groups: Sequence[GroupSpec] = (),
-) -> Adafactor:
-    """``torch.optim.Adafactor(lr, beta2_decay, eps, d, weight_decay, maximize)`` on flat shards.
+def adafactor(lr: float = 1e-2, beta2_decay: float = -0.8, eps: tuple[Optional[float], float] = (None, 1e-3),
+              d: float = 1.0, weight_decay: float = 0.0, *, foreach: Optional[bool] = None, maximize: bool = False,
+              groups: Sequence[GroupSpec] = ()) -> Adafactor:
+    """``torch.optim.Adafactor(lr, beta2_decay, eps, d, weight_decay, maximize)`` on flat shards, eagerly.
 
-    ``eps = (eps1, eps2)``: ``eps1`` None (torch's default) is the machine epsilon of the
-    master dtype; a number becomes the hyperparameter ``eps1``. ``groups`` as for
-    :func:`fzero.adamw` (names ``lr``, ``beta2_decay``, ``eps1``, ``eps2``, ``d``,
-    ``weight_decay``). ``foreach`` is accepted and ignored (torch's implementation choice).
-    The statistics of each parameter come from its whole, fully reduced gradient: the step
-    adds two small ``all_reduce``\\ s and no gather. Eager only. Out-of-range values raise
-    ``ValueError`` naming the argument, as torch.optim.Adafactor's constructor does."""
+    ``eps = (eps1, eps2)``: ``eps1`` None (torch's default) is the master dtype's machine epsilon, a number
+    the hyperparameter ``eps1``. ``groups`` as for :func:`fzero.adamw`. ``foreach`` is ignored (torch's
+    implementation choice). Out-of-range values raise ``ValueError`` naming the argument, as torch does."""
     if len(eps) != 2:
         raise ValueError(f"adafactor: eps must be (eps1, eps2), got {eps!r}")
     eps1, eps2 = eps

@@ -1,22 +1,11 @@
 """Gradient buckets: each reduced by the step's own piece as soon as backward completes it.
 
-A *bucket* is a set of parameters whose gradients are reduced together: stages 1-2 cut the
-trainable parameters into buckets of about ``bucket_numel`` elements (:func:`size_buckets`,
-as DDP's ``bucket_cap_mb`` and DeepSpeed's ``reduce_bucket_size``), stage 3 takes the shard
-units (:mod:`fzero.units`). Each bucket is flat groups of the layout.
-
-Eagerly, :class:`BucketWatcher` hooks each parameter's leaf and hands a bucket over when
-autograd has the gradient of every parameter in it; :class:`BucketReduction` then calls the
-step's ``on_ready`` (the public :func:`fzero.reduce_scatter_grads`) on it through a
-:class:`Runner`: on a thread of its own when the communicator ``overlaps`` (c10d on a real
-rank), so the reduction of the last layers' gradients runs while the backward of the first
-layers goes on, as in DDP. Every collective of the block goes through the one runner, in the
-order the step submits them, which is the same on every rank.
-
-Launch order: stages 1-2 launch buckets in reverse registration order (backward's order for
-most models); a bucket complete out of turn waits for its turn, and one backward never reached
-(unused parameters) is launched with zeros after backward. Stage 3 launches as units complete
-(every rank calls the same units in the same order, checked).
+A *bucket* is a set of parameters whose gradients are reduced together: of about ``bucket_numel``
+elements at stages 1-2 (:func:`size_buckets`, as DDP's ``bucket_cap_mb``), a shard unit at stage 3.
+Eagerly, :class:`BucketWatcher` hands a bucket over once autograd has all its gradients and
+:class:`BucketReduction` calls the step's ``on_ready`` (:func:`fzero.reduce_scatter_grads`) on it
+through a :class:`Runner`, on a thread of its own when the communicator ``overlaps``: the last
+layers' reduction runs while backward goes on, as in DDP. Launch order is the same on every rank.
 
 Imports: ``fzero.layout``, ``fzero.scopes``.
 """
@@ -35,50 +24,31 @@ from .scopes import GRAD_BUCKETS, step_scope
 __all__ = ["DEFAULT_BUCKET_NUMEL", "MAX_IN_FLIGHT", "size_buckets", "buckets_of", "Runner", "BufferPool",
            "BucketReduction", "BucketWatcher"]
 
-# The default bucket, 2^24 elements (64 MiB of fp32; DDP's bucket_cap_mb is 25 MiB): few
-# collectives for a large model. Measured on the 2-core gloo benchmark (design.md): a model
-# smaller than this trains fastest as one bucket, since each further bucket is one more
-# collective whose transport competes with backward for the same cores. Why not 2^23: glibc
-# raises its mmap threshold to the largest block freed so far, up to 32 MiB, and a freed
-# block under the threshold stays in the process as free heap. A bucket of 2^24 fp32 elements
-# and its reduced half at W=2 are above that ceiling, so they return to the system when freed.
-# Measured at 162M parameters, W=2 gloo, eager stage 2: held RSS 1871 MiB with 2^23 (the
-# buckets' freed heap), 1781 with 2^24, for 4.21 s -> 4.36 s a step (median of 8), with glibc's
-# dynamic threshold (fzero.host_malloc.tune_host_allocator pins it).
+# 2^24 elements (64 MiB of fp32): few collectives, and above glibc's 32 MiB mmap-threshold ceiling,
+# so a freed bucket goes back to the system (measurements: benchmarks/RESULTS.md, section 5).
 DEFAULT_BUCKET_NUMEL = 1 << 24
 
-# Reductions a rank keeps under way before it waits for the oldest. Each holds its bucket's
-# gradient buffer until it is done, so this bounds the gradient a rank holds during backward
-# to a few buckets (DeepSpeed's ZeRO-2 holds one reduction bucket), not the whole model.
+# Reductions under way before a rank waits for the oldest: each holds its bucket's buffer, so a
+# rank holds a few buckets of gradient during backward, not the whole model.
 MAX_IN_FLIGHT = 2
 
 
-def size_buckets(
-    params: Any, bucket_numel: Optional[int] = None, trainable: Optional[Callable[[str], bool]] = None
-) -> dict[str, int]:
+def size_buckets(params: Any, bucket_numel: Optional[int] = None,
+                 trainable: Optional[Callable[[str], bool]] = None) -> dict[str, int]:
     """``{path: bucket}`` cutting the trainable parameters into buckets of about ``bucket_numel``
-    elements (default :data:`DEFAULT_BUCKET_NUMEL`).
+    elements (default :data:`DEFAULT_BUCKET_NUMEL`; ``ValueError`` unless a positive int).
 
-    Parameters are taken in reverse registration order (backward's order for
-    most models) and a bucket closes once it holds at least ``bucket_numel``
-    elements, so no bucket is much larger than that. A parameter of at least
-    ``bucket_numel`` elements makes a bucket of its own (an embedding, an output
-    layer): on a real rank its bucket is then the gradient autograd made
-    (:class:`BucketWatcher`), where sharing a bucket would copy it into a
-    buffer of the bucket's size. Buckets are numbered in
-    registration order: bucket 0 holds the first parameters, the last bucket
-    the last ones, which backward completes first.
-    """
+    Parameters are taken in reverse registration order (backward's order for most models); a bucket
+    closes once it holds ``bucket_numel`` elements, and a parameter that large gets a bucket of its
+    own (on a real rank autograd's gradient is then the bucket, not copied). Buckets are numbered in
+    registration order: the last holds the last parameters, which backward completes first."""
     if bucket_numel is not None and not (isinstance(bucket_numel, int) and bucket_numel >= 1):
         raise ValueError(f"bucket_numel must be a positive int, got {bucket_numel!r}")
     is_module = isinstance(params, torch.nn.Module)
     leaves = named_leaves(params)[0]
-    sizes = [
-        (path, x.numel()) for path, x in leaves
-        if ((x.requires_grad if is_module else True) if trainable is None else trainable(path))
-    ]
-    if bucket_numel is None:
-        bucket_numel = DEFAULT_BUCKET_NUMEL
+    sizes = [(path, x.numel()) for path, x in leaves
+             if ((x.requires_grad if is_module else True) if trainable is None else trainable(path))]
+    bucket_numel = DEFAULT_BUCKET_NUMEL if bucket_numel is None else bucket_numel
     # cut from the end, then number from the front
     from_end: dict[str, int] = {}
     b, filled = 0, 0
@@ -97,21 +67,17 @@ def buckets_of(layout: Layout) -> tuple[tuple[FlatGroup, ...], ...]:
 
 
 class Runner:
-    """Runs the calls a step hands it in the order it hands them: on one thread of its own
-    when the communicator ``overlaps`` (so that the collectives of the reductions run while
-    backward goes on), otherwise at once. Each call returns a function giving its result
-    (raising its error). Every collective of a gradient computation goes through it, so every
-    rank issues them in one order; the block (``with runner:``) ends only once everything
-    handed to it has run, also after an error: a collective left running could otherwise pair
-    with the next one another thread issues. While a profiler runs (it records the thread it
-    was started on: a census, a trace) they run on the calling thread, one at a time."""
+    """Runs the calls a step hands it, in that order (so every rank issues its collectives in one
+    order): with ``threaded`` on one thread of its own, otherwise (or while a profiler runs: it
+    records only its own thread) at once. :meth:`submit` returns a function giving the call's
+    result (raising its error). ``with runner:`` ends only once every call has run, also after an
+    error: a collective left running could pair with the next one another thread issues."""
 
     def __init__(self) -> None:
         self._thread: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._pending: list[concurrent.futures.Future] = []
 
     def submit(self, threaded: bool, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[[], Any]:
-        # a profiler records the thread it was started on: while one runs, so do the collectives
         if not threaded or torch.autograd.profiler._is_profiler_enabled:
             out = fn(*args, **kwargs)
             return lambda: out
@@ -134,19 +100,15 @@ class Runner:
 
 
 class BufferPool:
-    """Gradient bucket buffers reused from one bucket to the next within a step (eager
-    stages 1-2): a fresh buffer the size of a bucket costs its page faults each time (filling
-    fresh memory ran at about 2 GB/s here, mapped memory at 7 GB/s). At most ``limit`` buffers
-    are kept; the step empties the pool when it ends (kept between steps they held 110-160 MiB
-    per rank at 162M parameters for about 0.05 s of a 7 s step)."""
+    """Gradient bucket buffers reused from one bucket to the next within a step (eager stages 1-2),
+    sparing fresh buffers' page faults: at most ``limit`` kept, emptied by the step when it ends."""
 
     def __init__(self, limit: int = MAX_IN_FLIGHT + 1):
         self.limit = limit
         self.free: list[torch.Tensor] = []
 
     def take(self, numel: int, dtype: torch.dtype, device: Optional[torch.device]) -> torch.Tensor:
-        """An uninitialised 1-D buffer of at least ``numel`` elements: the smallest free one that
-        fits, else a new one of exactly ``numel``."""
+        """An uninitialised 1-D buffer of at least ``numel``: the smallest free one that fits, else a new one."""
         fits = [i for i, t in enumerate(self.free)
                 if t.numel() >= numel and t.dtype == dtype and (device is None or t.device == device)]
         if fits:
@@ -167,14 +129,11 @@ class BufferPool:
 class BucketReduction:
     """Per bucket, each local rank's flat gradients until all have delivered them; then
     ``on_ready(FlatGrads)`` (the step's reduction: averaged shards per flat group) goes to the
-    ``runner``. Eager only (side effects from backward).
+    ``runner``, at most :data:`MAX_IN_FLIGHT` at a time. Eager only.
 
-    ``groups[b]``: the flat groups of bucket ``b``. ``launches``: which buckets go together,
-    in launch order (default: each alone, in bucket order). ``in_order``: a launch ready out of
-    turn waits for its turn (stages 1-2); otherwise each goes when ready (stage 3). A rank's
-    gradient arrives whole (:meth:`add` with ``grads``; stage 3) or written into its row of
-    the bucket's buffers (:meth:`buffers`, taken from ``pool``; stages 1-2). At most
-    :data:`MAX_IN_FLIGHT` launches are under way, so a rank holds a few buckets at a time."""
+    ``groups[b]``: the flat groups of bucket ``b``. ``launches``: which buckets go together, in
+    launch order (default: each alone, in bucket order). ``in_order``: a launch ready out of turn
+    waits for its turn (stages 1-2); otherwise each goes when ready (stage 3)."""
 
     def __init__(self, groups: Sequence[Sequence[FlatGroup]], on_ready: Callable[[FlatGrads], Sequence[torch.Tensor]],
                  runner: Runner, threaded: bool, rows: int, launches: Optional[Sequence[Sequence[int]]] = None, *,
@@ -184,9 +143,8 @@ class BucketReduction:
         launches = [(b,) for b in range(len(groups))] if launches is None else launches
         self.launches = [ls for ls in (tuple(b for b in ls if groups[b]) for ls in launches) if ls]
         self.launch_of = {b: i for i, ls in enumerate(self.launches) for b in ls}
-        self.in_order = in_order
+        self.in_order, self.dtype, self.device = in_order, dtype, device
         self.pool = pool if pool is not None else BufferPool(0)
-        self.dtype, self.device = dtype, device
         self.parts: dict[int, dict[int, Optional[tuple[torch.Tensor, ...]]]] = {}
         self.own: dict[int, tuple[torch.Tensor, ...]] = {}  # bucket -> its buffers' bases
         self.ready: set[int] = set()
@@ -196,8 +154,7 @@ class BucketReduction:
         self.shards: dict[int, torch.Tensor] = {}  # flat group index -> averaged shard
 
     def buffers(self, bucket: int) -> tuple[torch.Tensor, ...]:
-        """Bucket ``bucket``'s gradient buffers, ``[R, padded]`` per flat group (uninitialised
-        until the ranks write their rows)."""
+        """Bucket ``bucket``'s gradient buffers from the pool, ``[R, padded]`` per flat group, uninitialised."""
         if bucket not in self.own:
             self.own[bucket] = tuple(self.pool.take(self.rows * g.padded_numel, compute_dtype(g, self.dtype),
                                                     self.device) for g in self.groups[bucket])
@@ -212,14 +169,12 @@ class BucketReduction:
         if len(got) < self.rows:
             return
         self.ready.add(bucket)
-        if not self.in_order:
-            i = self.launch_of[bucket]
-            if all(b in self.ready for b in self.launches[i]):
-                self._launch(i)
-            return
-        while self.next < len(self.launches) and all(b in self.ready for b in self.launches[self.next]):
-            self._launch(self.next)
-            self.next += 1
+        if self.in_order:
+            while self.next < len(self.launches) and all(b in self.ready for b in self.launches[self.next]):
+                self._launch(self.next)
+                self.next += 1
+        elif all(b in self.ready for b in self.launches[self.launch_of[bucket]]):
+            self._launch(self.launch_of[bucket])
 
     def _launch(self, i: int) -> None:
         while len(self.started) >= MAX_IN_FLIGHT:
@@ -240,8 +195,7 @@ class BucketReduction:
     def _wait_oldest(self) -> None:
         groups, owned, done = self.started.pop(0)
         shards = done()
-        for g, shard in zip(groups, shards):
-            self.shards[g.index] = shard
+        self.shards.update((g.index, shard) for g, shard in zip(groups, shards))
         kept = {s.untyped_storage().data_ptr() for s in shards}
         for base in owned:  # back to the pool unless a result views it (one rank: the identity)
             if base.untyped_storage().data_ptr() not in kept:
@@ -256,12 +210,9 @@ class BucketReduction:
                 continue
             for b in buckets:
                 got = self.parts.setdefault(b, {})
-                bufs = self.buffers(b) if b in self.own else None
-                for r in range(self.rows):
-                    if r in got:
-                        continue
-                    if bufs is not None:
-                        for buf in bufs:
+                for r in [r for r in range(self.rows) if r not in got]:  # zeros for the rows not delivered
+                    if b in self.own:
+                        for buf in self.buffers(b):
                             buf[r].zero_()
                         got[r] = None
                     else:
@@ -276,35 +227,21 @@ class BucketReduction:
 
 
 class BucketWatcher:
-    """One local rank's gradients, written into its row of each bucket's buffers as backward
-    completes them.
+    """One local rank's (``row`` of ``rows``) gradients, written into its row of each bucket's
+    buffers (``buffers(bucket)``: ``[R, padded]`` per flat group; ``groups``: :func:`buckets_of`).
 
-    A post-accumulate-grad hook on each trainable parameter's leaf tensor runs
-    as soon as autograd has the parameter's whole gradient (every use
-    accumulated: autograd runs a leaf's hooks at once, where a node built
-    before the forward would wait until the end of backward); it copies the
-    gradient into the parameter's place in the bucket buffer
-    (``buffers(bucket)``, ``[R, padded]`` per flat group) and drops it, so
-    no second full copy of the gradients exists. When every parameter of a
-    bucket has its gradient, the padding is zeroed and ``deliver(bucket)``
-    is called. A parameter the loss does not reach has no gradient: its
-    bucket is delivered by :meth:`finish`, after backward, with zeros for it.
-    A bucket of one parameter that fills its flat group exactly (an embedding,
-    an untied output layer: on a real rank, ``rows == 1``) takes the gradient
-    autograd made as it is: ``deliver(bucket, (grad,))``, no copy and no buffer.
-    :meth:`close` removes the hooks (also after an error): a hook holds the
-    watcher, the watcher the leaves, so hooks left in place would keep every
-    leaf (and the parameters it views) in a reference cycle.
-    """
+    A post-accumulate-grad hook on each trainable leaf copies the parameter's whole gradient into
+    its place and drops it; once a bucket has all its gradients, the padding is zeroed and
+    ``deliver(bucket, None)`` is called (:meth:`finish`: the incomplete ones, with zeros). A bucket
+    of one parameter filling its flat group (``rows == 1``) is delivered as autograd's gradient
+    itself: ``deliver(bucket, (grad,))``. :meth:`close` removes the hooks (also after an error):
+    left in place, they would keep every leaf in a reference cycle."""
 
     def __init__(self, layout: Layout, groups: Sequence[Sequence[FlatGroup]], row: int,
                  buffers: Callable[[int], tuple[torch.Tensor, ...]],
                  deliver: Callable[[int, Optional[tuple[torch.Tensor, ...]]], None], rows: int = 1):
-        """``groups``: :func:`buckets_of` ``layout``; ``rows``: the local ranks sharing the buffers."""
-        self.layout, self.groups, self.row = layout, groups, row
-        self.buffers, self.deliver = buffers, deliver
+        self.layout, self.groups, self.row, self.buffers, self.deliver = layout, groups, row, buffers, deliver
         self.missing = [sum(len(g.slots) for g in gs) for gs in self.groups]
-        # One rank's row is the whole buffer: a lone parameter's gradient can be it.
         self.whole = {b for b, gs in enumerate(groups)
                       if rows == 1 and len(gs) == 1 and len(gs[0].slots) == 1 and not gs[0].padding}
         self.position = {g.index: pos for gs in groups for pos, g in enumerate(gs)}
@@ -341,9 +278,8 @@ class BucketWatcher:
 
     def _deliver(self, bucket: int) -> None:
         for g in self.groups[bucket]:
-            for i in g.slots:
-                if i not in self.filled:
-                    self._view(i).zero_()
+            for i in [i for i in g.slots if i not in self.filled]:  # parameters without a gradient
+                self._view(i).zero_()
             if g.padding:
                 self.buffers(bucket)[self.position[g.index]][self.row, g.numel:].zero_()
         self.missing[bucket] = -1  # delivered

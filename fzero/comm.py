@@ -1,29 +1,7 @@
-"""Communicators: the only way fzero's functions talk to other ranks.
-
-Every tensor that differs between ranks carries a leading *local-rank axis* of size
-``R = comm.local_ranks``: ``R == world_size`` in :class:`SimulatedWorld` (every rank in one
-process) and ``R == 1`` on a real rank (:class:`fzero.dist.TorchCommunicator`). Collectives
+"""Communicators: the only way fzero's functions talk to other ranks. Every tensor that differs between ranks
+carries a leading *local-rank axis* of size ``R = comm.local_ranks``: ``R == W`` (the world size) in
+:class:`SimulatedWorld`, every rank in one process, and ``R == 1`` on a real rank (``fzero.dist``). Collectives
 are methods over that axis, so one step runs unchanged on both, eagerly or traced.
-
-Shapes (``W`` world size, ``R`` local ranks):
-
-* ``all_reduce(x, op)``: ``[R, ...] -> [R, ...]``, ``op`` in sum/avg/max;
-* ``reduce_scatter(x, op)``: ``[R, W*n] -> [R, n]``, row ``r`` keeps chunk ``ranks[r]``;
-* ``all_gather(x)``: ``[R, n] -> [R, W*n]``, chunks in rank order;
-* ``broadcast(x, src)``: every row becomes rank ``src``'s (any dtype);
-* ``*_start``: the same collective started now; the returned function waits and gives the
-  result (a piece starts all its collectives before it waits for any);
-  ``all_reduce_shard_start`` is ZeRO-1's all-reduce of which each rank keeps its chunk,
-  ``all_gather_into_start`` writes into the caller's buffer.
-
-Declared capabilities, read by the pieces instead of the communicator's type:
-``traced`` (this communicator's collectives are being traced into a graph:
-:meth:`Communicator.tracing` gives it to the wrapper that compiles a step), ``overlaps``
-(its collectives may run on a thread of their own while backward goes on),
-:meth:`Communicator.reusing_buffers` (a block whose receive buffers may be reused), and
-``reduce_scatter_buffers``/``all_reduce_buffers`` (what one gradient reduction allocates
-beside its result, per element of one rank's input: :func:`fzero.memory_report` states it). ``avg`` is a sum divided by ``W`` everywhere, so simulated
-and real worlds round alike.
 
 Imports: torch only.
 """
@@ -40,17 +18,13 @@ import torch.utils._pytree as tp
 
 __all__ = ["CollectiveError", "Communicator", "SimulatedWorld", "CountingCommunicator", "CollectiveRecord",
            "gradient_divide_factors"]
-
 ReduceOp = Literal["sum", "avg", "max"]
 
 
 class CollectiveError(RuntimeError):
-    """A collective did not complete on this rank: a peer stalled past the communicator's
-    timeout, or died. ``collective`` names it, ``step`` is the train step it belonged to
-    (``state.opt.step + 1``; None outside a step), ``timeout`` the bound in seconds.
-
-    The process group is unusable afterwards: end the process and let the launcher
-    (``torchrun``) stop or restart the job."""
+    """A collective did not complete on this rank: a peer stalled past the communicator's timeout, or died.
+    ``collective`` names it, ``step`` the train step (``state.opt.step + 1``; None outside one), ``timeout`` the
+    bound in seconds. The group is unusable afterwards: end the process, for torchrun to stop or restart the job."""
 
     def __init__(self, collective: str, rank: int, timeout: float | None, cause: str, step: int | None = None):
         self.collective, self.rank, self.timeout, self.cause, self.step = collective, rank, timeout, cause, step
@@ -68,9 +42,8 @@ class CollectiveError(RuntimeError):
 
 
 def gradient_divide_factors(world_size: int) -> tuple[float, float]:
-    """FSDP's ``(pre, post)`` factors, ``pre * post == world_size``: a 16-bit reduction divides
-    by ``pre`` before the sum and by ``post`` after it, so the sum neither overflows nor
-    underflows."""
+    """FSDP's ``(pre, post)`` factors, ``pre * post == world_size``: a 16-bit reduction divides by ``pre``
+    before the sum and by ``post`` after it, so the sum neither overflows nor underflows."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     pre = 1
@@ -80,28 +53,36 @@ def gradient_divide_factors(world_size: int) -> tuple[float, float]:
 
 
 class Communicator:
-    """Base class: subclasses implement ``all_reduce``, ``reduce_scatter`` and ``all_gather``.
+    """Base class: subclasses implement each of ``all_reduce``, ``reduce_scatter`` and ``all_gather``, or its
+    ``*_start`` form: the collective started now, the returned function waits and gives the result (a piece starts
+    all its collectives before it waits for any). The pieces read the capabilities below, never the type."""
 
-    Attributes: ``world_size`` (W), ``local_ranks`` (R), ``ranks`` (the global rank of each
-    local row), and the capabilities of the module doc."""
-
-    world_size: int
-    local_ranks: int
-    ranks: tuple[int, ...]
-    traced: bool = False
-    overlaps: bool = False
-    # what one gradient reduction allocates beside its result, per element of one rank's input
+    world_size: int  # W
+    local_ranks: int  # R
+    ranks: tuple[int, ...]  # the global rank of each local row
+    traced: bool = False  # its collectives are being traced into a graph (see ``tracing``)
+    overlaps: bool = False  # they may run on a thread of their own while backward goes on
+    # what one gradient reduction allocates beside its result, per element of one rank's input (memory_report)
     reduce_scatter_buffers: float = 0.0
     all_reduce_buffers: float = 0.0
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        raise NotImplementedError
+        """``[R, ...] -> [R, ...]``, ``op`` in sum/avg/max (``avg``: the sum divided by ``W``, everywhere)."""
+        if type(self).all_reduce_start is Communicator.all_reduce_start:
+            raise NotImplementedError
+        return self.all_reduce_start(x, op)()
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        raise NotImplementedError
+        """``[R, W*n] -> [R, n]``, ``op`` sum or avg: row ``r`` keeps chunk ``ranks[r]`` of the sum."""
+        if type(self).reduce_scatter_start is Communicator.reduce_scatter_start:
+            raise NotImplementedError
+        return self.reduce_scatter_start(x, op)()
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """``[R, n] -> [R, W*n]``: every rank's chunk, in rank order."""
+        if type(self).all_gather_start is Communicator.all_gather_start:
+            raise NotImplementedError
+        return self.all_gather_start(x)()
 
     def all_reduce_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
         out = self.all_reduce(x, op)
@@ -116,15 +97,13 @@ class Communicator:
         return lambda: out
 
     def all_reduce_shard_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
-        """ZeRO-1's reduction of ``x`` ``[R, W*n]``: an ``all_reduce`` of which each rank keeps
-        its chunk ``[R, n]`` (what :meth:`take_shard` cuts)."""
+        """ZeRO-1's reduction: ``all_reduce`` of ``x`` ``[R, W*n]``, each rank keeping its chunk ``[R, n]``."""
         self._chunk(x, "all_reduce_shard")
         reduced = self.all_reduce_start(x, op)
         return lambda: self.take_shard(reduced())
 
     def all_gather_into_start(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """``all_gather`` of ``x`` ``[R, n]`` written into ``out`` ``[R, W*n]`` (same dtype): the
-        parameters the next forward reads. Default: gathered, then copied."""
+        """``all_gather`` of ``x`` ``[R, n]`` into ``out`` ``[R, W*n]`` (same dtype); default: gathered, then copied."""
         self._check_into(x, out)
         started = self.all_gather_start(x)
         return lambda: out.copy_(started())
@@ -135,16 +114,13 @@ class Communicator:
             done()
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """``[R, n] -> [R, n]``: every row becomes rank ``src``'s. Generic form: an
-        ``all_gather`` and a slice (W times a broadcast's traffic)."""
-        self._check_rows(x, "broadcast")
-        self._check_src(src)
+        """``[R, n] -> [R, n]``, any dtype: every row becomes rank ``src``'s (here: a gather, W times the traffic)."""
+        self._check_broadcast(x, src)
         n = x.shape[1]
         return self.all_gather(x)[:, src * n:(src + 1) * n].contiguous()
 
     def tracing(self) -> "Communicator":
-        """This communicator as a compiled step traces it (``traced`` set); a wrapper of another
-        communicator (``.inner``) traces that one too. No communication."""
+        """A copy as a compiled step traces it: ``traced`` set (a wrapper's ``.inner`` too). No communication."""
         out = copy.copy(self)
         out.traced = True
         if isinstance(getattr(self, "inner", None), Communicator):
@@ -152,9 +128,7 @@ class Communicator:
         return out
 
     def reusing_buffers(self) -> ContextManager[None]:
-        """A block in which the communicator may hand out its own receive buffers again once
-        nothing refers to them (stage 3's gathers; ``TorchCommunicator`` eagerly). Default:
-        nothing is reused."""
+        """A block in which received buffers may be handed out again once nothing refers to them (default: never)."""
         inner = getattr(self, "inner", None)
         return inner.reusing_buffers() if isinstance(inner, Communicator) else contextlib.nullcontext()
 
@@ -168,9 +142,8 @@ class Communicator:
         return torch.stack([x[i, r * n:(r + 1) * n] for i, r in enumerate(self.ranks)])
 
     def split_batch(self, batch: Any, micro_batches: int = 1) -> Any:
-        """A global batch cut per rank (dim 0 divisible by ``W * micro_batches``) with the
-        local-rank axis: ``[R, B // W, ...]``, or ``[R, K, B // (W K), ...]`` with
-        ``micro_batches=K``. As ``DistributedSampler``, for examples and tests."""
+        """A global batch cut per rank, as ``DistributedSampler`` (for examples and tests): ``[B, ...]`` (``B``
+        divisible by ``W * K``, ``K = micro_batches``) -> ``[R, B // W, ...]``, or ``[R, K, B // (W K), ...]``."""
         parts_n = self.world_size * micro_batches
 
         def one(path: Any, x: torch.Tensor) -> torch.Tensor:
@@ -188,7 +161,8 @@ class Communicator:
             raise ValueError(f"{what}: expected a leading local-rank axis of size {self.local_ranks}, "
                              f"got shape {tuple(x.shape)}")
 
-    def _check_src(self, src: int) -> None:
+    def _check_broadcast(self, x: torch.Tensor, src: int) -> None:
+        self._check_rows(x, "broadcast")
         if not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src must be a rank in [0, {self.world_size}), got {src}")
 
@@ -206,20 +180,14 @@ class Communicator:
 
 
 class SimulatedWorld(Communicator):
-    """All ``world_size`` ranks in one process; collectives are reductions over dim 0.
-
-    Deterministic, and equal to gloo bit for bit (fzero's gloo reduce-scatter sums the rows
-    in rank order, as here). With one rank, reductions return their input (no copy);
-    ``all_gather`` always allocates."""
+    """All ``world_size`` ranks in one process: collectives reduce over dim 0 in rank order (the bits of
+    ``fzero.dist``'s all-to-all reduce-scatter); with one rank, reductions return their input (no copy)."""
 
     def __init__(self, world_size: int):
         if not (isinstance(world_size, int) and world_size >= 1):
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        self.world_size = self.local_ranks = world_size
-        self.ranks = tuple(range(world_size))
-        # measured by census (tests/test_memory_census.py): a reduce-scatter's sum is its result;
-        # an all-reduce's sum is repeated to every row
-        self.reduce_scatter_buffers, self.all_reduce_buffers = 0.0, float(world_size)
+        self.world_size, self.local_ranks, self.ranks = world_size, world_size, tuple(range(world_size))
+        self.reduce_scatter_buffers, self.all_reduce_buffers = 0.0, float(world_size)  # the sum, one per row
 
     def __repr__(self) -> str:
         return f"SimulatedWorld({self.world_size})"
@@ -253,8 +221,7 @@ class SimulatedWorld(Communicator):
         self._check_rows(x, "all_gather")
         if x.dim() != 2:
             raise ValueError(f"all_gather: expected shape [R, n], got {tuple(x.shape)}")
-        # always a new buffer: a gather's output never aliases its input
-        return x.reshape(1, -1).expand(self.world_size, -1).clone()
+        return x.reshape(1, -1).expand(self.world_size, -1).clone()  # a gather's output never aliases its input
 
     def all_gather_into_start(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], torch.Tensor]:
         self._check_into(x, out)
@@ -262,17 +229,15 @@ class SimulatedWorld(Communicator):
         return lambda: out
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        self._check_rows(x, "broadcast")
-        self._check_src(src)
+        self._check_broadcast(x, src)
         return x[src].unsqueeze(0).repeat(self.world_size, *([1] * (x.dim() - 1)))
 
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveRecord:
-    """One collective as one rank saw it. ``elements``: the full buffer it is about, per rank
-    (input of all-reduce and reduce-scatter, output of all-gather); ``moved``: elements each
-    rank sends with the ring algorithm (``2 (W-1)/W`` of it for all-reduce, ``(W-1)/W`` for
-    the others); ``bytes = moved * itemsize``."""
+    """One collective as one rank saw it: ``elements`` of the buffer it is about, per rank (input of all-reduce and
+    reduce-scatter, output of all-gather); ``moved``, the elements each rank sends (ring: ``2 (W-1)/W`` of them for
+    all-reduce, ``(W-1)/W`` for the others; a tree broadcast: about all); ``bytes = moved * itemsize``."""
 
     op: str
     dtype: torch.dtype
@@ -282,13 +247,11 @@ class CollectiveRecord:
 
 
 class CountingCommunicator(Communicator):
-    """Wraps a communicator and records every collective it runs (eagerly; traced, the records
-    are made once, while tracing)."""
+    """Wraps a communicator and records every collective it runs, in the order issued (traced: once, while tracing)."""
 
     def __init__(self, inner: Communicator):
-        self.inner = inner
+        self.inner, self.overlaps = inner, inner.overlaps
         self.world_size, self.local_ranks, self.ranks = inner.world_size, inner.local_ranks, inner.ranks
-        self.overlaps = inner.overlaps
         self.reduce_scatter_buffers, self.all_reduce_buffers = inner.reduce_scatter_buffers, inner.all_reduce_buffers
         self.records: list[CollectiveRecord] = []
 
@@ -298,54 +261,34 @@ class CountingCommunicator(Communicator):
     def reset(self) -> None:
         self.records.clear()
 
-    def _record(self, op: str, x: torch.Tensor, elements: int, ring_factor: float) -> None:
+    def _record(self, op: str, x: torch.Tensor) -> Communicator:
+        """Records collective ``op`` of ``x``; returns the wrapped communicator, which runs it."""
+        if op == "reduce_scatter" and getattr(self.inner, "reduce_scatter_via", None) == "all_reduce":
+            op = "all_reduce"  # what the backend really sends
         w = self.world_size
+        elements = x[0].numel() * (w if op == "all_gather" else 1)
+        ring_factor = {"all_reduce": 2.0, "broadcast": w / max(w - 1, 1)}.get(op, 1.0)
         moved = elements * ring_factor * (w - 1) / w
         self.records.append(CollectiveRecord(op, x.dtype, elements, moved, moved * x.element_size()))
+        return self.inner
 
-    def _reduce_scatter_record(self, x: torch.Tensor) -> None:
-        if getattr(self.inner, "reduce_scatter_via", None) == "all_reduce":
-            self._record("all_reduce", x, x[0].numel(), 2.0)  # what the backend really sends
-        else:
-            self._record("reduce_scatter", x, x[0].numel(), 1.0)
-
-    def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        self._record("all_reduce", x, x[0].numel(), 2.0)
-        return self.inner.all_reduce(x, op)
-
-    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        self._reduce_scatter_record(x)
-        return self.inner.reduce_scatter(x, op)
-
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        self._record("all_gather", x, x[0].numel() * self.world_size, 1.0)
-        return self.inner.all_gather(x)
-
-    # started collectives are recorded when issued: the records give the order a step issues them
     def all_reduce_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
-        self._record("all_reduce", x, x[0].numel(), 2.0)
-        return self.inner.all_reduce_start(x, op)
+        return self._record("all_reduce", x).all_reduce_start(x, op)
 
     def reduce_scatter_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
-        self._reduce_scatter_record(x)
-        return self.inner.reduce_scatter_start(x, op)
+        return self._record("reduce_scatter", x).reduce_scatter_start(x, op)
 
     def all_reduce_shard_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
-        self._record("all_reduce", x, x[0].numel(), 2.0)
-        return self.inner.all_reduce_shard_start(x, op)
+        return self._record("all_reduce", x).all_reduce_shard_start(x, op)
 
     def all_gather_start(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
-        self._record("all_gather", x, x[0].numel() * self.world_size, 1.0)
-        return self.inner.all_gather_start(x)
+        return self._record("all_gather", x).all_gather_start(x)
 
     def all_gather_into_start(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], torch.Tensor]:
-        self._record("all_gather", x, x[0].numel() * self.world_size, 1.0)
-        return self.inner.all_gather_into_start(x, out)
+        return self._record("all_gather", x).all_gather_into_start(x, out)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        # a tree broadcast sends the buffer about once per rank: ring factor W/(W-1)
-        self._record("broadcast", x, x[0].numel(), self.world_size / max(self.world_size - 1, 1))
-        return self.inner.broadcast(x, src)
+        return self._record("broadcast", x).broadcast(x, src)
 
     def check_layout(self, layout: Any) -> None:
         self.inner.check_layout(layout)

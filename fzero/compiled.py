@@ -3,7 +3,7 @@ compiles it with ``torch.compile(fullgraph=True)`` when asked. This is the one p
 decides eager or compiled: a compiled step is traced with ``comm.tracing()``, and every piece
 reads that (``comm.traced``) instead of asking whether dynamo is tracing.
 
-Imports: comm, grads, optim, pytree, rng, state.
+Imports: comm, grads, optim, rng, state.
 """
 
 from __future__ import annotations
@@ -35,13 +35,9 @@ TORCH_COMPILE_KEYS = ("backend", "mode", "options")
 
 
 def compile_arguments(compile: Compile) -> Optional[dict[str, Any]]:
-    """``compile=`` as ``torch.compile`` keyword arguments, or ``None`` for an eager step.
-
-    ``True`` is ``{}`` (inductor, default mode); a mapping is checked and copied: ``backend``
-    (e.g. ``"aot_eager"``: dynamo and AOTAutograd without inductor's code generation, for
-    debugging or a cheap compile), ``mode``, ``options``. ``fullgraph`` and ``dynamic`` are
-    fzero's own (:func:`compiled_step`) and are refused, as is any other key, with a
-    ``ValueError`` that names it."""
+    """``compile=`` as ``torch.compile`` keyword arguments, or ``None`` for an eager step: ``True`` is
+    ``{}`` (inductor); a mapping may give ``backend`` (e.g. ``"aot_eager"``), ``mode``, ``options``.
+    ``fullgraph`` and ``dynamic`` are fzero's own; they and unknown keys are a ``ValueError`` naming them."""
     if compile is False or compile is None:
         return None
     if compile is True:
@@ -64,28 +60,21 @@ def compile_arguments(compile: Compile) -> Optional[dict[str, Any]]:
 def bind_step(step: ComposedStep, loss_fn: LossFn, comm: Communicator, *, accum_steps: int = 1,
               compile: Compile = False, check: Optional[Callable[[TrainState, Any], None]] = None) -> StepFn:
     """``(state, batch) -> step(state, batch, comm, workspace)``: a composed step given its
-    communicator and a :class:`~fzero.grads.Workspace` it keeps from call to call (for
-    ``loss_fn``, with ``accum_steps`` micro-batches), run eagerly, or with ``compile=True``
-    (or torch.compile's ``backend``/``mode``/``options``: :func:`compile_arguments`) as
-    ``torch.compile(fullgraph=True, dynamic=False)`` traced with ``comm.tracing()``. ``check``
-    runs on the host before the graph (a bad shape raises its own error, not a recompile).
+    communicator and a :class:`~fzero.grads.Workspace` kept between calls (for ``loss_fn`` with
+    ``accum_steps`` micro-batches), run eagerly or, with ``compile=`` (:func:`compile_arguments`), as
+    ``torch.compile(fullgraph=True, dynamic=False)`` traced with ``comm.tracing()``. ``check`` runs
+    on the host before the graph (a bad shape raises its own error, not a recompile). Around a
+    compiled call, and why:
 
-    Around a compiled call:
-
-    * ``trace_autograd_ops`` (dynamo breaks the graph on ``torch.autograd.grad`` otherwise);
-    * the remat pass for forward-loss-backward graphs only with one backward region (local ranks
-      x micro-batches == 1); torch refuses random ops in a rematerialised region;
-    * each rank's generator: dynamo cannot swap generator states inside a graph, so row 0's
-      state is installed around the call and the state it leaves is stored back (several rows,
-      a compiled simulated world, all draw from row 0's: a warning says so once);
-    * ``dynamic=False``: a step compiled after another of the same code would otherwise get
-      dynamic shapes and round differently (the simulated world and gloo would disagree);
-    * ``OptState.all_stepped`` read on the host before each call (no parameter ever sat out a
-      step): the trace takes the plain update on it, and compiles once more the one time it flips;
-    * stage 3 with one backward region: the units' regathering forwards installed
-      (:class:`fzero.units.CompiledUnits`), dynamo's side effects of a checkpointed region
-      applied once, and inductor's two reordering passes off (they moved every gather ahead of
-      the forward and every reduction to the optimizer: a GPT-2 held every unit twice).
+    * ``trace_autograd_ops``: dynamo breaks the graph on ``torch.autograd.grad`` otherwise;
+    * the remat pass for forward-loss-backward graphs only with one backward region (local ranks x
+      micro-batches == 1), and torch refuses random ops in a rematerialised region;
+    * dynamo cannot swap generator states in a graph: row 0's is installed around the call and what
+      it leaves stored back (a compiled simulated world of several rows warns once);
+    * ``dynamic=False``: a second step of the same code would get dynamic shapes and round differently;
+    * ``OptState.all_stepped`` read on the host (no parameter ever sat out a step: the plain update);
+    * stage 3 with one backward region: the units' regathering forwards installed, and inductor's
+      reordering passes off (they moved every gather ahead of the forward).
     """
     workspace = Workspace(loss_fn, accum_steps)
     arguments = compile_arguments(compile)

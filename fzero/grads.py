@@ -1,19 +1,12 @@
 """One micro-batch's forward and backward: :func:`loss_grads`, and what it reuses (:class:`Workspace`).
 
-For every local rank: the forward of the step's loss on the rank's parameters, the loss scaled
-by the step (``scaled``: its call of :func:`fzero.scale`), backward, and each bucket's gradient
-handed to the step's ``on_ready`` (its call of :func:`fzero.reduce_scatter_grads`) as soon as
-backward completes the bucket: that is where overlap comes from, not from a variant of the
-piece. How the gradients reach ``on_ready`` depends on the stage and on whether the step is
-traced (the communicator says: ``comm.traced``):
-
-* stages 1-2, eagerly: leaf views of the gathered parameters, a post-accumulate-grad hook per
-  parameter copying its gradient into its bucket (:class:`fzero.buckets.BucketWatcher`), the
-  bucket handed over through the workspace's runner (:class:`fzero.buckets.BucketReduction`);
-* stage 3, eagerly: unit by unit (:func:`fzero.units.unit_grads`);
-* traced (module hooks do not trace): the whole backward, then ``on_ready`` of every flat group;
-  stage 3 with one local rank and one micro-batch regathers each unit in backward
-  (:class:`fzero.units.CompiledUnits`).
+For every local rank: the forward of the step's loss, the loss scaled (``scaled``: the step's
+:func:`fzero.scale`), backward, and each bucket's gradient handed to ``on_ready`` (the step's
+:func:`fzero.reduce_scatter_grads`) as soon as backward completes it, which is where overlap
+comes from. Eagerly, stages 1-2 hook each parameter (:mod:`fzero.buckets`) and stage 3 goes unit
+by unit (:func:`fzero.units.unit_grads`); traced (hooks do not trace), the whole backward, then
+``on_ready`` of every flat group (stage 3 with a single backward regathers each unit in it:
+:class:`fzero.units.CompiledUnits`).
 
 Imports: ``fzero.buckets``, ``fzero.comm``, ``fzero.layout``, ``fzero.module``, ``fzero.rng``,
 ``fzero.sharding``, ``fzero.state``, ``fzero.units``.
@@ -63,16 +56,15 @@ class Grads(NamedTuple):
 
 class Workspace:
     """What one step function reuses from call to call: the bucket buffers of eager stages 1-2
-    (emptied by :meth:`clear` between steps), the :class:`~fzero.buckets.Runner` its
-    collectives go through, and for a compiled stage-3 step with one backward (one local rank,
-    one micro-batch: ``micro_batches``) the unit forwards that regather in backward."""
+    (emptied by :meth:`clear` between steps), the :class:`~fzero.buckets.Runner` its collectives
+    go through, and for a compiled stage-3 step with one backward (one local rank, one
+    micro-batch) the unit forwards that regather in backward."""
 
     def __init__(self, loss_fn: Optional[LossFn] = None, micro_batches: int = 1):
         self.pool = BufferPool()
         self.runner = Runner()
         self.micro_batches = micro_batches
-        module = loss_fn.module if isinstance(loss_fn, ModuleLoss) else None
-        self.units = CompiledUnits(module) if module is not None else None
+        self.units = CompiledUnits(loss_fn.module) if isinstance(loss_fn, ModuleLoss) else None
 
     def regather(self, comm: Communicator) -> Optional[CompiledUnits]:
         """The regathering unit forwards, where a compiled step has one backward region."""
@@ -92,12 +84,11 @@ def micro_batch(batch: Any, k: int, accum_steps: int) -> Any:
 
 
 def accumulate(total: Optional[Union[Grads, FlatGrads]], new: Union[Grads, FlatGrads]) -> Union[Grads, FlatGrads]:
-    """``total + new`` over micro-batches, in the master dtype's arithmetic (fp32 whatever the
-    gradients' dtype). Of two :class:`Grads`: gradients, losses and used flags summed; buffers
-    and generators ``new``'s. Of whole gradients (:class:`~fzero.layout.FlatGrads`): each of
-    ``new``'s flat groups plus ``total``'s. ``total`` None: ``new``. A deferred accumulation's
-    last micro-batch, whose ``on_ready`` added the earlier whole gradients before reducing,
-    gives reduced shards: those are the total."""
+    """``total + new`` over micro-batches, in at least fp32. Of two :class:`Grads`: gradients, losses
+    and used flags summed; buffers and generators ``new``'s. Of whole gradients
+    (:class:`~fzero.layout.FlatGrads`): each of ``new``'s flat groups plus ``total``'s. ``total``
+    None: ``new``. Reduced shards after whole gradients (a deferred accumulation's last micro-batch,
+    whose ``on_ready`` added the earlier ones) are the total."""
     if total is None:
         return new
     if isinstance(new, FlatGrads):
@@ -121,62 +112,50 @@ def loss_grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicato
     ``on_ready`` bucket by bucket as backward completes it.
 
     ``loss_fn(params, batch_r)``: a 0-d loss for one rank's micro-batch, ``params`` in the
-    structure given to :func:`~fzero.state.init_train_state` (stage 3: a
-    :func:`fzero.module_loss`). ``batch``: leaves ``[R, ...]``. The forward runs under each
-    rank's generator state on fresh copies of the module buffers (BatchNorm updates them).
-    ``on_ready(FlatGrads) -> shards``: the step's reduction of one bucket (stages 1-2) or unit
-    (stage 3); ``None`` (stages 1-2): no collective, each rank's whole gradient. Collectives:
-    ``on_ready``'s, through ``workspace.runner`` (a thread of their own where ``comm.overlaps``);
-    stage 3 also the units' gathers (:func:`fzero.units.unit_grads`). ``broadcast_buffers``
-    (DDP's default): every rank's forward starts from rank 0's module buffers (one ``broadcast``
-    per buffer dtype); otherwise from its own."""
+    structure given to :func:`~fzero.state.init_train_state` (stage 3: a :func:`fzero.module_loss`).
+    ``batch``: leaves ``[R, ...]``. The forward runs under each rank's generator state on fresh
+    copies of the module buffers. ``on_ready(FlatGrads) -> shards``: the step's reduction of one
+    bucket (stages 1-2) or unit (stage 3), through ``workspace.runner``; ``None`` (stages 1-2 only,
+    else ``ValueError``): no collective, each rank's whole gradient. Stage 3 also gathers the units.
+    ``broadcast_buffers`` (DDP's default): every rank's forward starts from rank 0's module buffers
+    (one ``broadcast`` per buffer dtype); otherwise from its own."""
     if broadcast_buffers and state.buffers:
         state = state.replace(buffers=broadcast_module_buffers(state.buffers, comm))
-    if comm.traced:  # a graph's collectives are the graph's
-        return _grads(loss_fn, state, batch, comm, workspace, scaled, on_ready)
-    with workspace.runner:  # every collective handed to the runner has run when it ends
+    # a graph's collectives are the graph's; eagerly, every one handed to the runner has run when it ends
+    with contextlib.nullcontext() if comm.traced else workspace.runner:
         return _grads(loss_fn, state, batch, comm, workspace, scaled, on_ready)
 
 
 def _grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicator, workspace: Workspace,
            scaled: Callable[[torch.Tensor], torch.Tensor], on_ready: Optional[OnReady]) -> Grads:
-    if state.stage == 3:
+    params = state.params
+    if state.stage == 3:  # each unit's parameters gathered inside the step (fzero.units)
         if on_ready is None:
             raise ValueError("loss_grads: stage 3 reduces every micro-batch (it never holds whole gradients)")
-        return _unit_grads(loss_fn, state, batch, comm, workspace, scaled, on_ready)
-    if comm.traced or on_ready is None:
-        out = _rank_grads(loss_fn, state, state.params, batch, comm, scaled)
-        return out if on_ready is None else out._replace(grads=tuple(on_ready(out.grads)))
-    lay = state.layout
-    buckets = buckets_of(lay)
-    dtype, device = state.precision.param_dtype, state.params[0].device
-    reduction = BucketReduction(buckets, on_ready, workspace.runner, comm.overlaps, comm.local_ranks,
-                                [(b,) for b in range(len(buckets) - 1, -1, -1)], in_order=True,
-                                pool=workspace.pool, dtype=dtype, device=device)
-    out = _rank_grads(loss_fn, state, state.params, batch, comm, scaled, reduction)
-    return out._replace(grads=reduction.finish(device, dtype))
-
-
-def _unit_grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicator, workspace: Workspace,
-                scaled: Callable[[torch.Tensor], torch.Tensor], on_ready: OnReady) -> Grads:
-    """Stage 3: each unit's parameters gathered inside the step (:mod:`fzero.units`)."""
-    if not isinstance(loss_fn, ModuleLoss):
-        raise TypeError("stage 3 gathers each shard unit's parameters in the unit's forward and needs the module: "
-                        "give fzero.module_loss(model, ...) (with a state built by init_train_state(model, ..., "
-                        "stage=3))")
-    if not state.module.units:
-        raise ValueError("stage 3: this state has no shard units; build it with "
-                         "init_train_state(model, ..., stage=3, units=...)")
-    regather = workspace.regather(comm) if comm.traced else None
-    if regather is not None:  # one rank, one micro-batch: each unit gathered in forward, again in backward
-        return Grads(*compiled_unit_grads(regather, loss_fn, state, comm, batch, scaled, on_ready))
-    if comm.traced:
-        # Module and saved-tensor hooks do not trace: every unit gathered inside the graph, kept
-        # to its last use in backward (FSDP's reshard_after_forward=False); one reduction after.
-        gathered = all_gather_params(state.shard, comm, state.precision.param_dtype)
-        out = _rank_grads(loss_fn, state, gathered, batch, comm, scaled)
-        return out._replace(grads=tuple(on_ready(out.grads)))
-    return Grads(*unit_grads(loss_fn, state, comm, batch, scaled, on_ready, workspace.runner))
+        if not isinstance(loss_fn, ModuleLoss):
+            raise TypeError("stage 3 gathers each shard unit's parameters in the unit's forward and needs the module: "
+                            "give fzero.module_loss(model, ...) (with a state built by init_train_state(model, ..., "
+                            "stage=3))")
+        if not state.module.units:
+            raise ValueError("stage 3: this state has no shard units; build it with "
+                             "init_train_state(model, ..., stage=3, units=...)")
+        if not comm.traced:
+            return Grads(*unit_grads(loss_fn, state, comm, batch, scaled, on_ready, workspace.runner))
+        regather = workspace.regather(comm)
+        if regather is not None:  # one rank, one micro-batch: each unit gathered in forward, again in backward
+            return Grads(*compiled_unit_grads(regather, loss_fn, state, comm, batch, scaled, on_ready))
+        # every unit gathered in the graph and kept for backward (FSDP's reshard_after_forward=False)
+        params = all_gather_params(state.shard, comm, state.precision.param_dtype)
+    elif not comm.traced and on_ready is not None:  # each bucket reduced as backward completes it
+        buckets = buckets_of(state.layout)
+        dtype, device = state.precision.param_dtype, state.params[0].device
+        reduction = BucketReduction(buckets, on_ready, workspace.runner, comm.overlaps, comm.local_ranks,
+                                    [(b,) for b in range(len(buckets) - 1, -1, -1)], in_order=True,
+                                    pool=workspace.pool, dtype=dtype, device=device)
+        out = _rank_grads(loss_fn, state, params, batch, comm, scaled, reduction)
+        return out._replace(grads=reduction.finish(device, dtype))
+    out = _rank_grads(loss_fn, state, params, batch, comm, scaled)
+    return out if on_ready is None else out._replace(grads=tuple(on_ready(out.grads)))
 
 
 def _rank_grads(loss_fn: LossFn, state: TrainState, params: Sequence[torch.Tensor], batch: Any,
@@ -184,20 +163,13 @@ def _rank_grads(loss_fn: LossFn, state: TrainState, params: Sequence[torch.Tenso
                 reduction: Optional[BucketReduction] = None) -> Grads:
     """Each local rank's gradient of its scaled loss, its loss, buffers and generator.
 
-    Rank ``r``'s parameters are fresh leaf tensors viewing row ``r`` of ``params`` (the
-    gathered flat buffers: nothing copied, the state never written), one leaf per parameter
-    (one flat leaf would be zero-filled once per slice: 2-3x slower). Buffers reach the forward
-    as fresh copies. A :class:`ModuleLoss` keeps its module bound to the rank's tensors until
-    backward has finished, so that activation checkpointing recomputes with them.
-
-    ``reduction`` (eager): each bucket goes to it as soon as backward completes it
-    (``Grads.grads`` then empty); otherwise ``torch.autograd.grad`` gives every gradient."""
-    lay, traced = state.layout, comm.traced
-    dtype = state.precision.param_dtype
-    names = state.module.buffers
+    Rank ``r``'s parameters are leaf tensors viewing row ``r`` of ``params``, one per parameter (one
+    flat leaf would be zero-filled once per slice). A :class:`ModuleLoss` stays bound until backward
+    has finished, so that activation checkpointing recomputes with the same tensors. ``reduction``
+    (eager): each bucket goes to it as backward completes it (``Grads.grads`` then empty)."""
+    lay, traced, dtype, device = state.layout, comm.traced, state.precision.param_dtype, params[0].device
+    names, train_slots = state.module.buffers, lay.trainable_slots
     swap_rng = bool(state.rng) and not traced
-    device = params[0].device
-    train_slots = lay.trainable_slots
     frozen = {s.path: f.to(compute_dtype(s, dtype)) for s, f in zip(lay.frozen_slots, state.shard.frozen)}
     flat: list[list[torch.Tensor]] = [[] for _ in lay.groups]
     losses, new_rng, used = [], [], []
@@ -243,15 +215,10 @@ def _rank_grads(loss_fn: LossFn, state: TrainState, params: Sequence[torch.Tenso
             slot_grads = [got.get(s.path) for s in lay.slots]
             for g in lay.groups:
                 flat[g.index].append(flatten_one(lay, g, slot_grads))
-            del grads
         losses.append(loss.detach())
         for i, b in enumerate(bufs):
             new_buffers[i].append(b)
-    return Grads(
-        FlatGrads(lay.groups, [stack_rows(f) for f in flat]) if reduction is None else (),
-        torch.stack(losses),
-        tuple(stack_rows(b) for b in new_buffers),
-        (stack_rows(new_rng),) if swap_rng else state.rng,
-        torch.tensor(used, dtype=torch.float64, device=device),
-        all(all(row) for row in used),
-    )
+    return Grads(FlatGrads(lay.groups, [stack_rows(f) for f in flat]) if reduction is None else (),
+                 torch.stack(losses), tuple(stack_rows(b) for b in new_buffers),
+                 (stack_rows(new_rng),) if swap_rng else state.rng,
+                 torch.tensor(used, dtype=torch.float64, device=device), all(all(row) for row in used))

@@ -1,20 +1,9 @@
-"""The flat parameter layout: which parameter lives where in which flat buffer.
+"""The flat parameter layout: trainable parameters packed, in tree order, into one flat buffer per *flat group*
+(parameters sharing a bucket, optimizer group, dtype and ``keep_dtype``), zero-padded to split into ``world_size``
+equal shards (rank ``r`` owns the ``r``-th), each a multiple of ``alignment`` long; frozen parameters stay out.
+The layout is static: hashable, kept as pytree metadata of the state.
 
-Trainable parameters are packed, in tree order, into one flat buffer per
-*flat group*: parameters that share an optimizer parameter group, a dtype and whether
-they keep that dtype for compute (DeepSpeed's and Megatron's flat groups; ``keep_dtype``:
-FSDP1's norm layers kept in full precision, see :func:`compute_dtype`). Each buffer is
-padded at its end so that it splits into ``world_size`` equal contiguous shards whose length is a
-multiple of ``alignment`` elements; rank ``r`` owns elements
-``[r * shard_numel, (r + 1) * shard_numel)``. Padding is zero in every buffer
-fzero builds, so it never reaches parameters, gradients or norms. Frozen
-parameters (``requires_grad=False``, or excluded by ``trainable``) are kept
-out of the flat buffers and out of the optimizer.
-
-The layout is static: hashable, comparable, and kept as pytree metadata of
-:class:`fzero.sharding.ShardState`.
-
-Imports: torch only.
+Imports: none of fzero.
 """
 
 from __future__ import annotations
@@ -26,15 +15,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 import torch.utils._pytree as tp
 
-__all__ = [
-    "ParamSlot",
-    "FlatGroup",
-    "Layout",
-    "build_layout",
-    "named_leaves",
-    "path_str",
-    "compute_dtype",
-]
+__all__ = ["ParamSlot", "FlatGroup", "Layout", "build_layout", "named_leaves", "path_str", "compute_dtype"]
 
 
 def check_floating_tensor(what: str, x: Any) -> torch.Tensor:
@@ -50,55 +31,36 @@ def check_floating_tensor(what: str, x: Any) -> torch.Tensor:
 
 def path_str(keypath: Sequence[Any]) -> str:
     """A dotted name for a pytree key path: ``layers.0.weight``."""
-    parts = []
-    for k in keypath:
+    def part(k: Any) -> str:
         if isinstance(k, tp.MappingKey):
-            parts.append(str(k.key))
-        elif isinstance(k, tp.SequenceKey):
-            parts.append(str(k.idx))
-        elif isinstance(k, tp.GetAttrKey):
-            parts.append(k.name)
-        else:
-            parts.append(str(k))
-    return ".".join(parts)
+            return str(k.key)
+        if isinstance(k, tp.SequenceKey):
+            return str(k.idx)
+        return k.name if isinstance(k, tp.GetAttrKey) else str(k)
+
+    return ".".join(part(k) for k in keypath)
 
 
 def named_leaves(tree: Any) -> tuple[list[tuple[str, Any]], tp.TreeSpec]:
-    """``[(dotted path, leaf)]`` in tree order, and the tree's spec.
-
-    An ``nn.Module`` is read as the ordered mapping of its named parameters.
-    Paths name parameters in checkpoints, layouts and state dicts, so two leaves with one
-    path (``{"a": {"b": t}, "a.b": t2}``, ``{0: t, "0": t2}``) would be saved under one key
-    and one of them lost: that is a ``ValueError`` naming both.
-    """
+    """``[(dotted path, leaf)]`` in tree order, and the tree's spec; an ``nn.Module`` is read as its named
+    parameters. Two leaves with one path (``{"a": {"b": t}, "a.b": t2}``) are a ``ValueError`` naming both."""
     if isinstance(tree, torch.nn.Module):
         tree = dict(tree.named_parameters())
     leaves, spec = tp.tree_flatten_with_path(tree)
     named = [(path_str(p), x) for p, x in leaves]
-    _check_unique_paths([p for p, _ in leaves], [n for n, _ in named])
-    return named, spec
-
-
-def _check_unique_paths(keypaths: Sequence[Any], names: Sequence[str]) -> None:
     first: dict[str, int] = {}
-    for i, name in enumerate(names):
-        j = first.setdefault(name, i)
-        if j != i:
-            raise ValueError(
-                f"parameters {tp.keystr(keypaths[j])} and {tp.keystr(keypaths[i])} both have the path "
-                f"{name!r}: paths name parameters in layouts and checkpoints, so each must be unique "
-                "(rename a key)"
-            )
+    for i, (name, _) in enumerate(named):
+        if (j := first.setdefault(name, i)) != i:
+            raise ValueError(f"parameters {tp.keystr(leaves[j][0])} and {tp.keystr(leaves[i][0])} both have the path "
+                             f"{name!r}: paths name parameters in layouts and checkpoints, so each must be unique "
+                             "(rename a key)")
+    return named, spec
 
 
 @dataclasses.dataclass(frozen=True)
 class ParamSlot:
-    """One parameter: where it lives. ``group == -1`` for frozen parameters.
-
-    ``bucket``: the stage-3 shard unit it belongs to (0: the root, or unbucketed).
-    ``keep_dtype``: gathered and computed in its own ``dtype`` whatever the policy's
-    ``param_dtype`` (a parameter of a module class in ``MixedPrecision.keep_dtype``).
-    """
+    """One parameter: where it lives (``group == -1``: frozen). ``bucket``: its shard unit (0: the root).
+    ``keep_dtype``: computed in its own ``dtype`` whatever the policy's ``param_dtype``."""
 
     path: str
     shape: tuple[int, ...]
@@ -112,12 +74,8 @@ class ParamSlot:
 
 @dataclasses.dataclass(frozen=True)
 class FlatGroup:
-    """One flat buffer: parameters of one bucket, one optimizer group, one dtype and one
-    ``keep_dtype`` (see :class:`ParamSlot`).
-
-    ``numel``: parameter elements; ``padded_numel = world_size * shard_numel``;
-    ``slots``: indices into :attr:`Layout.slots`, in buffer order.
-    """
+    """One flat buffer: ``numel`` parameter elements, ``padded_numel = world_size * shard_numel`` with padding;
+    ``slots``: indices into :attr:`Layout.slots`, in buffer order."""
 
     index: int
     opt_group: int
@@ -141,13 +99,8 @@ class FlatGroup:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Layout:
-    """Where every parameter of a tree lives, for one world size.
-
-    ``slots``: every leaf of the parameter tree in tree order (trainable and
-    frozen); ``groups``: the flat buffers; ``spec``: the tree's structure.
-    Equality and hash use :attr:`fingerprint` (paths, shapes, dtypes,
-    trainability, groups, world size, alignment, structure).
-    """
+    """Where every parameter of a tree lives, for one world size: ``slots`` (every leaf in tree order), ``groups``
+    (the flat buffers), ``spec`` (the tree's structure). Equality and hash use :attr:`fingerprint`."""
 
     slots: tuple[ParamSlot, ...]
     groups: tuple[FlatGroup, ...]
@@ -178,25 +131,18 @@ class Layout:
         return sum(g.padded_numel for g in self.groups)
 
     def describe(self) -> tuple[tuple[Any, ...], ...]:
-        """Rows ``(path, shape, dtype, keep_dtype, flat group, optimizer group, bucket)`` after
-        a header row ``(world size, alignment, tree structure)``: what the fingerprint hashes."""
+        """Rows ``(path, shape, dtype, keep_dtype, flat group, optimizer group, bucket)`` after a header row
+        ``(world size, alignment, tree structure)``: what the fingerprint hashes."""
         head = ("world_size", self.world_size, "alignment", self.alignment, str(self.spec))
-        return (head,) + tuple(
-            (
-                s.path, s.shape, str(s.dtype), s.keep_dtype, s.group,
-                self.groups[s.group].opt_group if s.group >= 0 else -1, s.bucket,
-            )
-            for s in self.slots
-        )
+        return (head,) + tuple((s.path, s.shape, str(s.dtype), s.keep_dtype, s.group,
+                                self.groups[s.group].opt_group if s.group >= 0 else -1, s.bucket) for s in self.slots)
 
     @property
     def fingerprint(self) -> str:
-        # computed once per layout (immutable): compared at every state creation, hashed by
-        # static-metadata checks and by the replica check (not functools.cached_property:
-        # its lock is a context manager dynamo cannot enter on Python 3.11)
+        # computed once (not functools.cached_property: dynamo cannot enter its lock on Python 3.11)
         fp = self.__dict__.get("_fingerprint")
         if fp is None:
-            fp = _fingerprint(self.describe())
+            fp = hashlib.sha256(repr(self.describe()).encode()).hexdigest()[:32]
             object.__setattr__(self, "_fingerprint", fp)
         return fp
 
@@ -212,25 +158,13 @@ class Layout:
 
     def with_world_size(self, world_size: int) -> "Layout":
         """The same parameters laid out for another world size (for resharding)."""
-        unpacked = [
-            dataclasses.replace(s, group=self.groups[s.group].opt_group if s.group >= 0 else -1)
-            for s in self.slots
-        ]
+        unpacked = [dataclasses.replace(s, group=self.groups[s.group].opt_group if s.group >= 0 else -1)
+                    for s in self.slots]
         return _pack(unpacked, self.spec, world_size, self.alignment)
 
 
-def _fingerprint(rows: tuple[tuple[Any, ...], ...]) -> str:
-    return hashlib.sha256(repr(rows).encode()).hexdigest()[:32]
-
-
-def first_difference(
-    mine: Sequence[tuple[Any, ...]], theirs: Sequence[tuple[Any, ...]]
-) -> Optional[str]:
-    """Name the first difference between two :meth:`Layout.describe` tables, or None.
-
-    World size and alignment first, then parameters in order (naming the
-    path), then the parameter count, and only then the tree structure.
-    """
+def first_difference(mine: Sequence[tuple[Any, ...]], theirs: Sequence[tuple[Any, ...]]) -> Optional[str]:
+    """A sentence naming the first difference between two :meth:`Layout.describe` tables, or None."""
     a, b = mine[0], theirs[0]
     for i in (0, 2):
         if a[i + 1] != b[i + 1]:
@@ -243,70 +177,41 @@ def first_difference(
             if u != v:
                 return f"parameter {x[0]!r}: {field} {u} vs {v}"
     if len(mine) != len(theirs):
-        longer = mine if len(mine) > len(theirs) else theirs
-        extra = longer[min(len(mine), len(theirs))][0]
+        extra = max(mine, theirs, key=len)[min(len(mine), len(theirs))][0]
         return f"parameter count differs ({len(mine) - 1} vs {len(theirs) - 1}); first extra: {extra!r}"
-    if a[4] != b[4]:
-        return "the parameter tree structure differs (same paths, other container types)"
-    return None
+    return "the parameter tree structure differs (same paths, other container types)" if a[4] != b[4] else None
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _pack(
-    slots: Iterable[ParamSlot], spec: tp.TreeSpec, world_size: int, alignment: int
-) -> Layout:
+def _pack(slots: Iterable[ParamSlot], spec: tp.TreeSpec, world_size: int, alignment: int) -> Layout:
     """Assign flat groups and offsets to slots whose ``group`` is an opt-group index (-1: frozen)."""
-    keys: dict[tuple[int, int, torch.dtype, bool], list[int]] = {}
     slots = list(slots)
+    keys: dict[tuple[int, int, torch.dtype, bool], list[int]] = {}
     for i, s in enumerate(slots):
         if s.group >= 0:
             keys.setdefault((s.bucket, s.group, s.dtype, s.keep_dtype), []).append(i)
     groups = []
-    new_slots = list(slots)
     for gi, ((bucket, opt_group, dtype, keep), members) in enumerate(sorted(keys.items(), key=lambda kv: kv[0][0])):
         offset = 0
         for i in members:
-            s = slots[i]
-            new_slots[i] = dataclasses.replace(s, group=gi, offset=offset)
-            offset += s.numel
-        shard = max(_round_up(-(-offset // world_size), alignment), alignment)
-        groups.append(
-            FlatGroup(gi, opt_group, dtype, tuple(members), offset, shard * world_size, shard, bucket, keep)
-        )
-    return Layout(tuple(new_slots), tuple(groups), spec, world_size, alignment)
+            slots[i] = dataclasses.replace(slots[i], group=gi, offset=offset)
+            offset += slots[i].numel
+        # ceil(offset / world_size) rounded up to a multiple of alignment (one alignment at least)
+        shard = max(-(-offset // (world_size * alignment)) * alignment, alignment)
+        groups.append(FlatGroup(gi, opt_group, dtype, tuple(members), offset, shard * world_size, shard, bucket, keep))
+    return Layout(tuple(slots), tuple(groups), spec, world_size, alignment)
 
 
-def build_layout(
-    params: Any,
-    world_size: int,
-    *,
-    trainable: Optional[Callable[[str], bool]] = None,
-    group_of: Optional[Callable[[str], int]] = None,
-    bucket_of: Optional[Callable[[str], int]] = None,
-    keep_dtype: Optional[Callable[[str], bool]] = None,
-    alignment: int = 16,
-) -> Layout:
-    """Lay out ``params`` (an ``nn.Module`` or a pytree of tensors) for ``world_size`` ranks.
-
-    ``trainable(path)``: which leaves the optimizer updates; default: every
-    leaf of a pytree, ``requires_grad`` parameters of a module. ``group_of(path)``:
-    the optimizer parameter group of a trainable leaf (default 0).
-    ``bucket_of(path)``: the stage-3 shard unit of a leaf (default 0, the root).
-    ``keep_dtype(path)``: whether a leaf keeps its own dtype for compute whatever the policy's
-    ``param_dtype`` (default: none does; see :meth:`fzero.MixedPrecision.keeps`).
-    Flat groups are keyed by (bucket, optimizer group, dtype, keep_dtype), ordered by bucket.
-    ``alignment``: every shard's length is a multiple of it (elements).
-
-    Raises ``TypeError`` for a non-tensor, sparse or non-floating leaf (naming
-    it) and ``ValueError`` when nothing is trainable.
-    """
-    if not (isinstance(world_size, int) and world_size >= 1):
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if not (isinstance(alignment, int) and alignment >= 1):
-        raise ValueError(f"alignment must be a positive int, got {alignment!r}")
+def build_layout(params: Any, world_size: int, *, trainable: Optional[Callable[[str], bool]] = None,
+                 group_of: Optional[Callable[[str], int]] = None, bucket_of: Optional[Callable[[str], int]] = None,
+                 keep_dtype: Optional[Callable[[str], bool]] = None, alignment: int = 16) -> Layout:
+    """Lay out ``params`` (an ``nn.Module`` or a pytree of tensors) for ``world_size`` ranks. ``trainable(path)``:
+    which leaves the optimizer updates (default: every pytree leaf, a module's ``requires_grad`` parameters);
+    ``group_of(path)``: a trainable leaf's optimizer group (default 0); ``bucket_of(path)``: its shard unit (default 0,
+    the root); ``keep_dtype(path)``: whether it keeps its own dtype for compute (default: none). ``TypeError`` names a
+    non-tensor, sparse or non-floating leaf; ``ValueError`` when nothing is trainable."""
+    for name, value in (("world_size", world_size), ("alignment", alignment)):
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
     is_module = isinstance(params, torch.nn.Module)
     leaves, spec = named_leaves(params)
     slots = []
@@ -318,39 +223,29 @@ def build_layout(
         keep = bool(keep_dtype(path)) if keep_dtype is not None else False
         slots.append(ParamSlot(path, tuple(x.shape), x.dtype, group, 0, x.numel(), bucket, keep))
     if not any(s.group >= 0 for s in slots):
-        raise ValueError(
-            "no trainable parameters: every parameter is frozen (requires_grad=False or "
-            "excluded by `trainable`)" if slots else "no trainable parameters: the parameter tree is empty"
-        )
+        raise ValueError("no trainable parameters: every parameter is frozen (requires_grad=False or excluded by "
+                         "`trainable`)" if slots else "no trainable parameters: the parameter tree is empty")
     return _pack(slots, spec, world_size, alignment)
 
 
 def compute_dtype(x: "ParamSlot | FlatGroup", param_dtype: Optional[torch.dtype]) -> torch.dtype:
-    """The dtype a parameter (or a flat group's parameters) is gathered and computed in under a
-    policy's ``param_dtype``: its own dtype when ``param_dtype`` is None or it keeps its dtype
-    (``x.keep_dtype``), else ``param_dtype``."""
+    """The dtype a parameter or flat group is gathered and computed in under ``param_dtype``: its own when
+    ``param_dtype`` is None or ``x.keep_dtype``, else ``param_dtype``."""
     return x.dtype if param_dtype is None or x.keep_dtype else param_dtype
 
 
 def flat_shard(layout: Layout, group: FlatGroup, leaves: Sequence[torch.Tensor], rank: int,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Rank ``rank``'s shard of ``group``'s flat buffer built from full parameter ``leaves``.
-
-    ``leaves``: every leaf in layout order (no local-rank axis). Returns
-    ``[shard_numel]`` in the group's master dtype (written into ``out``, zeros of
-    that shape, when given); only the owned slice is ever materialised (no full
-    flat copy). Padding is zero.
-    """
-    n = group.shard_numel
-    lo, hi = rank * n, (rank + 1) * n
+    """Rank ``rank``'s shard ``[shard_numel]`` of ``group``'s flat buffer (master dtype, zero padded; into ``out``,
+    zeros, if given) from full ``leaves`` (layout order, no local-rank axis), never materialising the whole buffer."""
+    lo, hi = rank * group.shard_numel, (rank + 1) * group.shard_numel
     if out is None:
-        out = torch.zeros(n, dtype=group.master_dtype, device=leaves[group.slots[0]].device)
+        out = torch.zeros(group.shard_numel, dtype=group.master_dtype, device=leaves[group.slots[0]].device)
     for i in group.slots:
         s = layout.slots[i]
         a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
         if a < b:
-            src = leaves[i].detach().reshape(-1)[a - s.offset : b - s.offset]
-            out[a - lo : b - lo].copy_(src)
+            out[a - lo:b - lo].copy_(leaves[i].detach().reshape(-1)[a - s.offset:b - s.offset])
     return out
 
 
@@ -365,17 +260,12 @@ def flatten_group(layout: Layout, group: FlatGroup, leaves: Sequence[torch.Tenso
 
 def group_views(layout: Layout, group: FlatGroup, flat: torch.Tensor) -> list[torch.Tensor]:
     """Views of ``flat`` (``[padded_numel]``, one rank's buffer) shaped as ``group``'s parameters."""
-    out = []
-    for i in group.slots:
-        s = layout.slots[i]
-        out.append(flat[s.offset : s.offset + s.numel].view(s.shape))
-    return out
+    return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in (layout.slots[i] for i in group.slots)]
 
 
 def split_views(layout: Layout, group: FlatGroup, flat: torch.Tensor) -> list[torch.Tensor]:
-    """:func:`group_views` by one ``split``: differentiating through the views gives ``flat``
-    one gradient, a single ``cat`` (a view by slicing would zero-fill a whole flat gradient
-    per parameter)."""
+    """:func:`group_views` by one ``split``: backward through them gives ``flat`` one gradient, one ``cat`` (views
+    by slicing would zero-fill a whole flat gradient per parameter)."""
     sizes = [layout.slots[i].numel for i in group.slots] + ([group.padding] if group.padding else [])
     return [p.view(layout.slots[i].shape) for i, p in zip(group.slots, flat.split(sizes))]
 
@@ -389,21 +279,18 @@ def flatten_one(layout: Layout, group: FlatGroup, leaves: Sequence[torch.Tensor]
 
 
 def trainable_index(layout: Layout) -> dict[int, int]:
-    """``{index in layout.slots: position in layout.trainable_slots}``: the order of
-    per-parameter vectors (``OptState.missed``, a step's ``used`` flags)."""
+    """``{index in layout.slots: position in layout.trainable_slots}``, the order of per-parameter vectors."""
     return {i: k for k, i in enumerate(i for i, s in enumerate(layout.slots) if s.group >= 0)}
 
 
 def shard_pieces(layout: Layout, group: FlatGroup, rank: int,
                  where: Optional[dict[int, int]] = None) -> list[tuple[Optional[int], int, int]]:
-    """``(parameter, lo, hi)`` for each parameter's piece of ``group``'s shard on ``rank``, in
-    shard coordinates; ``parameter`` is its :func:`trainable_index` position (``None``: the
-    padding). A function of the layout only."""
+    """``(parameter, lo, hi)`` for each parameter's piece of ``group``'s shard on ``rank``, in shard coordinates;
+    ``parameter`` is its :func:`trainable_index` position (``None``: the padding)."""
     where = trainable_index(layout) if where is None else where
     lo, hi = rank * group.shard_numel, (rank + 1) * group.shard_numel
     out, begin = [], 0
-    ends = [(where[i], layout.slots[i].numel) for i in group.slots] + [(None, group.padding)]
-    for k, n in ends:
+    for k, n in [(where[i], layout.slots[i].numel) for i in group.slots] + [(None, group.padding)]:
         a, b = max(begin, lo), min(begin + n, hi)
         if b > a:
             out.append((k, a - lo, b - lo))
@@ -412,10 +299,8 @@ def shard_pieces(layout: Layout, group: FlatGroup, rank: int,
 
 
 class FlatGrads(tuple):
-    """Gradients of some flat groups as their flat buffers: ``FlatGrads(groups, flats)`` holds
-    one ``[R, padded_numel]`` tensor per group of ``groups`` (a bucket's, or the layout's);
-    it is the tuple of those tensors. What :func:`fzero.reduce_scatter_grads` takes from a
-    gradient-ready hook."""
+    """One ``[R, padded_numel]`` gradient buffer per flat group of ``groups`` (a bucket's or the layout's): what
+    :func:`fzero.reduce_scatter_grads` takes from a gradient-ready hook."""
 
     groups: tuple[FlatGroup, ...]
 
@@ -432,11 +317,9 @@ class FlatGrads(tuple):
 
 
 def flat_grads(layout: Layout, grads: Any, rows: int) -> FlatGrads:
-    """A tree of gradients shaped like the parameters (``{path: tensor}`` or the model's own
-    structure; each leaf ``[R, *shape]``; frozen parameters absent or None) as the flat
-    buffers of every flat group, checked against the layout (``ValueError`` naming the path)."""
-    by_path = dict(named_leaves(grads)[0])
-    known = set(layout.paths)
+    """Gradients shaped like the parameters (``{path: tensor}`` or the model's structure; leaves ``[R, *shape]``;
+    frozen ones absent or None) as every flat group's flat buffer; ``ValueError`` naming a path that mismatches."""
+    by_path, known = dict(named_leaves(grads)[0]), set(layout.paths)
     for path in by_path:
         if path not in known:
             raise ValueError(f"grads has an entry {path!r} that is not a parameter of the layout")
@@ -456,11 +339,9 @@ def flat_grads(layout: Layout, grads: Any, rows: int) -> FlatGrads:
 
 def param_tree(layout: Layout, flats: Sequence[torch.Tensor], frozen: Sequence[torch.Tensor],
                param_dtype: Optional[torch.dtype] = None) -> Any:
-    """The parameters in the user's structure, each leaf ``[R, *shape]``: trainable ones view
-    ``flats`` (one ``[R, padded_numel]`` per flat group), frozen ones broadcast views of their
-    replicated copy in their compute dtype."""
-    rows = flats[0].shape[0] if flats else 1
-    frozen_iter = iter(frozen)
+    """The parameters in the user's structure, each leaf ``[R, *shape]``: trainable ones view ``flats`` (one
+    ``[R, padded_numel]`` per flat group), frozen ones broadcast their copy in compute dtype."""
+    rows, frozen_iter = flats[0].shape[0] if flats else 1, iter(frozen)
     leaves = []
     for s in layout.slots:
         if s.group >= 0:

@@ -1,80 +1,29 @@
-"""Models larger than one rank: a module built on the meta device, materialised piece by
-piece into this process's shards.
+"""Models larger than one rank: ``init_train_state(model, ..., init=...)`` with a meta-device model.
 
-``init_train_state(model, ..., init=...)`` with ``model`` built under
-``torch.device("meta")`` (shapes and dtypes, no values) never creates the whole
-model: the module is walked in ``nn.Module.apply``'s order (children first, in
-registration order, then the module itself), and
+The init runs in ``model.apply``'s order; each tensor is created on the CPU (under all its tied names) just
+before its first module, and cut into this process's rows and dropped once its piece (a stage-3 unit, or a
+largest subtree outside the units) is done; the module stays on meta. Random inits draw from the global
+generator as ``model.apply(fn)`` does: seed every rank alike. Weights files: :class:`InitSource`. See ``design.md``.
 
-* a tensor is created on the CPU (``torch.empty``; a tensor that is not on the
-  meta device is copied) just before the first module that registers it is
-  visited, and installed under every name it has (tied names stay tied,
-  which ``Module.to_empty`` does not keep);
-* the init runs on every visited module: ``"reset_parameters"`` calls the
-  module's own ``reset_parameters()`` where it has one (FSDP2's meta-device
-  recipe, ``to_empty`` + ``reset_parameters``), a function ``fn(module)`` is
-  called on every module, as ``model.apply(fn)`` calls it;
-* a tensor is cut into this process's shard rows (:class:`ShardRows`; frozen
-  parameters and buffers are kept whole, as the state keeps them) and dropped
-  as soon as its *piece* has been visited: a stage-3 unit (see
-  :mod:`fzero.units`), or a largest subtree outside the units; the own tensors
-  of a module that contains units wait for that module's init.
-
-So a process holds its shards, one piece, and the tensors tied across pieces
-(GPT-2's ``wte``/``lm_head``: one tensor). The module itself stays on the meta
-device: the walk puts every original tensor back, even on error.
-
-Checks, each a ``ValueError`` naming the tensor: a meta tensor the init did not
-write (``_version`` unchanged and not replaced: it would be uninitialised
-memory), a tensor written after it was cut (an init of an ancestor reaching
-into a finished piece: the shards would not hold what the eager model holds),
-tied names replaced apart, a replacement of another shape or dtype; and, on a
-real process group, one collective at the end (:func:`agree`): every rank raises
-if any rank failed (rather than wait for it in the first step), or if the ranks'
-global generators differed before a random init (their shards would come from
-different models).
-
-Same numbers as eagerly: the init draws from the global generator in the
-walk's order, one module at a time, as ``model.apply(fn)`` on the eagerly built
-model does (and as construction does for modules that build their children
-before resetting themselves). Seed the generator identically on every rank.
-
-Weights from files are an :class:`InitSource` (:func:`fzero.pretrained`), which
-builds the shards its own way and uses :func:`init_buffers_of` for what files
-do not hold.
-
-Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.sharding``.
+Imports: comm, layout, sharding.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Callable, Iterable, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
+import torch.utils._pytree as tp
 
 from .comm import Communicator
-from .layout import Layout, named_leaves
+from .layout import Layout
 from .sharding import ShardState, shard_layout
 
-__all__ = [
-    "Init",
-    "InitFn",
-    "InitSource",
-    "Materialized",
-    "ShardRows",
-    "has_meta",
-    "check_init",
-    "init_fn",
-    "init_name",
-    "materialize",
-    "materialized_shard",
-    "init_buffers_of",
-    "to_empty_tied",
-    "agree",
-    "generator_digest",
-]
+__all__ = ["Init", "InitFn", "InitSource", "Materialized", "ShardRows", "has_meta", "check_init", "init_fn",
+           "init_name", "materialize", "materialized_shard", "init_buffers_of", "to_empty_tied", "agree",
+           "generator_digest"]
 
 InitFn = Callable[[torch.nn.Module], Any]
 RESET = "reset_parameters"
@@ -82,12 +31,8 @@ RESET = "reset_parameters"
 
 @dataclasses.dataclass(frozen=True)
 class Materialized:
-    """What a materialised module gives the state.
-
-    ``master``: per flat group, ``[R, shard_numel]`` in its master dtype (zero padding);
-    ``frozen``: the frozen parameters whole, in layout order; ``buffers``: every buffer
-    ``[R, *shape]`` in its own dtype, in ``named_buffers`` order (as :func:`fzero.module.init_buffers`).
-    """
+    """``master``: per flat group ``[R, shard_numel]`` in its master dtype (zero padding); ``frozen``: the frozen
+    parameters whole, in layout order; ``buffers``: every buffer ``[R, *shape]``, in ``named_buffers`` order."""
 
     master: tuple[torch.Tensor, ...]
     frozen: tuple[torch.Tensor, ...]
@@ -98,47 +43,34 @@ class Materialized:
 class InitSource(Protocol):
     """An init that builds the shards itself (weights from files: :func:`fzero.pretrained`)."""
 
-    def materialize(
-        self, module: torch.nn.Module, layout: Layout, comm: Communicator, units: Sequence[str]
-    ) -> Materialized: ...
+    def materialize(self, module: torch.nn.Module, layout: Layout, comm: Communicator,
+                    units: Sequence[str]) -> Materialized: ...
 
 
 Init = Union[str, InitFn, InitSource]
 
 
-# ----------------------------------------------------------------------------- checks
-
-
 def has_meta(params: Any) -> bool:
     """Whether any parameter or buffer of ``params`` (module or pytree) is on the meta device."""
-    if isinstance(params, torch.nn.Module):
-        tensors: Iterable[Any] = (*params.parameters(), *params.buffers())
-    else:
-        tensors = (x for _, x in named_leaves(params)[0])
+    is_module = isinstance(params, torch.nn.Module)
+    tensors = (*params.parameters(), *params.buffers()) if is_module else tp.tree_leaves(params)
     return any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors)
 
 
 _WHAT_TO_PASS = (
-    "init='reset_parameters' (each module's own reset_parameters, FSDP2's to_empty + reset_parameters), "
-    "init=fn (fn(module) on every module in model.apply's order; a transformers model: "
-    "init=model._init_weights), or init=fzero.pretrained(path) (weights from a safetensors or "
-    "torch.save file)"
-)
+    "init='reset_parameters' (each module's own reset_parameters, FSDP2's to_empty + reset_parameters), init=fn "
+    "(fn(module) on every module in model.apply's order; a transformers model: init=model._init_weights), "
+    "or init=fzero.pretrained(path) (weights from a safetensors or torch.save file)")
 
 
 def check_init(params: Any, init: Optional[Init]) -> None:
-    """Raise when ``params`` on the meta device has no ``init``, or ``init`` is not one fzero takes.
-
-    ``ValueError`` for a meta model without ``init`` (a meta tensor has no values; the
-    message says what to pass); ``TypeError`` for an ``init`` that is not
-    ``"reset_parameters"``, a callable or an :class:`InitSource`, or given with a pytree.
-    """
+    """``ValueError`` if ``params`` is on the meta device without ``init``; ``TypeError`` for an ``init`` that is
+    not ``"reset_parameters"``, a callable or an :class:`InitSource`, or one given with a pytree."""
     if init is None:
         if has_meta(params):
             raise ValueError(
                 "init_train_state: the model is on the meta device (shapes, no values), so there is "
-                f"nothing to shard; say how to fill it: {_WHAT_TO_PASS}"
-            )
+                f"nothing to shard; say how to fill it: {_WHAT_TO_PASS}")
         return
     if not isinstance(params, torch.nn.Module):
         raise TypeError(f"init_train_state: init= fills an nn.Module, got {type(params).__name__}")
@@ -148,9 +80,8 @@ def check_init(params: Any, init: Optional[Init]) -> None:
 
 def init_name(init: Union[str, InitFn]) -> str:
     """How errors name ``init``."""
-    if init == RESET:
-        return "init='reset_parameters'"
-    return f"init={getattr(init, '__qualname__', None) or type(init).__name__}"
+    name = getattr(init, "__qualname__", None) or type(init).__name__
+    return "init='reset_parameters'" if init == RESET else f"init={name}"
 
 
 def init_fn(init: Union[str, InitFn]) -> InitFn:
@@ -163,8 +94,7 @@ def init_fn(init: Union[str, InitFn]) -> InitFn:
 
 
 def _reset_parameters(module: torch.nn.Module) -> None:
-    reset = getattr(module, RESET, None)
-    if callable(reset):
+    if callable(reset := getattr(module, RESET, None)):
         reset()
 
 
@@ -175,88 +105,45 @@ def generator_digest() -> list[float]:
 
 
 def agree(comm: Communicator, failure: Optional[Exception], digest: Optional[list[float]]) -> None:
-    """Raise on every rank if materialising failed on any rank, or (``digest`` given: a random
-    init) the ranks' generators differed when it started; else return.
-
-    A rank that failed alone would leave the others waiting in the step's first collective;
-    a random init builds every piece whole on every rank and keeps each rank's slice, so
-    ranks with different generators would hold shards of different models. One
-    ``all_reduce(max)`` of 9 float64 (the digest, its negation, a failure flag); none
-    when this process holds every rank (``failure`` is raised as it is).
-    """
+    """Raise on every rank if materialising failed on any rank (``failure`` as it is), or (``digest`` given) the
+    ranks' generators differed. One ``all_reduce(max)`` of 9 float64, none when this process holds every rank."""
     if comm.local_ranks < comm.world_size:
         parts = digest or [0.0] * 4
         x = torch.tensor([parts + [-p for p in parts] + [float(failure is not None)]], dtype=torch.float64)
         top = comm.all_reduce(x.repeat(comm.local_ranks, 1), "max")[0]
         if failure is None and top[8] > 0:
-            raise ValueError(
-                "init_train_state: another rank failed to fill the model (its error says why); this "
-                "rank stops too, rather than wait for it in the first step"
-            )
+            raise ValueError("init_train_state: another rank failed to fill the model (its error says why); this "
+                             "rank stops too, rather than wait for it in the first step")
         if failure is None and not torch.equal(top[:4], -top[4:8]):
-            raise ValueError(
-                "init_train_state: the ranks' global random generators differ, so a random init would "
-                "build a different model on each rank; call torch.manual_seed(s) with the same s on "
-                "every rank before init_train_state (as for an eagerly built model)"
-            )
+            raise ValueError("init_train_state: the ranks' global random generators differ, so a random init would "
+                             "build a different model on each rank; call torch.manual_seed(s) with the same s on "
+                             "every rank before init_train_state (as for an eagerly built model)")
     if failure is not None:
         raise failure
 
 
-# ----------------------------------------------------------------------------- shard rows
-
-
 class ShardRows:
-    """This process's master rows of every flat group, filled one parameter at a time.
-
-    ``rows[g]``: ``[R, shard_numel]`` zeros in the group's master dtype (so padding is
-    zero); :meth:`write` copies the part of one parameter each local rank owns, as
-    :func:`fzero.layout.flat_shard` does for a whole group (the same ``copy_``, so the
-    same bits).
-    """
+    """This process's master rows, filled one parameter at a time: ``rows[g]``, ``[R, shard_numel]`` in the group's
+    master dtype, zero padded; :meth:`write` copies as :func:`fzero.layout.flat_shard` does (the same bits)."""
 
     def __init__(self, layout: Layout, ranks: Sequence[int]):
         self.layout = layout
         self.ranks = tuple(ranks)
-        self.rows = tuple(
-            torch.zeros(len(self.ranks), g.shard_numel, dtype=g.master_dtype) for g in layout.groups
-        )
-        self.missing = {i for i, s in enumerate(layout.slots) if s.group >= 0}
+        self.rows = tuple(torch.zeros(len(self.ranks), g.shard_numel, dtype=g.master_dtype) for g in layout.groups)
 
-    def spans(self, i: int) -> list[tuple[int, int, int, int]]:
-        """``(row, lo, start, stop)`` for slot ``i``: local rank ``row`` owns the parameter's flat
-        elements ``[start, stop)``, which go to its row at ``lo``."""
+    def write(self, i: int, read: Callable[[int, int], torch.Tensor]) -> None:
+        """Slot ``i``'s owned parts; ``read(start, stop)``: its flat elements ``[start, stop)`` (1-D, any float)."""
         s = self.layout.slots[i]
         n = self.layout.groups[s.group].shard_numel
-        out = []
         for row, r in enumerate(self.ranks):
             a, b = max(r * n, s.offset), min((r + 1) * n, s.offset + s.numel)
             if a < b:
-                out.append((row, a - r * n, a - s.offset, b - s.offset))
-        return out
-
-    def write(self, i: int, read: Callable[[int, int], torch.Tensor]) -> None:
-        """Slot ``i``'s owned parts: ``read(start, stop)`` gives its flat elements ``[start, stop)``
-        (1-D, any floating dtype; converted to the master dtype by ``copy_``)."""
-        g = self.layout.slots[i].group
-        for row, lo, start, stop in self.spans(i):
-            self.rows[g][row, lo : lo + stop - start].copy_(read(start, stop))
-        self.missing.discard(i)
-
-
-def flat_reader(t: torch.Tensor) -> Callable[[int, int], torch.Tensor]:
-    """``read(start, stop)`` of a whole tensor's flat elements."""
-    flat = t.detach().reshape(-1)
-    return lambda start, stop: flat[start:stop]
-
-
-# ----------------------------------------------------------------------------- the tensors of a module
+                self.rows[s.group][row, a - r * n : b - r * n].copy_(read(a - s.offset, b - s.offset))
 
 
 @dataclasses.dataclass(eq=False)
 class _Entry:
-    """One distinct tensor of a module: its canonical name, every place it is registered,
-    and what the walk installed there."""
+    """One distinct tensor of a module: canonical name, every place it is registered, what the walk installed."""
 
     name: str
     is_param: bool
@@ -270,11 +157,8 @@ class _Entry:
 
 def _entries(module: torch.nn.Module) -> list[_Entry]:
     """Every distinct parameter and buffer, named as ``named_parameters``/``named_buffers`` name it."""
-    canonical: dict[int, tuple[str, bool]] = {}
-    for name, t in module.named_parameters():
-        canonical.setdefault(id(t), (name, True))
-    for name, t in module.named_buffers():
-        canonical.setdefault(id(t), (name, False))
+    canonical = {id(t): (name, False) for name, t in module.named_buffers()}  # each tensor's first name
+    canonical.update({id(t): (name, True) for name, t in module.named_parameters()})
     entries: dict[int, _Entry] = {}
     for prefix, m in module.named_modules(remove_duplicate=False):
         for table in (m._parameters, m._buffers):
@@ -289,17 +173,9 @@ def _entries(module: torch.nn.Module) -> list[_Entry]:
 
 
 def _fresh(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor for ``t``: uninitialised for a meta tensor, a copy otherwise (never the
-    caller's own tensor: the init writes into it)."""
-    if t.is_meta:
-        data = torch.empty(t.shape, dtype=t.dtype, device=device)
-    else:
-        data = t.detach().to(device, copy=True)
-    return torch.nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
-
-
-def _placeholder(t: torch.Tensor) -> torch.Tensor:
-    data = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    """Like ``t`` on ``device``: uninitialised if either is meta, else a copy (the init writes into it)."""
+    data = (torch.empty(t.shape, dtype=t.dtype, device=device) if t.is_meta or device.type == "meta"
+            else t.detach().to(device, copy=True))
     return torch.nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
 
 
@@ -317,30 +193,26 @@ def _restore(entries: Iterable[_Entry]) -> None:
 
 
 def _take(e: _Entry, who: str, hint: str = _WHAT_TO_PASS) -> torch.Tensor:
-    """The value the init left for ``e`` (``who`` names the init in errors, ``hint`` says what
-    to give instead)."""
+    """The value the init left for ``e`` (``who`` names the init in errors, ``hint`` what to give instead)."""
     held = {id(table[attr]): table[attr] for table, attr in e.slots}
     if len(held) > 1:
         raise ValueError(
             f"{who} replaced {e.name!r} under some of its tied names only "
-            f"({', '.join(o or '<root>' for o in e.owners)})"
-        )
+            f"({', '.join(o or '<root>' for o in e.owners)})")
     t = next(iter(held.values()))
-    if t is None or not isinstance(t, torch.Tensor):
+    if not isinstance(t, torch.Tensor):
         raise ValueError(f"{who} removed {e.name!r}")
     if t is not e.installed and (tuple(t.shape) != tuple(e.original.shape) or t.dtype != e.original.dtype):
         raise ValueError(
             f"{who} replaced {e.name!r} ({tuple(e.original.shape)} {e.original.dtype}) by a tensor "
-            f"{tuple(t.shape)} {t.dtype}"
-        )
+            f"{tuple(t.shape)} {t.dtype}")
     unwritten = t is e.installed and t._version == e.version
     if e.original.is_meta and (unwritten or t.is_meta):
         kind = "parameter" if e.is_param else "buffer"
         raise ValueError(
             f"{who} did not write {kind} {e.name!r} (of module {e.owners[0] or '<root>'!r}, a "
             f"{e.owner_type}), which is on the meta device: it would hold uninitialised memory. "
-            f"Give an init that writes it: {hint}"
-        )
+            f"Give an init that writes it: {hint}")
     return t.detach()
 
 
@@ -350,21 +222,14 @@ def _check_untouched(closed: Iterable[_Entry], module_name: str, who: str) -> No
             raise ValueError(
                 f"{who} of module {module_name or '<root>'!r} wrote {e.name!r} after fzero had cut it "
                 "into shards (its piece was complete): an ancestor's init reaching into a finished "
-                "unit. Initialise it from its own module, or choose units that contain both"
-            )
+                "unit. Initialise it from its own module, or choose units that contain both")
 
 
-def _apply_order(module: torch.nn.Module) -> list[torch.nn.Module]:
+def _apply_order(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Modules in the order ``module.apply(fn)`` calls ``fn``: children first, then the module."""
-    out: list[torch.nn.Module] = []
-
-    def visit(m: torch.nn.Module) -> None:
-        for child in m.children():
-            visit(child)
-        out.append(m)
-
-    visit(module)
-    return out
+    for child in module.children():
+        yield from _apply_order(child)
+    yield module
 
 
 def piece_of(name: str, units: Sequence[str]) -> str:
@@ -381,30 +246,15 @@ def piece_of(name: str, units: Sequence[str]) -> str:
     return name
 
 
-@dataclasses.dataclass
-class _Schedule:
-    """The walk: modules in ``apply`` order and their names; which tensors open before and
-    close after each visit; the visits that may reach a finished piece (ancestors of a
-    piece's top module), after which closed tensors are checked."""
-
-    visits: list[torch.nn.Module]
-    names: list[str]
-    opens: dict[int, list[_Entry]]
-    closes: dict[int, list[_Entry]]
-    above: set[int]
-
-
-def _schedule(module: torch.nn.Module, entries: Sequence[_Entry], units: Sequence[str]) -> _Schedule:
-    visits = _apply_order(module)
+def _schedule(module: torch.nn.Module, entries: Sequence[_Entry], units: Sequence[str]) -> tuple[
+        list[torch.nn.Module], list[str], dict[int, list[_Entry]], dict[int, list[_Entry]], set[int]]:
+    """The modules in ``apply`` order, their names, the tensors opened before and closed after each visit, and the
+    visits that may reach a finished piece (ancestors of a piece's top module)."""
+    visits = list(_apply_order(module))
     named = dict(module.named_modules(remove_duplicate=False))
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for i, m in enumerate(visits):
-        first.setdefault(id(m), i)
-        last[id(m)] = i
-    first_name: dict[int, str] = {}
-    for name, m in named.items():
-        first_name.setdefault(id(m), name)
+    first = {id(m): i for i, m in reversed(list(enumerate(visits)))}  # a shared module: its first visit
+    last = {id(m): i for i, m in enumerate(visits)}
+    first_name = {id(m): name for name, m in reversed(list(named.items()))}
     opens: dict[int, list[_Entry]] = {}
     closes: dict[int, list[_Entry]] = {}
     tops: set[str] = set()
@@ -416,65 +266,41 @@ def _schedule(module: torch.nn.Module, entries: Sequence[_Entry], units: Sequenc
         tops.update(piece_of(o, units) for o in e.owners)
     names = [first_name[id(m)] for m in visits]
     above = {i for i, n in enumerate(names) if any(t != n and (n == "" or t.startswith(n + ".")) for t in tops)}
-    return _Schedule(visits, names, opens, closes, above)
+    return visits, names, opens, closes, above
 
 
-# ----------------------------------------------------------------------------- the walk
-
-
-def _walk(
-    module: torch.nn.Module,
-    fn: InitFn,
-    who: str,
-    units: Sequence[str],
-    cut: Callable[[_Entry, torch.Tensor], None],
-    device: torch.device,
-) -> None:
+def _walk(module: torch.nn.Module, fn: InitFn, who: str, units: Sequence[str],
+          cut: Callable[[_Entry, torch.Tensor], None], device: torch.device) -> None:
     """Run ``fn`` on every module in ``apply`` order with each tensor live only within its piece;
-    ``cut(entry, value)`` takes each value as its piece completes. The module's own tensors are
-    back in place afterwards."""
+    ``cut(entry, value)`` takes each value as its piece completes. The module's tensors are restored."""
     entries = _entries(module)
-    plan = _schedule(module, entries, units)
+    visits, names, opens, closes, above = _schedule(module, entries, units)
     closed: list[_Entry] = []
     try:
-        for i, m in enumerate(plan.visits):
-            for e in plan.opens.get(i, ()):
+        for i, m in enumerate(visits):
+            for e in opens.get(i, ()):
                 _install(e, _fresh(e.original, device))
             with torch.no_grad():
                 fn(m)
-            if i in plan.above:  # only an ancestor of a finished piece can reach into it
-                _check_untouched(closed, plan.names[i], who)
-            for e in plan.closes.get(i, ()):
-                value = _take(e, who)
-                cut(e, value)
-                del value
-                _install(e, _placeholder(e.original))
+            if i in above:  # only an ancestor of a finished piece can reach into it
+                _check_untouched(closed, names[i], who)
+            for e in closes.get(i, ()):
+                cut(e, _take(e, who))
+                _install(e, _fresh(e.original, torch.device("meta")))
                 closed.append(e)
     finally:
         _restore(entries)
 
 
-def materialize(
-    module: torch.nn.Module,
-    layout: Layout,
-    comm: Communicator,
-    init: Init,
-    units: Sequence[str] = (),
-) -> Materialized:
-    """This process's shards, frozen parameters and buffers of ``module`` filled by ``init``.
-
-    ``init``: ``"reset_parameters"``, ``fn(module)``, or an :class:`InitSource` (which
-    builds them itself). ``units``: the stage-3 unit names (pieces are units and the
-    largest subtrees outside them). Peak: the shards, one piece, tensors tied across
-    pieces. Collective: :func:`agree` (on a process group: every rank raises if one failed,
-    or if a random init found the ranks' generators different).
-    """
+def materialize(module: torch.nn.Module, layout: Layout, comm: Communicator, init: Init,
+                units: Sequence[str] = ()) -> Materialized:
+    """This process's shards, frozen parameters and buffers of ``module`` filled by ``init`` (``units``: stage-3
+    units). ``ValueError`` for an init that leaves a meta tensor unwritten, writes a finished piece, breaks ties
+    or replaces a tensor by another shape or dtype. Collective: :func:`agree`."""
     digest = None if isinstance(init, InitSource) else generator_digest()
     try:
-        if isinstance(init, InitSource):
-            made = init.materialize(module, layout, comm, units)
-        else:
-            made = _random_init(module, layout, comm.ranks, init, units)
+        made = (init.materialize(module, layout, comm, units) if isinstance(init, InitSource)
+                else _random_init(module, layout, comm.ranks, init, units))
     except Exception as e:  # noqa: BLE001 - every rank learns of it (agree), then it is raised
         agree(comm, e, digest)
         raise
@@ -482,64 +308,45 @@ def materialize(
     return made
 
 
-def _random_init(
-    module: torch.nn.Module, layout: Layout, ranks: Sequence[int], init: Union[str, InitFn], units: Sequence[str]
-) -> Materialized:
-    """:func:`materialize` by ``"reset_parameters"`` or ``fn(module)``: the walk, each tensor cut
-    into the local ranks' rows (parameters), kept whole (frozen) or per rank (buffers)."""
+def _random_init(module: torch.nn.Module, layout: Layout, ranks: Sequence[int], init: Union[str, InitFn],
+                 units: Sequence[str]) -> Materialized:
+    """:func:`materialize` by ``"reset_parameters"`` or ``fn(module)``: the walk, cutting each tensor."""
     fn = init_fn(init)
     rows = ShardRows(layout, ranks)
     slot_of = {s.path: i for i, s in enumerate(layout.slots)}
     frozen: dict[int, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
-    reps = len(rows.ranks)
 
     def cut(e: _Entry, value: torch.Tensor) -> None:
         if not e.is_param:
-            buffers[e.name] = value.unsqueeze(0).repeat(reps, *([1] * value.dim()))
+            buffers[e.name] = value.unsqueeze(0).repeat(len(rows.ranks), *([1] * value.dim()))
             return
         i = slot_of[e.name]
         if layout.slots[i].group >= 0:
-            rows.write(i, flat_reader(value))
+            flat = value.reshape(-1)
+            rows.write(i, lambda start, stop: flat[start:stop])
         else:  # kept whole; a tensor the init put in place of ours may be the caller's: copied
             frozen[i] = value if value.data_ptr() == e.installed.data_ptr() else value.clone()
 
     _walk(module, fn, init_name(init), units, cut, torch.device("cpu"))
-    return Materialized(rows.rows, _frozen_in_order(layout, frozen), _buffers_in_order(module, buffers))
+    return Materialized(rows.rows, tuple(frozen[i] for i, s in enumerate(layout.slots) if s.group < 0),
+                        tuple(buffers[n] for n, _ in module.named_buffers()))
 
 
-def materialized_shard(
-    module: torch.nn.Module, comm: Communicator, init: Init, units: Sequence[str] = (), **layout_kw: Any
-) -> tuple[ShardState, tuple[torch.Tensor, ...]]:
-    """:func:`fzero.sharding.init_shard` for a module filled by ``init`` (:func:`materialize`), and
-    its buffers ``[R, *shape]``. ``layout_kw``: those of :func:`fzero.sharding.shard_layout`.
-    Collectives: ``comm.check_layout`` and those of :func:`materialize`."""
+def materialized_shard(module: torch.nn.Module, comm: Communicator, init: Init, units: Sequence[str] = (),
+                       **layout_kw: Any) -> tuple[ShardState, tuple[torch.Tensor, ...]]:
+    """:func:`fzero.sharding.init_shard` for a module filled by ``init`` (:func:`materialize`), and its buffers
+    ``[R, *shape]``. ``layout_kw``: for :func:`fzero.sharding.shard_layout`. Collective (with ``comm.check_layout``)."""
     layout = shard_layout(module, comm, **layout_kw)
     made = materialize(module, layout, comm, init, units)
     return ShardState(made.master, made.frozen, layout), made.buffers
 
 
-def _frozen_in_order(layout: Layout, frozen: dict[int, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    return tuple(frozen[i] for i, s in enumerate(layout.slots) if s.group < 0)
-
-
-def _buffers_in_order(module: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    return tuple(buffers[n] for n, _ in module.named_buffers())
-
-
-def init_buffers_of(
-    module: torch.nn.Module, names: Iterable[str], fn: InitFn, who: str, hint: str = _WHAT_TO_PASS
-) -> dict[str, torch.Tensor]:
-    """Buffers ``names`` (canonical) computed by ``fn`` on the modules that register them.
-
-    For what weight files do not hold (non-persistent buffers such as a rotary
-    ``inv_freq``): only those buffers are created (on the CPU), ``fn`` runs on each
-    module registering one, in ``apply`` order, under ``no_grad`` and with the global
-    generator forked (loading weights draws nothing). A meta buffer ``fn`` did not
-    write is a ``ValueError`` naming it (``who`` names the init, ``hint`` what to give
-    instead). Buffers not on the meta
-    device are taken as they are. The module is left as it was.
-    """
+def init_buffers_of(module: torch.nn.Module, names: Iterable[str], fn: InitFn, who: str,
+                    hint: str = _WHAT_TO_PASS) -> dict[str, torch.Tensor]:
+    """Buffers ``names`` (canonical, e.g. a rotary ``inv_freq`` weight files lack) made on the CPU by ``fn`` on their
+    modules, in ``apply`` order with the generator forked; the module is left as it was. ``ValueError`` (``who``,
+    ``hint``: as for errors of :func:`materialize`) for a meta buffer ``fn`` did not write."""
     wanted = set(names)
     entries = [e for e in _entries(module) if not e.is_param and e.name in wanted]
     out = {e.name: e.original.detach().clone() for e in entries if not e.original.is_meta}
@@ -551,7 +358,7 @@ def init_buffers_of(
         for e in todo:
             _install(e, _fresh(e.original, torch.device("cpu")))
         with torch.random.fork_rng(devices=[]), torch.no_grad():
-            for m in _apply_order(module):
+            for m in list(_apply_order(module)):
                 if id(m) in owners:
                     fn(m)
         for e in todo:
@@ -562,9 +369,8 @@ def init_buffers_of(
 
 
 def to_empty_tied(module: torch.nn.Module, device: Union[str, torch.device] = "cpu") -> torch.nn.Module:
-    """``module.to_empty(device=device)`` for its meta tensors, keeping tied names tied
-    (``to_empty`` gives each registration its own tensor). Values are uninitialised: load
-    them next (:func:`fzero.write_back` does). Returns ``module``."""
+    """``module.to_empty(device=device)`` for its meta tensors, keeping tied names tied; returns ``module``.
+    Values are uninitialised: load them next (:func:`fzero.write_back` does)."""
     device = torch.device(device)
     for e in _entries(module):
         if e.original.is_meta:

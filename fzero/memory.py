@@ -1,43 +1,22 @@
 """Memory per rank, from the layout: :func:`memory_report`.
 
-What is counted first is ZeRO's model of the training state (Rajbhandari et al., 2020):
-compute-dtype parameters, the gradient the optimizer consumes, the fp32 master copy and the
-optimizer moments. With Adam and 16-bit compute and communication it is the paper's
-``4Ψ + 12Ψ/N`` (stage 1), ``2Ψ + 14Ψ/N`` (stage 2) and ``16Ψ/N`` (stage 3) bytes, here on the
-padded layout (``padding`` says how much of the total is padding). Each kind is split into what
-the :class:`~fzero.state.TrainState` *holds* between steps and what lives only *inside* a step:
+First ZeRO's model of the training state (Rajbhandari et al., 2020) on the actual padded layout:
+compute-dtype parameters, the gradient the optimizer consumes, the fp32 master and the moments
+(with Adam and 16-bit compute and communication the paper's ``4Ψ + 12Ψ/N``, ``2Ψ + 14Ψ/N`` and
+``16Ψ/N`` bytes at stages 1-3), each kind split into what the state *holds* between steps and what
+lives only *inside* a step. Then ``step_buffers``: the eager step's own buffers at their peak, by
+the profiler scope they are allocated in (:mod:`fzero.scopes`), in a few terms of the layout:
 
-=====  ============================================  ==========================================
-stage  held between steps                            inside a step only
-=====  ============================================  ==========================================
-1      full compute-dtype params; master, moments    the full gradient (reduce dtype)
-2      full compute-dtype params; master, moments    the gradient shard
-3      master and moment shards only                 param shard and gradient shard (per unit)
-=====  ============================================  ==========================================
+* ``fzero::grad_buckets`` (stages 1-2): the ``MAX_IN_FLIGHT + 1`` largest buckets in the compute
+  dtype, ``[R, padded]`` each (two reductions under way, one bucket filling);
+* ``fzero::grad_reduction``: the averaged gradient shards and, for the reductions under way, the
+  communicator's declared ``reduce_scatter_buffers``/``all_reduce_buffers`` times their input;
+* ``fzero::gather`` (stage 3): the root and the three largest units gathered at once.
 
-Beside it, ``step_buffers``: the eager step's own buffers at their peak, by the profiler scope
-they are allocated in (:mod:`fzero.scopes`), so that a census can check them; ``step_peak``
-is those together. They follow from the layout and the step's schedule in a few terms, not a
-replay of it:
+Not counted: activations, a deferred accumulation's whole gradients. ``tests/test_memory_census.py``
+holds these within 10 % of what :class:`fzero.testing.Census` measures.
 
-* ``fzero::grad_buckets`` (stages 1-2): the ``MAX_IN_FLIGHT + 1`` largest buckets in the
-  compute dtype (two reductions under way and one bucket filling), each ``[R, padded]``; a
-  bucket of one parameter that fills its flat group takes autograd's gradient on a real rank;
-* ``fzero::grad_reduction``: the averaged gradient shards (the paper's transient gradient,
-  master dtype) and, for the reductions under way, ``comm.buffer_factor`` times their input
-  (the collective's receive buffer or copy: 1 on gloo's all-to-all and all-reduce paths, 0 in
-  the simulated world and for a backend's own reduce-scatter) in the reduce dtype; stage 1's
-  all-reduce holds the whole sum of a bucket until its chunk is cut;
-* ``fzero::gather`` (stage 3): the root and the three largest units gathered at once (the
-  running one, the prefetched one, and the last two kept from forward to backward), each
-  ``[R, padded]`` in the compute dtype per local rank (the simulated world gathers every row
-  for each rank: a cost of simulating).
-
-Not counted (they depend on the model and the batch): activations, the whole local gradients
-of a deferred accumulation. ``fzero.testing.Census`` measures what a step really allocates;
-``tests/test_memory_census.py`` holds these predictions within 10 % of it.
-
-Imports: buckets, comm, layout, optim, precision, scopes.
+Imports: buckets, comm, layout, optim, precision, scopes, sharding.
 """
 
 from __future__ import annotations

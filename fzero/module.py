@@ -1,22 +1,8 @@
-"""What fzero knows of an ``nn.Module`` beyond its parameters, and the loss of a module.
+"""What fzero knows of an ``nn.Module`` beyond its parameters (:class:`ModuleSpec`: buffers, which are state kept
+per rank, tied names, ``state_dict`` keys), the loss of a module (:func:`module_loss`), who owns its parameter
+memory (:func:`hand_over_parameters`, :func:`release_parameters`, ...) and stage 3's shard units (:func:`select_units`).
 
-* :class:`ModuleSpec` (static): the module's buffers (names, persistence),
-  the names under which tied parameters and buffers appear in its
-  ``state_dict``, and the ``state_dict`` key order. Built once by
-  :func:`module_spec`; it is how a trained state is exported with every key
-  ``load_state_dict(strict=True)`` expects (GPT-2's ``lm_head.weight``).
-* Buffers are state: :func:`init_buffers` stacks each buffer per local rank
-  (``[R, *shape]``); the step hands each rank fresh copies to its forward,
-  which updates them in place (BatchNorm's running statistics and
-  ``num_batches_tracked``), and keeps the results. :func:`broadcast_buffers`
-  gives every rank rank 0's buffers (DDP's ``broadcast_buffers=True``) with
-  one ``broadcast`` per buffer dtype.
-* :func:`module_loss`: a loss function for any model output (tensor,
-  tuple/list, dict or ``transformers`` ``ModelOutput``), with a criterion
-  on the logits or with the model's own loss, and batches given as a tensor,
-  a tuple of positional arguments or a dict of keyword arguments.
-
-Imports: ``fzero.comm``.
+Imports: comm, layout.
 """
 
 from __future__ import annotations
@@ -32,26 +18,11 @@ import torch.utils._pytree as tp
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .comm import Communicator
+from .layout import FlatGroup, Layout, group_views
 
-__all__ = [
-    "ModuleSpec",
-    "module_spec",
-    "init_buffers",
-    "broadcast_buffers",
-    "ModuleLoss",
-    "module_loss",
-    "model_output",
-    "check_loss",
-    "row_of",
-    "adopt_parameters",
-    "release_parameters",
-    "restore_parameters",
-    "check_materialized",
-    "UnitPolicy",
-    "select_units",
-    "default_units",
-    "unit_buckets",
-]
+__all__ = ["ModuleSpec", "module_spec", "init_buffers", "broadcast_buffers", "ModuleLoss", "module_loss",
+           "model_output", "check_loss", "row_of", "hand_over_parameters", "release_parameters", "restore_parameters",
+           "check_materialized", "UnitPolicy", "select_units", "default_units", "unit_buckets"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 OUTPUTS = ("logits", "whole")  # what module_loss hands a criterion
@@ -59,15 +30,9 @@ OUTPUTS = ("logits", "whole")  # what module_loss hands a criterion
 
 @dataclasses.dataclass(frozen=True)
 class ModuleSpec:
-    """Static facts about a module that its parameter layout does not hold.
-
-    ``buffers``: buffer names (deduplicated, ``named_buffers`` order);
-    ``persistent``: whether each is in the ``state_dict``; ``aliases``:
-    ``(alias, canonical)`` names of tied parameters and buffers (the
-    canonical name is the one ``named_parameters``/``named_buffers`` keep);
-    ``state_dict_keys``: the module's ``state_dict`` keys in order;
-    ``units``: the names of the stage-3 shard units (:mod:`fzero.units`).
-    """
+    """Static facts about a module that its parameter layout does not hold: ``buffers`` (names, ``named_buffers``
+    order) and whether each is ``persistent`` (in the ``state_dict``); ``aliases``, ``(alias, canonical)`` names of
+    tied parameters and buffers; ``state_dict_keys`` in order; ``units``, the stage-3 shard units' names."""
 
     buffers: tuple[str, ...] = ()
     persistent: tuple[bool, ...] = ()
@@ -76,20 +41,14 @@ class ModuleSpec:
     units: tuple[str, ...] = ()
 
 
-def _non_persistent(module: torch.nn.Module) -> set[str]:
-    out = set()
-    for prefix, m in module.named_modules(remove_duplicate=False):
-        for name in getattr(m, "_non_persistent_buffers_set", ()):
-            out.add(f"{prefix}.{name}" if prefix else name)
-    return out
+def _canonical(module: torch.nn.Module) -> dict[int, str]:
+    """``{id(tensor): the name named_parameters/named_buffers keep}`` (reversed: the first name wins)."""
+    return {id(t): name for name, t in reversed([*module.named_parameters(), *module.named_buffers()])}
 
 
 def module_spec(module: torch.nn.Module) -> ModuleSpec:
-    """The :class:`ModuleSpec` of ``module``.
-
-    Raises ``TypeError`` naming a buffer fzero cannot carry per rank: a
-    sparse or non-strided tensor, or one that requires grad.
-    """
+    """The :class:`ModuleSpec` of ``module``; ``TypeError`` naming a buffer fzero cannot carry per rank (sparse or
+    non-strided, or requiring grad)."""
     buffers = []
     for name, b in module.named_buffers():
         if b.layout != torch.strided:
@@ -97,23 +56,14 @@ def module_spec(module: torch.nn.Module) -> ModuleSpec:
         if b.requires_grad:
             raise TypeError(f"buffer {name!r} requires grad: make it a parameter, or detach it")
         buffers.append(name)
-    skip = _non_persistent(module)
-    canonical: dict[int, str] = {}
-    for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        canonical.setdefault(id(t), name)
-    aliases = []
-    for name, t in [
-        *module.named_parameters(remove_duplicate=False),
-        *module.named_buffers(remove_duplicate=False),
-    ]:
-        if canonical.get(id(t), name) != name:
-            aliases.append((name, canonical[id(t)]))
-    return ModuleSpec(
-        buffers=tuple(buffers),
-        persistent=tuple(n not in skip for n in buffers),
-        aliases=tuple(aliases),
-        state_dict_keys=tuple(module.state_dict(keep_vars=True).keys()),
-    )
+    skip = {f"{prefix}.{name}" if prefix else name for prefix, m in module.named_modules(remove_duplicate=False)
+            for name in getattr(m, "_non_persistent_buffers_set", ())}
+    canonical = _canonical(module)
+    aliases = [(name, canonical[id(t)]) for name, t in [*module.named_parameters(remove_duplicate=False),
+                                                         *module.named_buffers(remove_duplicate=False)]
+               if canonical.get(id(t), name) != name]
+    return ModuleSpec(buffers=tuple(buffers), persistent=tuple(n not in skip for n in buffers), aliases=tuple(aliases),
+                      state_dict_keys=tuple(module.state_dict(keep_vars=True).keys()))
 
 
 def init_buffers(module: torch.nn.Module, spec: ModuleSpec, rows: int) -> tuple[torch.Tensor, ...]:
@@ -123,87 +73,45 @@ def init_buffers(module: torch.nn.Module, spec: ModuleSpec, rows: int) -> tuple[
 
 
 def broadcast_buffers(buffers: Sequence[torch.Tensor], comm: Communicator) -> tuple[torch.Tensor, ...]:
-    """Rank 0's buffers on every rank (DDP's ``broadcast_buffers``): one ``broadcast``
-    per dtype, of the buffers of that dtype flattened into one ``[R, n]`` row."""
-    if not buffers:
-        return ()
-    rows = buffers[0].shape[0]
+    """Rank 0's buffers on every rank (DDP's ``broadcast_buffers``): one ``broadcast`` per dtype, of the buffers of
+    that dtype flattened into one ``[R, n]`` row."""
+    rows = buffers[0].shape[0] if buffers else 0
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, b in enumerate(buffers):
         by_dtype.setdefault(b.dtype, []).append(i)
     out: list[Optional[torch.Tensor]] = [None] * len(buffers)
     for idx in by_dtype.values():
-        flat = torch.cat([buffers[i].reshape(rows, -1) for i in idx], dim=1)
-        flat = comm.broadcast(flat, 0)
-        offset = 0
-        for i in idx:
-            n = buffers[i][0].numel()
-            out[i] = flat[:, offset : offset + n].reshape(buffers[i].shape)
-            offset += n
+        flat = comm.broadcast(torch.cat([buffers[i].reshape(rows, -1) for i in idx], dim=1), 0)
+        for i, part in zip(idx, flat.split([buffers[i][0].numel() for i in idx], dim=1)):
+            out[i] = part.reshape(buffers[i].shape)
     return tuple(out)  # type: ignore[arg-type]
 
 
 def model_output(out: Any, key: str) -> torch.Tensor:
-    """The tensor of a model output that a loss needs.
-
-    ``key="logits"`` (for a criterion) or ``"loss"`` (the model's own loss).
-    A tensor is itself; a dict or ``transformers`` ``ModelOutput`` gives
-    ``out[key]``; a tuple or list its first element. Raises ``ValueError``
-    naming the output's type and keys when there is no such tensor.
-    """
+    """The tensor a loss needs from a model output, ``key="logits"`` (for a criterion) or ``"loss"``: a tensor itself,
+    a dict's/``ModelOutput``'s ``out[key]``, a tuple's or list's first element; else ``ValueError`` (type, keys)."""
     if isinstance(out, torch.Tensor):
         return out
     if isinstance(out, Mapping):
         value = out.get(key)
         if isinstance(value, torch.Tensor):
             return value
-        raise ValueError(
-            f"module_loss: the model returned a {type(out).__name__} without a tensor {key!r} "
-            f"(keys: {sorted(k for k, v in out.items() if v is not None)}); "
-            + ("pass labels in the batch so that the model computes its loss, or give a criterion"
-               if key == "loss" else "give a loss_fn of your own that picks the output")
-        )
+        raise ValueError(f"module_loss: the model returned a {type(out).__name__} without a tensor {key!r} "
+                         f"(keys: {sorted(k for k, v in out.items() if v is not None)}); "
+                         + ("pass labels in the batch so that the model computes its loss, or give a criterion"
+                            if key == "loss" else "give a loss_fn of your own that picks the output"))
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
-    raise ValueError(
-        f"module_loss: cannot find a tensor in the model's output of type {type(out).__name__} "
-        "(expected a tensor, a tuple/list starting with one, or a dict/ModelOutput with "
-        f"{key!r})"
-    )
-
-
-def _accepts(forward: Callable[..., Any]) -> Optional[set[str]]:
-    """Keyword names ``forward`` accepts, or None if it takes ``**kwargs``."""
-    params = inspect.signature(forward).parameters.values()
-    if any(p.kind == p.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-
-
-_Slot = tuple[dict, str, str]  # (the owner's _parameters or _buffers, attribute, canonical name)
-
-
-def _tensor_slots(module: torch.nn.Module) -> tuple[_Slot, ...]:
-    """Where each parameter and buffer is registered, tied names included."""
-    canonical: dict[int, str] = {}
-    for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        canonical.setdefault(id(t), name)
-    slots = []
-    for prefix, m in module.named_modules(remove_duplicate=False):
-        for table in (m._parameters, m._buffers):
-            for attr, t in table.items():
-                if t is not None:
-                    slots.append((table, attr, canonical[id(t)]))
-    return tuple(slots)
+    raise ValueError(f"module_loss: cannot find a tensor in the model's output of type {type(out).__name__} "
+                     f"(expected a tensor, a tuple/list starting with one, or a dict/ModelOutput with {key!r})")
 
 
 @contextlib.contextmanager
-def _swapped(slots: Sequence[_Slot], tensors: Mapping[str, torch.Tensor]) -> Iterator[None]:
+def _swapped(slots: Sequence[tuple[dict, str, str]], tensors: Mapping[str, torch.Tensor]) -> Iterator[None]:
     saved = []
     try:
         for table, attr, name in slots:
-            new = tensors.get(name)
-            if new is not None:
+            if (new := tensors.get(name)) is not None:
                 saved.append((table, attr, table[attr]))
                 table[attr] = new
         yield
@@ -213,41 +121,28 @@ def _swapped(slots: Sequence[_Slot], tensors: Mapping[str, torch.Tensor]) -> Ite
 
 
 class ModuleLoss:
-    """The loss of a module for one rank's batch: what :func:`module_loss` returns.
-
-    Called as ``loss_fn(tensors, batch)`` it runs the module with ``tensors``
-    in place of its parameters and buffers (as ``functional_call``). The
-    step instead keeps the module bound to ``tensors`` (:meth:`bound`) from
-    forward to the end of backward and calls :meth:`forward_loss`: a
-    checkpointed region (``torch.utils.checkpoint``) reruns its forward
-    during backward, and must find the same tensors in the module then.
-    """
+    """What :func:`module_loss` returns: ``loss_fn(tensors, batch)`` runs the module on ``tensors``. The step keeps
+    it :meth:`bound` through forward and backward (checkpointing reruns forward) and calls :meth:`forward_loss`."""
 
     def __init__(self, module: torch.nn.Module, criterion: Optional[Callable[..., torch.Tensor]],
                  output: str = "logits"):
         if output not in OUTPUTS:
             raise ValueError(f"module_loss: output must be one of {OUTPUTS}, got {output!r}")
         if output == "whole" and criterion is None:
-            raise ValueError(
-                "module_loss(model, output='whole'): the whole output goes to a criterion; give one "
-                "(criterion(output, target)), or leave output='logits' for the model's own loss"
-            )
-        self.module = module
-        self.criterion = criterion
-        self.output = output
+            raise ValueError("module_loss(model, output='whole'): the whole output goes to a criterion; give one "
+                             "(criterion(output, target)), or leave output='logits' for the model's own loss")
+        self.module, self.criterion, self.output = module, criterion, output
         self._param_names = [n for n, _ in module.named_parameters()]
-        self._accepted = _accepts(module.forward)
-        self._slots = _tensor_slots(module)
+        forward = inspect.signature(module.forward).parameters.values()  # _accepted: its keywords (None: **kwargs)
+        self._accepted = (None if any(p.kind == p.VAR_KEYWORD for p in forward)
+                          else {p.name for p in forward if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)})
+        canonical = _canonical(module)  # _slots: (table, attribute, canonical name) of every registration
+        self._slots = tuple((table, attr, canonical[id(t)]) for _, m in module.named_modules(remove_duplicate=False)
+                            for table in (m._parameters, m._buffers) for attr, t in table.items() if t is not None)
 
     def bound(self, tensors: Mapping[str, torch.Tensor], traced: bool = False) -> Any:
-        """A context in which the module's parameters and buffers are ``tensors`` (tied
-        names follow the canonical one, as in ``functional_call``).
-
-        Eagerly, a direct swap of the registered tensors through slots found once
-        (``functional_call``'s general path re-walks the module on every call,
-        measured at about 15 % of a tiny GPT-2 step); in a traced step (``traced``),
-        ``functional_call``'s own mechanism, which dynamo traces.
-        """
+        """A context in which the module's parameters and buffers are ``tensors`` (tied names follow the canonical
+        one): eagerly a swap through slots found once (cheaper than ``functional_call``), traced the latter's own."""
         if traced:
             return _reparametrize_module(self.module, dict(tensors), tie_weights=True)
         return _swapped(self._slots, tensors)
@@ -258,49 +153,37 @@ class ModuleLoss:
 
     def _run(self, dtype: Optional[torch.dtype], inputs: Any) -> Any:
         def cast(x: Any) -> Any:
-            if dtype is not None and isinstance(x, torch.Tensor) and x.is_floating_point():
-                return x.to(dtype)
-            return x
+            floating = dtype is not None and isinstance(x, torch.Tensor) and x.is_floating_point()
+            return x.to(dtype) if floating else x
 
         if isinstance(inputs, Mapping):
-            if self._accepted is not None:
-                unknown = sorted(set(inputs) - self._accepted)
-                if unknown:
-                    raise ValueError(
-                        f"module_loss: the batch has keys {unknown} that {type(self.module).__name__}"
-                        f".forward does not take (it takes {sorted(self._accepted)})"
-                    )
+            unknown = sorted(set(inputs) - self._accepted) if self._accepted is not None else []
+            if unknown:
+                raise ValueError(f"module_loss: the batch has keys {unknown} that {type(self.module).__name__}"
+                                 f".forward does not take (it takes {sorted(self._accepted)})")
             return self.module(**{k: cast(v) for k, v in inputs.items()})
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         return self.module(*(cast(a) for a in args))
 
     def forward_loss(self, tensors: Mapping[str, torch.Tensor], batch: Any,
                      dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """The loss, with the module already bound to ``tensors`` (see :meth:`bound`).
-
-        ``dtype``: the dtype floating inputs are cast to (default: the first parameter's). The
-        step passes its policy's ``param_dtype``: a model whose first parameter keeps its own
-        dtype (``MixedPrecision.keep_dtype``: a BatchNorm first) still gets 16-bit inputs."""
+        """The loss, with the module already :meth:`bound` to ``tensors``. ``dtype``: floating inputs' cast
+        (default: the first parameter's; the step passes its ``param_dtype``, as a first parameter may keep its own
+        dtype). ``ValueError`` for a batch or loss of the wrong form."""
         if dtype is None:
             dtype = next((tensors[n].dtype for n in self._param_names if n in tensors), None)
         if self.criterion is None:
             loss = model_output(self._run(dtype, batch), "loss")
             if loss.dim() != 0:
-                raise ValueError(
-                    f"module_loss: the model's own loss has shape {tuple(loss.shape)}, expected a 0-d "
-                    "tensor; give a criterion, or make the model reduce its loss"
-                )
+                raise ValueError(f"module_loss: the model's own loss has shape {tuple(loss.shape)}, expected a 0-d "
+                                 "tensor; give a criterion, or make the model reduce its loss")
             return loss.float()
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise ValueError(
-                "module_loss(model, criterion): the batch must be (inputs, target); for a model "
-                "that computes its own loss, use module_loss(model) with the labels in the inputs"
-            )
+            raise ValueError("module_loss(model, criterion): the batch must be (inputs, target); for a model "
+                             "that computes its own loss, use module_loss(model) with the labels in the inputs")
         inputs, target = batch
         out = self._run(dtype, inputs)
-        if self.output == "whole":
-            # every 16-bit tensor of the output upcast, as the logits are: an auxiliary loss
-            # (a router's, a second head's) is computed in fp32 too
+        if self.output == "whole":  # every 16-bit tensor upcast: an auxiliary loss is fp32 too
             return self.criterion(tp.tree_map(_upcast, out), target)
         return self.criterion(_upcast(model_output(out, "logits")), target)
 
@@ -309,35 +192,18 @@ def _upcast(x: Any) -> Any:
     return x.float() if isinstance(x, torch.Tensor) and x.dtype in LOW_PRECISION else x
 
 
-def module_loss(
-    module: torch.nn.Module,
-    criterion: Optional[Callable[..., torch.Tensor]] = None,
-    *,
-    output: str = "logits",
-) -> ModuleLoss:
-    """``loss_fn(tensors, batch)`` for ``module``, as :func:`fzero.make_train_step` takes it.
+def module_loss(module: torch.nn.Module, criterion: Optional[Callable[..., torch.Tensor]] = None, *,
+                output: str = "logits") -> ModuleLoss:
+    """``loss_fn(tensors, batch)`` for ``module`` (``tensors``: its parameters and buffers by name), as
+    :func:`fzero.make_train_step` takes it.
 
-    ``tensors`` maps the module's parameter and buffer names to tensors (the
-    step passes each rank's parameters in the compute dtype and fresh copies
-    of its buffers, which the forward may update in place).
-
-    With a ``criterion``, ``batch = (inputs, target)`` and the loss is
-    ``criterion(output, target)``, where the output is the model's tensor,
-    the first element of a tuple, or ``logits`` of a dict/``ModelOutput``
-    (``output="logits"``, the default). ``output="whole"``: the criterion gets the
-    model's whole output as the model returned it (a dict, a tuple, a ``ModelOutput``,
-    a tensor), so a loss can use several heads or an auxiliary loss the model returns
-    beside its logits (a mixture-of-experts router's). Without a criterion, ``batch = inputs`` and the loss is the model's own
-    (``output.loss``; e.g. a ``transformers`` model given ``labels``), or a
-    0-d tensor the model returns. ``inputs``: a tensor, a tuple of positional
-    arguments, or a dict of keyword arguments (checked against the forward's
-    signature unless it takes ``**kwargs``).
-
-    As FSDP2's ``cast_forward_inputs``, floating inputs are cast to the
-    compute dtype (the dtype of the parameters given); a 16-bit output is
-    upcast to float32 before the criterion (with ``output="whole"``, every 16-bit
-    tensor of the output), so the loss is fp32.
-    """
+    With a ``criterion``, ``batch = (inputs, target)`` and the loss is ``criterion(output, target)``: the model's
+    tensor, a tuple's first element or a dict's/``ModelOutput``'s ``logits`` (``output="logits"``), or the whole
+    output as returned (``output="whole"``: several heads, an auxiliary loss). Without one, ``batch = inputs`` and
+    the loss is the model's own (``output.loss``, or a 0-d tensor it returns). ``inputs``: a tensor, a tuple of
+    positional arguments or a dict of keyword arguments (checked against the forward's signature unless it takes
+    ``**kwargs``). Floating inputs are cast to the compute dtype (FSDP2's ``cast_forward_inputs``); a 16-bit output
+    is upcast to float32 before the criterion."""
     return ModuleLoss(module, criterion, output)
 
 
@@ -346,10 +212,8 @@ def check_loss(loss: Any) -> None:
     if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
         raise ValueError(f"loss_fn must return a 0-d floating-point tensor, got {loss!r:.80}")
     if not loss.requires_grad:
-        raise ValueError(
-            "loss_fn returned a loss that does not depend on the trainable parameters it was given "
-            "(no autograd graph): did it run the model under torch.no_grad, or use its own tensors?"
-        )
+        raise ValueError("loss_fn returned a loss that does not depend on the trainable parameters it was given "
+                         "(no autograd graph): did it run the model under torch.no_grad, or use its own tensors?")
 
 
 def row_of(batch: Any, r: int) -> Any:
@@ -357,46 +221,47 @@ def row_of(batch: Any, r: int) -> Any:
     return tp.tree_map(lambda x: x[r] if isinstance(x, torch.Tensor) else x, batch)
 
 
-# -- who owns a module's parameter memory ---------------------------------------------------
-# After init_train_state the training state owns the parameters: the module keeps its
-# Parameter objects (identity, names, shapes, requires_grad) but no memory of its own.
+# -- parameter memory: after init_train_state the state owns it; the module's Parameter objects hold none of their own
 _RELEASED = "_fzero_released"
 
 
-def adopt_parameters(module: torch.nn.Module, views: Mapping[str, torch.Tensor]) -> None:
-    """Point each parameter ``name`` of ``module`` at ``views[name]`` (same shape and dtype):
-    the module's own storage is freed and the module reads the state's buffers.
-
-    Stages 1-2 hand in views of the gathered parameters (row 0); a donating step
-    gathers into those buffers in place, so the module follows the training."""
+def hand_over_parameters(module: torch.nn.Module, layout: Layout, gathered: Sequence[torch.Tensor],
+                         groups: Optional[Sequence[FlatGroup]] = None) -> set[str]:
+    """Make the state own the module's trainable parameters at stages 1-2 (one copy in memory): each
+    parameter whose dtype is its compute dtype becomes a view of row 0 of the gathered buffers (a
+    donating step gathers into them, so the module follows the training); ``groups``: only these
+    flat groups, ``gathered`` holding their buffers in order. (Stage 3: :func:`release_parameters`.)
+    Returns the names of the parameters that now view the state. ``ValueError`` if a parameter's
+    shape or dtype is not its view's. No collective."""
     named = dict(module.named_parameters())
+    adopted = set()
     with torch.no_grad():
-        for name, view in views.items():
-            p = named[name]
-            if p.shape != view.shape or p.dtype != view.dtype:
-                raise ValueError(f"adopt_parameters: {name!r} is {tuple(p.shape)} {p.dtype}, the view "
-                                 f"{tuple(view.shape)} {view.dtype}")
-            p.data = view
-            p.grad = None
+        for g, flat in zip(layout.groups if groups is None else groups, gathered):
+            for i, view in zip(g.slots, group_views(layout, g, flat[0])):
+                s = layout.slots[i]
+                p = named[s.path]
+                if view.dtype != s.dtype or p.is_meta:  # another compute dtype: its own copy; built on meta: stays
+                    continue
+                if p.shape != view.shape or p.dtype != view.dtype:
+                    raise ValueError(f"hand_over_parameters: {s.path!r} is {tuple(p.shape)} {p.dtype}, the view "
+                                     f"{tuple(view.shape)} {view.dtype}")
+                p.data, p.grad = view, None  # its own storage is freed: it reads the state's buffers
+                adopted.add(s.path)
+    return adopted
 
 
 def release_parameters(module: torch.nn.Module, names: Sequence[str]) -> None:
-    """Move parameters ``names`` of ``module`` to the meta device (shape, dtype and
-    ``requires_grad`` kept, memory freed), as FSDP2 and DeepSpeed's ZeRO-3 leave a module
-    whose parameters they shard. A forward of the module outside a step then raises a
-    ``RuntimeError`` that says to call ``fzero.write_back`` (a meta parameter would
-    otherwise compute meta outputs without complaint). Stage 3."""
+    """Move parameters ``names`` of ``module`` to the meta device (shape, dtype and ``requires_grad`` kept), as
+    FSDP2 leaves a module it shards (stage 3); a forward outside a step then raises ``RuntimeError`` (call
+    ``fzero.write_back``). ``RuntimeError``, nothing released, if something holds a weak reference to one."""
     named = dict(module.named_parameters())
-    # checked for every parameter before any is released, so a refusal leaves the module whole
-    for name in names:
+    for name in names:  # all checked first, so a refusal leaves the module whole
         if not named[name].is_meta and weakref.getweakrefcount(named[name]):
             raise RuntimeError(
-                f"stage 3 cannot take parameter {name!r} of this {type(module).__name__}: something "
-                "holds a weak reference to it (torch.compile keeps them for a module a compiled "
-                "function ran, e.g. an earlier compiled step), and the parameter cannot be swapped "
-                "for its meta stand-in: build the state from a fresh module, or drop that function "
-                "and call torch._dynamo.reset() first"
-            )
+                f"stage 3 cannot take parameter {name!r} of this {type(module).__name__}: something holds a weak "
+                "reference to it (torch.compile keeps them for a module a compiled function ran, e.g. an earlier "
+                "compiled step), and the parameter cannot be swapped for its meta stand-in: build the state from a "
+                "fresh module, or drop that function and call torch._dynamo.reset() first")
     for name in names:
         p = named[name]
         if not p.is_meta:
@@ -404,30 +269,23 @@ def release_parameters(module: torch.nn.Module, names: Sequence[str]) -> None:
                                                            requires_grad=p.requires_grad))
         p.grad = None
     if names and getattr(module, _RELEASED, None) is None:
-        probe = named[names[0]]
+        probe, (owner, _, attr) = named[names[0]], names[0].rpartition(".")
 
         def guard(mod: torch.nn.Module, args: Any) -> None:
-            if probe.is_meta and _bound_is_meta(mod, names[0]):
-                raise RuntimeError(
-                    f"{type(mod).__name__}: its parameters were handed to a fzero stage-3 state by "
-                    "init_train_state and live there (this module holds none): call "
-                    "fzero.write_back(state, comm, model) before running the module itself"
-                )
+            if not probe.is_meta:
+                return
+            bound = (mod.get_submodule(owner) if owner else mod)._parameters.get(attr)  # a step binds its own
+            if bound is not None and bound.is_meta:
+                raise RuntimeError(f"{type(mod).__name__}: its parameters were handed to a fzero stage-3 state by "
+                                   "init_train_state and live there (this module holds none): call "
+                                   "fzero.write_back(state, comm, model) before running the module itself")
 
         setattr(module, _RELEASED, module.register_forward_pre_hook(guard))
 
 
-def _bound_is_meta(module: torch.nn.Module, name: str) -> bool:
-    """Whether the tensor registered as ``name`` right now (a step binds its own) is on meta."""
-    owner, _, attr = name.rpartition(".")
-    sub = module.get_submodule(owner) if owner else module
-    t = sub._parameters.get(attr)
-    return t is not None and t.is_meta
-
-
 def restore_parameters(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> None:
-    """Give every released (meta) parameter of ``module`` memory of its own holding
-    ``values[name]`` and remove the guard :func:`release_parameters` installed."""
+    """Give every released (meta) parameter of ``module`` memory of its own holding ``values[name]`` and remove the
+    guard :func:`release_parameters` installed."""
     for name, p in module.named_parameters():
         if p.is_meta and name in values:
             torch.utils.swap_tensors(p, torch.nn.Parameter(
@@ -439,23 +297,17 @@ def restore_parameters(module: torch.nn.Module, values: Mapping[str, torch.Tenso
 
 
 def check_materialized(module: torch.nn.Module) -> None:
-    """Raise ``ValueError`` if ``module``'s parameters are on the meta device because an earlier
-    stage-3 :func:`fzero.init_train_state` took them (a model built on meta is
-    :mod:`fzero.materialize`'s to judge)."""
+    """Raise ``ValueError`` if ``module``'s parameters are on the meta device because an earlier stage-3
+    :func:`fzero.init_train_state` took them (a model built on meta is not judged here)."""
     meta = [n for n, p in module.named_parameters() if p.is_meta]
-    if not meta:
-        return
-    if getattr(module, _RELEASED, None) is None:
-        return  # built on the meta device: fzero.materialize says what to pass
-    raise ValueError(
-        f"init_train_state: {type(module).__name__}'s parameters ({meta[0]!r}, ...) were handed to a "
-        "stage-3 state by an earlier init_train_state and are on the meta device: build the model "
-        "again (or copy.deepcopy it before the first init_train_state), or fzero.write_back(state, "
-        "comm, model) first"
-    )
+    if meta and getattr(module, _RELEASED, None) is not None:
+        raise ValueError(
+            f"init_train_state: {type(module).__name__}'s parameters ({meta[0]!r}, ...) were handed to a stage-3 "
+            "state by an earlier init_train_state and are on the meta device: build the model again (or "
+            "copy.deepcopy it before the first init_train_state), or fzero.write_back(state, comm, model) first")
 
 
-# -- stage 3's shard units: which submodules (wrap policy) --------------------------------------
+# -- stage 3's shard units: which submodules (wrap policy) ------------------------------------------
 UnitPolicy = Union[type, tuple, Callable[[str, torch.nn.Module], bool]]
 
 
@@ -467,14 +319,12 @@ def _predicate(policy: UnitPolicy) -> Callable[[str, torch.nn.Module], bool]:
         if not classes:
             raise ValueError(
                 f"units={policy!r} is empty: give module classes, e.g. units=(TransformerBlock,), a predicate "
-                "(name, module) -> bool, or leave units out for a transformers model (its _no_split_modules)"
-            )
+                "(name, module) -> bool, or leave units out for a transformers model (its _no_split_modules)")
         wrong = [c for c in classes if not (isinstance(c, type) and issubclass(c, torch.nn.Module))]
         if wrong:
             raise TypeError(
                 f"units: {wrong[0]!r} ({type(wrong[0]).__name__}) is not an nn.Module class; give module classes, "
-                "e.g. units=(TransformerBlock,), or a predicate (name, module) -> bool"
-            )
+                "e.g. units=(TransformerBlock,), or a predicate (name, module) -> bool")
         return lambda name, module: isinstance(module, classes)
     if callable(policy):
         return policy
@@ -482,80 +332,51 @@ def _predicate(policy: UnitPolicy) -> Callable[[str, torch.nn.Module], bool]:
 
 
 def select_units(module: torch.nn.Module, policy: UnitPolicy) -> tuple[str, ...]:
-    """The names of the submodules ``policy`` makes shard units, in ``named_modules`` order.
-
-    Units without parameters are left out (nothing to shard). Raises
-    ``ValueError`` if the policy selects no submodule with parameters, or
-    selects a module inside another unit (units may not nest: say which two).
-    """
+    """The submodules with parameters that ``policy`` (module classes or a predicate ``(name, module) -> bool``)
+    makes shard units, in ``named_modules`` order; ``ValueError`` if it selects none, or units nest (naming two)."""
     pred = _predicate(policy)
-    chosen = []
-    for name, m in module.named_modules():
-        if name and pred(name, m) and any(True for _ in m.parameters()):
-            chosen.append(name)
+    chosen = [name for name, m in module.named_modules()
+              if name and pred(name, m) and any(True for _ in m.parameters())]
     if not chosen:
-        raise ValueError(
-            f"units: the wrap policy selects no submodule with parameters of {type(module).__name__} "
-            "(the root itself cannot be a unit); e.g. units=(TransformerBlock,) or "
-            "units=lambda name, m: name.startswith('layers.')"
-        )
+        raise ValueError(f"units: the wrap policy selects no submodule with parameters of {type(module).__name__} "
+                         "(the root itself cannot be a unit); e.g. units=(TransformerBlock,) or "
+                         "units=lambda name, m: name.startswith('layers.')")
     for i, outer in enumerate(chosen):
         for inner in chosen[i + 1 :]:
             if inner.startswith(outer + "."):
-                raise ValueError(
-                    f"units: {inner!r} lies inside unit {outer!r}; units may not nest: choose one of "
-                    "them (e.g. only the transformer blocks)"
-                )
+                raise ValueError(f"units: {inner!r} lies inside unit {outer!r}; units may not nest: choose one of "
+                                 "them (e.g. only the transformer blocks)")
     return tuple(chosen)
 
 
 def default_units(module: torch.nn.Module) -> tuple[str, ...]:
-    """The default wrap policy: the submodules whose class name a ``transformers`` model lists
-    in ``_no_split_modules`` (its blocks: what accelerate's FSDP auto-wrap wraps), outermost
-    only, in ``named_modules`` order (units without parameters left out).
-
-    Raises ``ValueError`` saying what to pass (``units=``) for a module that names no blocks,
-    or whose named blocks are not among its submodules."""
+    """The default wrap policy: the outermost submodules with parameters whose class a ``transformers`` model lists
+    in ``_no_split_modules`` (its blocks); ``ValueError`` (pass ``units=``) if it names none or none is a submodule."""
     names = getattr(module, "_no_split_modules", None)
     names = {names} if isinstance(names, str) else set(names or ())
     if not names:
-        raise ValueError(
-            f"init_train_state: stage 3 needs the model's shard units, and {type(module).__name__} names no "
-            "blocks (no _no_split_modules, as transformers models have): pass units=(BlockClass,) or "
-            "units=lambda name, module: ..., as FSDP2's fully_shard per block"
-        )
-    chosen: list[str] = []
-    for name, m in module.named_modules():
-        if not name or type(m).__name__ not in names or any(name.startswith(c + ".") for c in chosen):
-            continue
-        if any(True for _ in m.parameters()):
-            chosen.append(name)
+        raise ValueError(f"init_train_state: stage 3 needs the model's shard units, and {type(module).__name__} "
+                         "names no blocks (no _no_split_modules, as transformers models have): pass "
+                         "units=(BlockClass,) or units=lambda name, module: ..., as FSDP2's fully_shard per block")
+    chosen = [name for name, m in module.named_modules()
+              if name and type(m).__name__ in names and any(True for _ in m.parameters())]
+    chosen = [name for name in chosen if not any(name.startswith(c + ".") for c in chosen)]  # the outermost
     if not chosen:
-        raise ValueError(
-            f"init_train_state: stage 3 needs the model's shard units, and none of {type(module).__name__}'s "
-            f"_no_split_modules {sorted(names)} is a submodule with parameters: pass units=(BlockClass,) or "
-            "units=lambda name, module: ..."
-        )
+        raise ValueError(f"init_train_state: stage 3 needs the model's shard units, and none of "
+                         f"{type(module).__name__}'s _no_split_modules {sorted(names)} is a submodule with "
+                         "parameters: pass units=(BlockClass,) or units=lambda name, module: ...")
     return tuple(chosen)
 
 
-def _unit_of(name: str, units: Sequence[str]) -> Optional[int]:
-    for i, u in enumerate(units):
-        if name.startswith(u + "."):
-            return i
-    return None
-
-
 def unit_buckets(module: torch.nn.Module, units: Sequence[str]) -> dict[str, int]:
-    """``{parameter name: bucket}`` (``named_parameters`` names): unit ``i`` is bucket
-    ``i + 1``; bucket 0, the root, takes a parameter no unit claims and one
-    registered under names in more than one place (tied)."""
+    """``{parameter name: bucket}`` (``named_parameters`` names): unit ``i`` is bucket ``i + 1``; bucket 0, the
+    root, takes a parameter no unit claims, or one tied across units (or to the root)."""
     names: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     out = {}
     for name, p in module.named_parameters():
-        owners = {_unit_of(n, units) for n in names[id(p)]}
-        only = owners.pop() if len(owners) == 1 else None
-        out[name] = 0 if only is None else only + 1
+        # the unit each of its (tied) names lies in (None: the root); one unit for all of them, or the root
+        owners = {next((i for i, u in enumerate(units) if n.startswith(u + ".")), None) for n in names[id(p)]}
+        out[name] = owners.pop() + 1 if len(owners) == 1 and None not in owners else 0
     return out

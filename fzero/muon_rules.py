@@ -1,32 +1,14 @@
-"""Muon on flat ZeRO shards: ``torch.optim.Muon`` for the matrices, ``torch.optim.AdamW`` for
-the rest, as users run them, each matrix orthogonalized once in the world.
+"""Muon on flat shards: ``torch.optim.Muon`` for the matrices, ``torch.optim.AdamW`` for the rest, each matrix
+orthogonalized once in the world.
 
-:func:`muon` builds the rule (:class:`Muon`): parameter group 0 is Muon's (the matrices the
-``matrices`` path predicate picks), group 1 AdamW's (everything else); further groups are the
-user's, each a Muon group. Every group's hyperparameters are the ones its ``torch.optim``
-class reads (Muon: ``lr``, ``weight_decay``, ``momentum``, ``eps``, the Newton-Schulz
-epsilon; AdamW: ``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay``): 0-d tensors in
-``OptState.hyper``, schedulable per group.
+Group 0 is Muon's (the matrices the ``matrices`` predicate picks), group 1 AdamW's, further groups the user's
+Muon groups. Momentum (and AdamW's moments) are sharded moments updated piece by piece. A matrix's Newton-Schulz
+input needs the whole matrix: an ``all_gather`` of the Muon shards in bfloat16 (exact: torch's iteration rounds
+its input to bfloat16), each matrix's owner (:func:`muon_owners`) orthogonalizes it, a ``reduce_scatter(sum)``
+of a buffer only owners wrote brings each rank its shard of every result, and each rank applies torch's
+decoupled weight decay and ``-adjusted_lr * O`` to its pieces. Eager only.
 
-Where the state lives: Muon's ``momentum_buffer`` is elementwise, so it is a flat moment
-(``[R, shard_numel]``) like AdamW's ``exp_avg``/``exp_avg_sq``: optimizer state stays sharded
-(1/W per rank), and checkpoints reshard it as any moment. The momentum is updated on each
-parameter's piece of the shard; the Newton-Schulz input of a matrix (its nesterov-blended
-momentum) needs the whole matrix, so it travels:
-
-1. ``all_gather`` of the Muon groups' shards of that input, in bfloat16 (torch's
-   Newton-Schulz rounds its input to bfloat16 first thing, so this is exact);
-2. each matrix's *owner* (:func:`muon_owners`: static, a greedy balance of Newton-Schulz
-   cost, the same on every rank) orthogonalizes it, once in the world;
-3. ``reduce_scatter(sum)`` of a flat bfloat16 buffer in which only each matrix's owner wrote
-   its result (``x + 0 == x``: exact) brings each rank its shard of every result;
-4. each rank applies decoupled weight decay and ``-adjusted_lr * O`` to its own pieces, in
-   torch's order with torch's Python-float scalars.
-
-Eager only (a Python loop over pieces and owners); a compiled step raises naming the rule.
-
-Imports: ``fzero.optim``, ``fzero.torch_optim_rules``, ``fzero.layout``, ``fzero.comm``,
-``fzero.sharding``.
+Imports: optim, torch_optim_rules, layout, comm.
 """
 
 from __future__ import annotations
@@ -40,8 +22,7 @@ import torch
 from torch.optim import _muon as torch_muon
 
 from .comm import Communicator
-from .layout import FlatGroup, Layout
-from .layout import shard_pieces, trainable_index
+from .layout import FlatGroup, Layout, shard_pieces, trainable_index
 from .optim import GroupSpec, ShardRule, Update, _check_hyper, _groups
 from .torch_optim_rules import TorchOptimRule, from_torch_optim, update_by_piece
 
@@ -49,29 +30,23 @@ __all__ = ["Muon", "muon", "muon_owners", "newton_schulz", "hidden_matrices"]
 
 Predicate = Callable[[str], bool]
 
-#: the dtype the Newton-Schulz input and output travel in: torch's iteration reads its input
-#: as bfloat16 and returns bfloat16, so the round trip loses nothing
+#: the dtype the Newton-Schulz input and output travel in (torch's iteration reads and returns bfloat16)
 TRANSPORT = torch.bfloat16
-
-_MUON_KEYS = ("lr", "weight_decay", "momentum", "eps")
 _ADAMW_KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+_NS_COEFFICIENTS = (torch_muon.DEFAULT_A, torch_muon.DEFAULT_B, torch_muon.DEFAULT_C)
 
 
 def newton_schulz(matrix: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
                   eps: float) -> torch.Tensor:
-    """torch's own Newton-Schulz orthogonalization of a 2-D ``matrix`` (any float dtype):
-    a bfloat16 matrix of the same shape. No collective. (A module-level name, so a test can
-    count the calls.)"""
+    """torch's Newton-Schulz orthogonalization of a 2-D ``matrix``: a bfloat16 matrix of its shape. No
+    collective. (A module-level name, so a test can count the calls.)"""
     return torch_muon._zeropower_via_newtonschulz(matrix, coefficients, steps, eps)
 
 
 def hidden_matrices(module: torch.nn.Module, exclude: Sequence[str] = ("embed", "lm_head", "wte", "wpe")
                     ) -> Predicate:
-    """Path predicate for Muon's usual parameters: 2-D parameters of ``module`` whose path
-    contains none of ``exclude`` (embeddings and the output head go to AdamW, as Muon's
-    authors run it; the defaults name them in transformers' Llama and GPT-2 families, pass
-    your model's names otherwise). Biases, norms and other non-2-D parameters are never
-    matrices."""
+    """Path predicate of Muon's usual parameters: ``module``'s 2-D parameters whose path contains none of
+    ``exclude`` (embeddings and the head go to AdamW; the defaults are transformers' Llama and GPT-2 names)."""
     names = frozenset(n for n, p in module.named_parameters()
                       if p.dim() == 2 and not any(word in n for word in exclude))
     return names.__contains__
@@ -89,12 +64,11 @@ class _NotMatrix:
 
 @dataclasses.dataclass(frozen=True)
 class Muon(ShardRule):
-    """``torch.optim.Muon`` on the matrices (groups 0 and 2...), ``torch.optim.AdamW`` on the
-    rest (group 1, the one :func:`muon` builds from ``matrices``); build it with :func:`muon`.
-    Static: Muon's ``nesterov``, ``ns_coefficients``, ``ns_steps``, ``adjust_lr_fn``."""
+    """``torch.optim.Muon`` on the matrices (groups 0 and 2...), ``torch.optim.AdamW`` on the rest (group 1);
+    built by :func:`muon`. Static: ``nesterov``, ``ns_coefficients``, ``ns_steps``, ``adjust_lr_fn``."""
 
     nesterov: bool = True
-    ns_coefficients: tuple[float, float, float] = (torch_muon.DEFAULT_A, torch_muon.DEFAULT_B, torch_muon.DEFAULT_C)
+    ns_coefficients: tuple[float, float, float] = _NS_COEFFICIENTS
     ns_steps: int = torch_muon.DEFAULT_NS_STEPS
     adjust_lr_fn: Optional[str] = None
 
@@ -110,14 +84,9 @@ class Muon(ShardRule):
         """Whether optimizer group ``index`` runs Muon (every group but AdamW's, 1)."""
         return not (index == 1 and isinstance(self.groups[0].match, _NotMatrix))
 
-    def _adamw(self) -> TorchOptimRule:
-        """``torch.optim.AdamW`` as a by-piece rule (its hyperparameters come per step)."""
-        return _adamw_rule()
-
     def update_shards(self, u: Update, comm: Communicator) -> None:
-        """One step, in place on ``u``'s master shards and moments. Collectives: one
-        ``all_gather`` and one ``reduce_scatter(sum)`` of the Muon groups' shards, in bfloat16,
-        when the layout has Muon groups."""
+        """One step, in place on ``u``'s master shards and moments. Collectives, when the layout has Muon
+        groups: one ``all_gather`` and one ``reduce_scatter(sum)`` of their shards, in bfloat16."""
         if comm is None:
             raise ValueError("shard_step: optimizer muon calls collectives in its step: pass comm=")
         layout, master, grads, moments, hyper, own, take, ranks = (u.layout, u.master, u.grads, u.moments, u.hyper,
@@ -128,7 +97,7 @@ class Muon(ShardRule):
         for g in layout.groups:
             if not self.is_muon_group(g.opt_group):
                 h = hyper[g.opt_group]
-                update_by_piece(self._adamw(), layout, g, master[g.index], grads[g.index], moments[g.index][1:],
+                update_by_piece(_adamw_rule(), layout, g, master[g.index], grads[g.index], moments[g.index][1:],
                                 {k: h[k] for k in _ADAMW_KEYS}, own, take, [], ranks)
         if not muon_groups:
             return
@@ -148,9 +117,8 @@ class Muon(ShardRule):
     def _momentum(self, layout: Layout, group: FlatGroup, grad: torch.Tensor, buf: torch.Tensor,
                   hyper: Mapping[str, torch.Tensor], take: Sequence[bool], ranks: Sequence[int],
                   where: Mapping[int, int]) -> torch.Tensor:
-        """In place: ``buf`` (``[R, n]``) takes torch's momentum step on every piece of a
-        parameter that takes the step; returns Newton-Schulz's input ``[R, n]`` (the
-        nesterov blend, or the buffer), zero elsewhere. No collective."""
+        """In place: ``buf`` (``[R, n]``) takes torch's momentum step on the pieces that take the step;
+        returns Newton-Schulz's input ``[R, n]`` (the nesterov blend, or the buffer), zero elsewhere."""
         momentum = float(hyper["momentum"])
         out = torch.zeros_like(grad)
         for row, rank in enumerate(ranks):
@@ -165,9 +133,8 @@ class Muon(ShardRule):
     def _orthogonalize_owned(self, layout: Layout, groups: Sequence[FlatGroup], gathered: torch.Tensor,
                              results: torch.Tensor, owners: Mapping[int, int], rank: int, take: Sequence[bool],
                              where: Mapping[int, int], world: int, hyper: Sequence[Mapping[str, torch.Tensor]]) -> None:
-        """For each matrix ``rank`` owns that takes the step: read it whole from ``gathered``
-        (``[W * sum(shard_numel)]``, the joined Muon shards of every rank, rank-major),
-        orthogonalize it, write the result at the same places of ``results``. No collective."""
+        """Each matrix ``rank`` owns that takes the step, read whole from ``gathered`` (every rank's joined
+        Muon shards, rank-major), orthogonalized into the same places of ``results``. No collective."""
         whole = gathered.view(world, -1)
         out = results.view(world, -1)
         begin = 0
@@ -187,9 +154,8 @@ class Muon(ShardRule):
     def _apply(self, layout: Layout, group: FlatGroup, p: torch.Tensor, update: torch.Tensor,
                hyper: Mapping[str, torch.Tensor], take: Sequence[bool], ranks: Sequence[int],
                where: Mapping[int, int]) -> None:
-        """In place on ``p`` (``[R, n]``): torch.optim.Muon's decoupled weight decay, then
-        ``-adjusted_lr * update`` (``update``: ``[R, n]`` bfloat16, this rank's shard of every
-        orthogonalized matrix), on each piece of a parameter that takes the step."""
+        """In place on ``p`` (``[R, n]``), the pieces that take the step: torch's decoupled weight decay, then
+        ``-adjusted_lr * update`` (this rank's bfloat16 shard of the orthogonalized matrices)."""
         lr, wd = float(hyper["lr"]), float(hyper["weight_decay"])
         for row, rank in enumerate(ranks):
             for k, lo, hi in shard_pieces(layout, group, rank, where):
@@ -202,9 +168,8 @@ class Muon(ShardRule):
 
 
 def _scatter_into(out: torch.Tensor, offset: int, values: torch.Tensor) -> None:
-    """Write ``values`` at flat positions ``[offset, offset + len)`` of a group's flat buffer
-    held rank-major as ``out`` (``[W, shard_numel]``, a view): each rank's part of the range
-    goes to its row. No collective."""
+    """Write ``values`` at flat positions ``[offset, offset + len)`` of a flat buffer held rank-major as
+    ``out`` (``[W, shard_numel]``)."""
     width = out.shape[1]
     lo, hi = offset, offset + values.numel()
     for q in range(lo // width, (hi - 1) // width + 1):
@@ -224,18 +189,15 @@ def check_matrices(layout: Layout, groups: Sequence[FlatGroup]) -> None:
 
 
 def _ns_cost(shape: tuple[int, ...]) -> int:
-    """Multiply-adds of one Newton-Schulz iteration on a matrix of ``shape`` (``a = min``,
-    ``b = max``: two ``a x a x b`` products and one ``a x a x a``)."""
+    """Multiply-adds of one Newton-Schulz iteration on a matrix of ``shape``."""
     a, b = min(shape), max(shape)
     return 2 * a * a * b + a * a * a
 
 
 def muon_owners(layout: Layout, world_size: int, is_muon_group: Callable[[int], bool] = lambda i: i != 1
                 ) -> dict[int, int]:
-    """``{trainable index: owner rank}`` for every parameter of a Muon group: the rank that
-    orthogonalizes it. Static and deterministic (the same on every rank): largest
-    Newton-Schulz cost first, each to the least loaded rank (lowest rank on ties), so each
-    rank does about 1/W of the work. No collective."""
+    """``{trainable index: owner rank}`` of every Muon parameter, the same on every rank: largest
+    Newton-Schulz cost first, each to the least loaded rank (lowest on ties). No collective."""
     where = trainable_index(layout)
     mats = [(where[i], layout.slots[i].shape) for g in layout.groups if is_muon_group(g.opt_group) for i in g.slots]
     mats.sort(key=lambda km: (-_ns_cost(km[1]), km[0]))
@@ -248,39 +210,21 @@ def muon_owners(layout: Layout, world_size: int, is_muon_group: Callable[[int], 
     return owners
 
 
-# torch.optim.AdamW is Adam with decoupled weight decay (torch >= 2.6): the AdamW group runs
-# torch.optim.Adam(decoupled_weight_decay=True), the same update. (from_torch_optim builds
-# torch.optim.AdamW itself too now; this one stays so that Muon checkpoints keep their rule.)
+# the AdamW group runs torch.optim.Adam(decoupled_weight_decay=True), AdamW's update (torch >= 2.6)
 @functools.lru_cache(maxsize=None)
 def _adamw_rule() -> TorchOptimRule:
     return from_torch_optim(torch.optim.Adam, decoupled_weight_decay=True)
 
 
-def muon(
-    lr: float = 1e-3,
-    weight_decay: float = 0.1,
-    momentum: float = 0.95,
-    *,
-    matrices: Predicate,
-    adamw: Optional[Mapping[str, Any]] = None,
-    nesterov: bool = True,
-    ns_coefficients: tuple[float, float, float] = (torch_muon.DEFAULT_A, torch_muon.DEFAULT_B, torch_muon.DEFAULT_C),
-    eps: float = torch_muon.EPS,
-    ns_steps: int = torch_muon.DEFAULT_NS_STEPS,
-    adjust_lr_fn: Optional[str] = None,
-    groups: Sequence[GroupSpec] = (),
-) -> Muon:
-    """``torch.optim.Muon(lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps,
-    adjust_lr_fn)`` on the parameters whose path satisfies ``matrices`` (2-D; e.g.
-    :func:`hidden_matrices`), and ``torch.optim.AdamW(**adamw)`` (``lr``, ``betas``, ``eps``,
-    ``weight_decay``; torch's defaults for those not given) on all the others.
-
-    Parameter groups: 0 is Muon's, 1 AdamW's (``set_hyperparams(state, group=1, lr=...)``);
-    ``groups`` (as for :func:`fzero.adamw`) are further Muon groups among the matrices.
-    Each matrix is orthogonalized once in the world by its owner rank (:func:`muon_owners`);
-    the step adds one ``all_gather`` and one ``reduce_scatter`` of the matrices' shards in
-    bfloat16. Eager only. A Muon parameter that is not 2-D raises ``ValueError`` naming it at
-    the first step.
+def muon(lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95, *, matrices: Predicate,
+         adamw: Optional[Mapping[str, Any]] = None, nesterov: bool = True,
+         ns_coefficients: tuple[float, float, float] = _NS_COEFFICIENTS, eps: float = torch_muon.EPS,
+         ns_steps: int = torch_muon.DEFAULT_NS_STEPS, adjust_lr_fn: Optional[str] = None,
+         groups: Sequence[GroupSpec] = ()) -> Muon:
+    """``torch.optim.Muon(lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)``
+    on the parameters ``matrices`` picks (2-D: :func:`hidden_matrices`), ``torch.optim.AdamW(**adamw)`` (``lr``,
+    ``betas``, ``eps``, ``weight_decay``) on the others. Groups: 0 Muon's, 1 AdamW's, ``groups`` (as for
+    :func:`fzero.adamw`) further Muon groups. Eager only; a Muon parameter not 2-D raises at the first step.
     """
     if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
         raise ValueError(f"muon: adjust_lr_fn {adjust_lr_fn!r} is not one of None, 'original', 'match_rms_adamw'")

@@ -1,17 +1,12 @@
 """Dynamic loss scaling as pure functions on an immutable :class:`ScalerState`.
 
-The rule is ``torch.amp.GradScaler``'s (CPU kernel ``_amp_update_scale_``),
-bit for bit, extended with two options users of DeepSpeed know: a floor
-(``min_scale``) and hysteresis (tolerate ``hysteresis - 1`` overflows before
-backing off). Every value that changes between steps is a 0-d tensor, so a
-compiled step never recompiles and never syncs with the host.
+The rule is ``torch.amp.GradScaler``'s (CPU kernel ``_amp_update_scale_``), bit for bit, plus
+DeepSpeed's floor (``min_scale``) and hysteresis. Every value that changes between steps is a 0-d
+tensor, so a compiled step never recompiles nor syncs with the host. :func:`scale` multiplies the
+loss, :func:`unscale_and_check` unscales the gradients and agrees across ranks on skipping the
+step, :func:`update_scale` is the scale's rule.
 
-:func:`scale` multiplies the loss (or any tree) by the scale; :func:`unscale_and_check` divides
-the gradients by it and agrees across ranks on whether to skip the step (in the step's form,
-one ``all_reduce(sum)`` agrees on the global norm, the overflow flag, the mean loss and what
-else rides along, then one pass unscales and clips); :func:`update_scale` is the scale's rule.
-
-Imports: ``fzero.pytree``, ``fzero.comm`` (protocol only), ``fzero.layout`` (input checks).
+Imports: comm, layout, pytree.
 """
 
 from __future__ import annotations
@@ -26,33 +21,17 @@ from .comm import Communicator
 from .layout import check_floating_tensor
 from .pytree import pytree_dataclass, replace, static_field
 
-__all__ = [
-    "ScalerState",
-    "init_scaler",
-    "static_scaler",
-    "scale",
-    "unscale_and_check",
-    "Checked",
-    "local_sq_norm",
-    "update_scale",
-]
+__all__ = ["ScalerState", "init_scaler", "static_scaler", "scale", "unscale_and_check", "Checked", "local_sq_norm",
+           "update_scale"]
 
 
 @pytree_dataclass
 class ScalerState:
-    """Loss-scale state.
-
-    Leaves (0-d tensors, identical on every rank):
-      * ``scale``: float32, the current loss scale.
-      * ``growth_tracker``: int32, consecutive clean steps since the last
-        growth or overflow (``GradScaler._growth_tracker``).
-      * ``hysteresis_left``: int32, overflows still tolerated before backing
-        off (always 1 when hysteresis is off).
-
-    Static metadata: the update rule's configuration. ``dynamic=False`` is the
-    static mode (bf16/fp32 training, or a fixed fp16 scale): the scale never
-    changes, but non-finite gradients are still detected and the step skipped.
-    """
+    """Loss-scale state. Leaves (0-d, identical on every rank): ``scale`` (float32),
+    ``growth_tracker`` (int32, clean steps since the last growth or overflow) and
+    ``hysteresis_left`` (int32, overflows still tolerated; 1 without hysteresis). Static: the
+    rule's configuration; ``dynamic=False``: the scale never changes (bf16/fp32, or a fixed
+    fp16 scale), but non-finite gradients still skip the step."""
 
     scale: torch.Tensor
     growth_tracker: torch.Tensor
@@ -65,22 +44,12 @@ class ScalerState:
     dynamic: bool = static_field(default=True)
 
 
-def init_scaler(
-    init_scale: float = 2.0**16,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    growth_interval: int = 2000,
-    *,
-    min_scale: Optional[float] = None,
-    hysteresis: Optional[int] = None,
-    device: torch.device | str | None = None,
-) -> ScalerState:
-    """A dynamic scaler with ``torch.amp.GradScaler``'s defaults.
-
-    ``min_scale``: the scale never backs off below it. ``hysteresis``: back
-    off only on the ``hysteresis``-th overflow since the last growth (DeepSpeed's
-    ``delayed_shift``); ``None`` is torch's rule (back off on every overflow).
-    """
+def init_scaler(init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                growth_interval: int = 2000, *, min_scale: Optional[float] = None, hysteresis: Optional[int] = None,
+                device: torch.device | str | None = None) -> ScalerState:
+    """A dynamic scaler with ``torch.amp.GradScaler``'s defaults. ``min_scale``: the scale's floor.
+    ``hysteresis``: back off only on the ``hysteresis``-th overflow since the last growth
+    (DeepSpeed's ``delayed_shift``; ``None``: on every one). ``ValueError`` for a bad setting."""
     if not init_scale > 0:
         raise ValueError(f"init_scale must be positive, got {init_scale}")
     if not growth_factor > 1.0:
@@ -93,29 +62,22 @@ def init_scaler(
         raise ValueError(f"min_scale must be in (0, init_scale], got {min_scale}")
     if hysteresis is not None and not (isinstance(hysteresis, int) and hysteresis >= 1):
         raise ValueError(f"hysteresis must be an int >= 1 or None, got {hysteresis!r}")
-    return ScalerState(
-        scale=torch.tensor(init_scale, dtype=torch.float32, device=device),
-        growth_tracker=torch.tensor(0, dtype=torch.int32, device=device),
-        hysteresis_left=torch.tensor(hysteresis or 1, dtype=torch.int32, device=device),
-        growth_factor=float(growth_factor),
-        backoff_factor=float(backoff_factor),
-        growth_interval=growth_interval,
-        min_scale=None if min_scale is None else float(min_scale),
-        hysteresis=hysteresis,
-        dynamic=True,
-    )
+    return _state(init_scale, hysteresis or 1, device, growth_factor=float(growth_factor),
+                  backoff_factor=float(backoff_factor), growth_interval=growth_interval,
+                  min_scale=None if min_scale is None else float(min_scale), hysteresis=hysteresis, dynamic=True)
 
 
 def static_scaler(value: float = 1.0, *, device: torch.device | str | None = None) -> ScalerState:
     """A scaler whose scale never changes (1.0: no scaling, for bf16/fp32)."""
     if not value > 0:
         raise ValueError(f"static scale must be positive, got {value}")
-    return ScalerState(
-        scale=torch.tensor(value, dtype=torch.float32, device=device),
-        growth_tracker=torch.tensor(0, dtype=torch.int32, device=device),
-        hysteresis_left=torch.tensor(1, dtype=torch.int32, device=device),
-        dynamic=False,
-    )
+    return _state(value, 1, device, dynamic=False)
+
+
+def _state(value: float, hysteresis_left: int, device: torch.device | str | None, **static: Any) -> ScalerState:
+    return ScalerState(torch.tensor(value, dtype=torch.float32, device=device),
+                       torch.tensor(0, dtype=torch.int32, device=device),
+                       torch.tensor(hysteresis_left, dtype=torch.int32, device=device), **static)
 
 
 def _opmath(dtype: torch.dtype) -> torch.dtype:
@@ -123,10 +85,8 @@ def _opmath(dtype: torch.dtype) -> torch.dtype:
 
 
 def scale(scaler: ScalerState, tree: Any) -> Any:
-    """Multiply every tensor of ``tree`` (a tensor or nested list/tuple/dict) by the scale.
-
-    Each output keeps its input's dtype and the tree's structure. No collective.
-    """
+    """Every tensor of ``tree`` (a tensor or nested list/tuple/dict) times the scale, in its own
+    dtype; ``TypeError`` naming a leaf that is not a floating tensor. No collective."""
     def one(path: Any, x: Any) -> torch.Tensor:
         x = check_floating_tensor(f"scale: output{tp.keystr(path)}", x)
         return (x * scaler.scale.to(x.device)).to(x.dtype)
@@ -135,9 +95,9 @@ def scale(scaler: ScalerState, tree: Any) -> Any:
 
 
 def local_sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-rank sum of squares of ``[R, ...]`` gradients: ``[R]`` float64. No collective. Each
-    norm is taken in the gradient's dtype (no float64 copy) and squared in float64: a non-finite
-    value, or an fp32 norm that overflows (as ``clip_grad_norm_`` finds), gives a non-finite sum."""
+    """Per-rank sum of squares of ``[R, ...]`` gradients: ``[R]`` float64, each norm taken in the
+    gradient's dtype (no float64 copy) and squared in float64: a non-finite value, or an fp32 norm
+    that overflows (as ``clip_grad_norm_`` finds), gives a non-finite sum. No collective."""
     return sum(torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).double().square() for g in grads)
 
 
@@ -172,23 +132,18 @@ class Checked(tuple):
 def unscale_and_check(scaler: ScalerState, grads: Any, comm: Communicator, *, clip_norm: Optional[float] = None,
                       losses: Optional[torch.Tensor] = None, used: Optional[torch.Tensor] = None,
                       riders: Optional[torch.Tensor] = None, in_place: bool = False) -> Checked:
-    """Unscale gradients and agree across ranks on whether the step must be skipped.
+    """Unscale gradients (a tree of floating ``[R, ...]`` tensors) and agree across ranks on whether
+    the step must be skipped. Each is multiplied by ``1/scale`` (float64 reciprocal rounded to
+    float32, as ``torch.amp``) in float32 (float64 for fp64) and rounded back to its dtype.
 
-    ``grads``: a tree of floating tensors, each with the local-rank axis ``[R, ...]``. Each is
-    multiplied by ``1/scale`` (float64 reciprocal rounded to float32, as ``torch.amp`` does) in
-    float32 (float64 for fp64 gradients) and rounded back to its dtype.
-
-    Alone, it is ``torch.amp.GradScaler``'s check: ``found_inf`` from a per-element check, agreed
-    by one ``all_reduce(max)`` of ``R`` flags. The step's form (any of ``clip_norm``, ``losses``
-    ``[R]``, ``used`` ``[R, T]``, ``riders`` ``[R, k]`` given; ``grads`` are this rank's disjoint
-    gradient shards): one ``all_reduce(sum)`` of ``[R, 2 + T + k]`` float64 values, each rank's
-    sum of squares of its shards (:func:`local_sq_norm`), its loss, its used flags and riders
-    (the replica digest) at no collective of their own; ``found_inf`` when the agreed norm is
-    not finite, which is exactly when some rank's shard is (or a shard's norm is beyond fp32's
-    range, as ``clip_grad_norm_`` says too). Then one pass multiplies by ``1/scale`` times
-    ``clip_grad_norm_``'s ``min(1, clip_norm / (norm + 1e-6))`` of the unscaled norm
-    (DeepSpeed's fused form). ``in_place``: the caller owns the gradients; eagerly they are
-    scaled in place (traced, out of place: inductor fuses it)."""
+    Alone it is ``GradScaler``'s check: per-element ``found_inf`` agreed by one ``all_reduce(max)``
+    of ``R`` flags. The step's form (any of ``clip_norm``, ``losses`` ``[R]``, ``used`` ``[R, T]``,
+    ``riders`` ``[R, k]``; ``grads`` this rank's disjoint shards): one ``all_reduce(sum)`` of
+    ``[R, 2 + T + k]`` float64 (:func:`local_sq_norm`, loss, used flags, riders); ``found_inf``
+    when the agreed norm is not finite; then one pass multiplies by ``1/scale`` times
+    ``clip_grad_norm_``'s ``min(1, clip_norm / (norm + 1e-6))`` of the unscaled norm. ``in_place``:
+    the caller owns the gradients, scaled in place eagerly. ``ValueError`` for an empty tree or a
+    missing local-rank axis, ``TypeError`` for a non-floating leaf."""
     leaves_with_path, spec = tp.tree_flatten_with_path(grads)
     if not leaves_with_path:
         raise ValueError("unscale_and_check: the gradient tree has no tensors")
@@ -215,10 +170,8 @@ def unscale_and_check(scaler: ScalerState, grads: Any, comm: Communicator, *, cl
     factor = scale64.reciprocal().float().double()
     if clip_norm is not None:
         factor = factor * torch.clamp(clip_norm / (norm64 + 1e-6), max=1.0)
-    if in_place and not comm.traced:
-        out = [g.mul_(factor.to(g.dtype)) for g in leaves]
-    else:
-        out = [g * factor.to(g.dtype) for g in leaves]
+    mutate = in_place and not comm.traced  # traced: out of place, inductor fuses it
+    out = [g.mul_(factor.to(g.dtype)) if mutate else g * factor.to(g.dtype) for g in leaves]
     return Checked(tp.tree_unflatten(out, spec), (~torch.isfinite(norm64)).float(), norm64,
                    (sums[1] / comm.world_size).float(), None if used is None else sums[2:2 + n_used] > 0,
                    None if riders is None else sums[2 + n_used:])
@@ -227,16 +180,11 @@ def unscale_and_check(scaler: ScalerState, grads: Any, comm: Communicator, *, cl
 def update_scale(scaler: ScalerState, found_inf: torch.Tensor) -> ScalerState:
     """The next scaler state after a step with ``found_inf`` (0-d, agreed across ranks).
 
-    Without hysteresis and floor this is ``torch.amp.GradScaler.update``:
-    on overflow ``scale *= backoff_factor`` and the tracker resets; otherwise
-    the tracker counts up and, on reaching ``growth_interval``, the scale is
-    multiplied by ``growth_factor`` (kept only if finite) and the tracker
-    resets. Products are taken in float64 and rounded to float32, as the CPU
-    kernel does. Then the scale is floored at ``min_scale``. With hysteresis
-    ``h``, an overflow first spends one of ``h - 1`` tolerated overflows
-    (the scale holds) and backs off only when none is left; growth refills them.
-    Branch-free (``torch.where``); no host sync; no collective.
-    """
+    ``GradScaler.update``: on overflow ``scale *= backoff_factor`` and the tracker resets; else the
+    tracker counts up and at ``growth_interval`` the scale is multiplied by ``growth_factor`` (kept
+    if finite) and the tracker resets; products in float64 rounded to float32, as the CPU kernel.
+    Then floored at ``min_scale``. With hysteresis ``h`` an overflow first spends one of ``h - 1``
+    tolerated overflows (the scale holds); growth refills them. Branch-free; no sync, no collective."""
     if not scaler.dynamic:
         return scaler
     found = found_inf.to(torch.bool)
@@ -245,26 +193,16 @@ def update_scale(scaler: ScalerState, found_inf: torch.Tensor) -> ScalerState:
     grows = (~found) & (successful == scaler.growth_interval)
     grown = (s64 * scaler.growth_factor).float()
     grown = torch.where(torch.isfinite(grown), grown, scaler.scale)
-
-    if scaler.hysteresis is None:
-        backs_off = found
-        hysteresis_left = scaler.hysteresis_left
-    else:
+    backs_off, hysteresis_left = found, scaler.hysteresis_left
+    if scaler.hysteresis is not None:
         backs_off = found & (scaler.hysteresis_left <= 1)
-        hysteresis_left = torch.where(
-            grows,
-            torch.full_like(scaler.hysteresis_left, scaler.hysteresis),
-            torch.where(found & ~backs_off, scaler.hysteresis_left - 1, scaler.hysteresis_left),
-        )
+        hysteresis_left = torch.where(grows, torch.full_like(scaler.hysteresis_left, scaler.hysteresis),
+                                      torch.where(found & ~backs_off, scaler.hysteresis_left - 1,
+                                                  scaler.hysteresis_left))
     backed_off = (s64 * scaler.backoff_factor).float()
     if scaler.min_scale is not None:
         backed_off = torch.clamp(backed_off, min=scaler.min_scale)
-
     new_scale = torch.where(backs_off, backed_off, torch.where(grows, grown, scaler.scale))
     new_tracker = torch.where(found | grows, torch.zeros_like(successful), successful)
-    return replace(
-        scaler,
-        scale=new_scale,
-        growth_tracker=new_tracker.to(torch.int32),
-        hysteresis_left=hysteresis_left.to(torch.int32),
-    )
+    return replace(scaler, scale=new_scale, growth_tracker=new_tracker.to(torch.int32),
+                   hysteresis_left=hysteresis_left.to(torch.int32))

@@ -1,16 +1,10 @@
-"""Hyperparameter schedules: functions of the step-count tensor.
+"""Hyperparameter schedules: functions of the optimizer's step count (0-d int64: updates applied)
+to a 0-d float64 tensor, in tensor arithmetic and ``torch.where`` only, so a compiled step
+evaluates them in its graph and never recompiles. Skipped (overflow) steps do not advance the
+count, nor the schedules (as DeepSpeed). :func:`apply_schedules` sets an
+:class:`~fzero.optim.OptState`'s scheduled hyperparameters (the step calls it first).
 
-A schedule maps the optimizer's step count (0-d int64 tensor: updates applied
-so far) to a 0-d float64 tensor. Everything is tensor arithmetic and
-``torch.where`` (no Python branch on the step), so a compiled step evaluates
-the schedule inside the graph and never recompiles as the step advances.
-Skipped (overflow) steps do not advance the count, so they do not advance
-schedules either (as DeepSpeed skips its scheduler on overflow).
-
-:func:`apply_schedules` sets an :class:`~fzero.optim.OptState`'s scheduled hyperparameters
-from its step count (the step calls it first).
-
-Imports: ``fzero.pytree`` (and the optimizer state duck-typed).
+Imports: pytree.
 """
 
 from __future__ import annotations
@@ -22,7 +16,8 @@ import torch
 
 from .pytree import replace
 
-__all__ = ["Schedule", "apply_schedules", "constant", "linear", "linear_warmup", "cosine_decay", "warmup_cosine", "join"]
+__all__ = ["Schedule", "apply_schedules", "constant", "linear", "linear_warmup", "cosine_decay", "warmup_cosine",
+           "join"]
 
 Schedule = Callable[[torch.Tensor], torch.Tensor]
 
@@ -45,8 +40,7 @@ def linear(start: float, end: float, steps: int) -> Schedule:
         raise ValueError(f"linear: steps must be >= 1, got {steps}")
 
     def schedule(step: torch.Tensor) -> torch.Tensor:
-        frac = torch.clamp(_t(step) / steps, 0.0, 1.0)
-        return start + (end - start) * frac
+        return start + (end - start) * torch.clamp(_t(step) / steps, 0.0, 1.0)
 
     return schedule
 
@@ -62,17 +56,14 @@ def cosine_decay(peak: float, decay_steps: int, final: float = 0.0) -> Schedule:
         raise ValueError(f"cosine_decay: decay_steps must be >= 1, got {decay_steps}")
 
     def schedule(step: torch.Tensor) -> torch.Tensor:
-        frac = torch.clamp(_t(step) / decay_steps, 0.0, 1.0)
-        return final + (peak - final) * 0.5 * (1.0 + torch.cos(math.pi * frac))
+        return final + (peak - final) * 0.5 * (1.0 + torch.cos(math.pi * torch.clamp(_t(step) / decay_steps, 0.0, 1.0)))
 
     return schedule
 
 
 def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
-    """Schedule ``i`` from ``boundaries[i-1]`` on, evaluated at ``step - boundaries[i-1]``.
-
-    ``len(boundaries) == len(schedules) - 1``, increasing (optax's ``join_schedules``).
-    """
+    """Schedule ``i`` from ``boundaries[i-1]`` on, evaluated at ``step - boundaries[i-1]``;
+    ``len(boundaries) == len(schedules) - 1``, increasing (optax's ``join_schedules``)."""
     if len(boundaries) != len(schedules) - 1:
         raise ValueError("join: need exactly one boundary between consecutive schedules")
     if list(boundaries) != sorted(boundaries) or any(b < 0 for b in boundaries):
@@ -88,26 +79,22 @@ def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
     return schedule
 
 
-def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, final: float = 0.0, start: float = 0.0) -> Schedule:
+def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, final: float = 0.0,
+                  start: float = 0.0) -> Schedule:
     """Linear warm-up to ``peak`` over ``warmup_steps``, then cosine decay to ``final`` at ``total_steps``."""
     if not 0 <= warmup_steps < total_steps:
         raise ValueError(f"warmup_cosine: need 0 <= warmup_steps < total_steps, got {warmup_steps}, {total_steps}")
     if warmup_steps == 0:
         return cosine_decay(peak, total_steps, final)
-    return join(
-        [linear_warmup(peak, warmup_steps, start), cosine_decay(peak, total_steps - warmup_steps, final)],
-        [warmup_steps],
-    )
+    return join([linear_warmup(peak, warmup_steps, start), cosine_decay(peak, total_steps - warmup_steps, final)],
+                [warmup_steps])
 
 
 def apply_schedules(opt: Any, schedules: Mapping[str, Schedule]) -> Any:
-    """``opt`` (an :class:`~fzero.optim.OptState`) with its scheduled hyperparameters set from
-    its step count: tensor arithmetic inside the step, so nothing recompiles.
-
-    ``schedules``: ``{hyperparameter: schedule}``. The default group (group 0) takes
-    ``schedule(step)``; a group whose base value differs takes it scaled by
-    ``base_group / base_default`` (as ``LambdaLR`` scales each group's base learning rate).
-    ``ValueError`` names a hyperparameter the rule does not have. No collective."""
+    """``opt`` (an :class:`~fzero.optim.OptState`) with its hyperparameters set from its step count by
+    ``schedules`` (``{hyperparameter: schedule}``): group 0 takes ``schedule(step)``, a group whose base
+    value differs takes it times ``base_group / base_default`` (as ``LambdaLR``). ``ValueError``
+    names a hyperparameter the rule does not have. No collective."""
     if not schedules:
         return opt
     hyper = [dict(h) for h in opt.hyper]

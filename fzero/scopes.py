@@ -1,33 +1,21 @@
 """Profiler scopes that name the buffers a step allocates for itself.
 
-An eager step allocates its own transient buffers inside
-``torch.profiler.record_function`` scopes named here, so a memory census
-(:class:`fzero.testing.census.Census`, or any ``torch.profiler`` trace with
-``profile_memory=True``) can tell them from the model's activations and
-autograd's gradients, and :func:`fzero.memory.memory_report`'s prediction of
-them can be checked against what was allocated:
+An eager step allocates its transient buffers inside ``torch.profiler.record_function`` scopes
+named here, so a memory census (:class:`fzero.testing.census.Census`, or any profiler trace with
+``profile_memory=True``) tells them from activations and autograd's gradients, and checks
+:func:`fzero.memory.memory_report`'s prediction of them:
 
-``fzero::grad_buckets``
-    stages 1-2: the bucket buffers each rank's gradients are copied into
-    during backward (:class:`fzero.buckets.BufferPool`).
-``fzero::grad_reduction``
-    every stage: what the gradient collectives allocate: averaged shards,
-    receive buffers, stacked rows; stage 3 on gloo also the joined send and
-    receive buffers of a reduction batched with a gather (the gather's rows
-    beside the gradient's: ``TorchCommunicator.batched``).
-``fzero::gather``
-    stage 3 eagerly: the parameters gathered for a unit's forward and again
-    for its backward (:mod:`fzero.units`): what is sent (the master shard
-    cast, joined), the received buffers and the copies that cut them into
-    each flat group's buffer, prefetched gathers included.
-``fzero::update``
-    after backward: the norm, unscale and clip, the optimizer step and the
-    parameter all-gather of stages 1-2 (a pure step's new state is made here).
+``fzero::grad_buckets``: stages 1-2, the bucket buffers gradients are copied into during backward.
+``fzero::grad_reduction``: the gradient collectives' buffers (averaged shards, receive buffers,
+stacked rows; on gloo at stage 3 also a reduction batched with a gather).
+``fzero::gather``: stage 3, the parameters gathered for a unit's forward and backward (what is
+sent, received and copied into each flat group's buffer, prefetches included).
+``fzero::update``: after backward, norm, unscale and clip, the optimizer step and stages 1-2's
+parameter all-gather.
 
-A traced step enters none (``step_scope(name, traced=True)``: a compiled graph's
-allocations are its own). Outside a profiler a scope costs one small dispatcher call.
+A traced step enters none (a compiled graph's allocations are its own).
 
-Imports: torch only.
+Imports: none of fzero.
 """
 
 from __future__ import annotations
@@ -48,6 +36,4 @@ SCOPES = (GRAD_BUCKETS, GRAD_REDUCTION, GATHER, UPDATE)
 
 def step_scope(name: str, traced: bool = False) -> ContextManager[None]:
     """``record_function(name)``; nothing in a traced step (``traced``)."""
-    if traced:
-        return contextlib.nullcontext()
-    return torch.profiler.record_function(name)
+    return contextlib.nullcontext() if traced else torch.profiler.record_function(name)

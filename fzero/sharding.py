@@ -1,14 +1,10 @@
-"""This rank's shards of the flat layout (:class:`ShardState`), and three of the pieces a step
-is made of: :func:`reduce_scatter_grads`, :func:`shard_step`, :func:`all_gather_params`.
+"""This rank's shards of the flat layout (:class:`ShardState`) and three pure pieces of a step:
+:func:`reduce_scatter_grads` (gradients in, this rank's averaged shards out), :func:`shard_step` (shards and
+gradients in, the next shards and optimizer state out), :func:`all_gather_params` (shards in, the gathered
+compute-dtype flat buffers out). Each starts every collective it needs before waiting for any, when its caller
+chooses (:mod:`fzero.grads`: e.g. as a bucket's gradient completes).
 
-Each piece is one pure function with one meaning: gradients in, this rank's averaged shards
-out; shards and gradients in, the next shards and optimizer state out; shards in, the
-gathered compute-dtype flat buffers out. A piece starts every collective it needs before it
-waits for any; when it runs (as a bucket's gradient completes, on a thread of the
-communicator's) is the caller's choice (:mod:`fzero.grads`).
-
-Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.optim``, ``fzero.pytree``, ``fzero.scaler``,
-``fzero.scopes``.
+Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.optim``, ``fzero.pytree``, ``fzero.scaler``, ``fzero.scopes``.
 """
 
 from __future__ import annotations
@@ -33,11 +29,9 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 @pytree_dataclass
 class ShardState:
-    """This process's shards of the flat layout.
-
-    Leaves: ``master``, one ``[R, shard_numel]`` tensor per flat group in the group's master
-    dtype (float32; float64 for float64 parameters); ``frozen``, the frozen parameters in
-    full (replicated, no rank axis). Static: the :class:`~fzero.layout.Layout`."""
+    """This process's shards of the flat layout. Leaves: ``master``, one ``[R, shard_numel]`` tensor per flat
+    group in its master dtype (float32; float64 for float64 parameters); ``frozen``, the frozen parameters in full
+    (replicated, no rank axis). Static: the :class:`~fzero.layout.Layout`."""
 
     master: tuple[torch.Tensor, ...]
     frozen: tuple[torch.Tensor, ...]
@@ -47,8 +41,8 @@ class ShardState:
 def shard_layout(params: Any, comm: Communicator, *, trainable: Optional[Any] = None,
                  optimizer: Optional[Optimizer] = None, bucket_of: Optional[Any] = None,
                  keep_dtype: Optional[Any] = None, alignment: int = 16) -> Layout:
-    """The layout of ``params`` for ``comm``'s world (shapes only: a meta module is laid out as
-    it is), checked across ranks (``comm.check_layout``: one ``all_gather_object``)."""
+    """The layout of ``params`` for ``comm``'s world (shapes only: a meta module is laid out as it is), checked
+    across ranks (``comm.check_layout``: one ``all_gather_object``)."""
     layout = build_layout(params, comm.world_size, trainable=trainable,
                           group_of=optimizer.group_of if optimizer is not None else None,
                           bucket_of=bucket_of, keep_dtype=keep_dtype, alignment=alignment)
@@ -57,10 +51,9 @@ def shard_layout(params: Any, comm: Communicator, *, trainable: Optional[Any] = 
 
 
 def init_shard(params: Any, comm: Communicator, *, layout: Optional[Layout] = None, **layout_kw: Any) -> ShardState:
-    """This process's shards of ``params`` (``nn.Module`` or pytree): each local rank
-    materialises only the slice it owns. ``layout``: the one :func:`shard_layout` built, else
-    built here from ``layout_kw`` (``trainable``, ``optimizer``, ``bucket_of``, ``keep_dtype``,
-    ``alignment``)."""
+    """This process's shards of ``params`` (``nn.Module`` or pytree): each local rank materialises only the
+    slice it owns. ``layout``: the one :func:`shard_layout` built, else built here from ``layout_kw``
+    (``trainable``, ``optimizer``, ``bucket_of``, ``keep_dtype``, ``alignment``)."""
     layout = layout if layout is not None else shard_layout(params, comm, **layout_kw)
     leaves = [x for _, x in named_leaves(params)[0]]
     master = []
@@ -77,8 +70,7 @@ def init_shard(params: Any, comm: Communicator, *, layout: Optional[Layout] = No
 
 
 def check_world(shard: ShardState, comm: Communicator) -> None:
-    """Raise ``ValueError`` if ``shard`` was built for another world than ``comm``'s, or was
-    consumed by a donating step."""
+    """``ValueError`` if ``shard`` was built for another world than ``comm``'s, or a donating step consumed it."""
     lay = shard.layout
     if lay.world_size != comm.world_size:
         raise ValueError(f"ShardState.layout.world_size is {lay.world_size} but the communicator's world size is "
@@ -94,8 +86,8 @@ def check_world(shard: ShardState, comm: Communicator) -> None:
 
 def _average_start(flat: torch.Tensor, comm: Communicator, reduce_dtype: torch.dtype, out_dtype: torch.dtype,
                    via_all_reduce: bool) -> Callable[[], torch.Tensor]:
-    """One flat gradient ``[R, padded]`` averaged over ranks, this rank's shard, started. In
-    16 bits FSDP's pre/post divide factors keep the sum in range."""
+    """Start averaging one flat gradient ``[R, padded]`` over ranks into this rank's shard; in 16 bits
+    FSDP's pre/post divide factors keep the sum in range."""
     x = flat.to(reduce_dtype)
     low = reduce_dtype in LOW_PRECISION
     pre, post = gradient_divide_factors(comm.world_size) if low else (1, 1)
@@ -111,23 +103,20 @@ def reduce_scatter_grads(shard: ShardState, grads: Any, comm: Communicator, *,
                          ) -> tuple[torch.Tensor, ...]:
     """Gradients averaged over ranks: this rank's shard of each flat group.
 
-    ``grads``: a tree shaped like the parameters (each leaf ``[R, *shape]``; frozen ones
-    absent or None), or a :class:`~fzero.layout.FlatGrads` of some flat groups (a bucket's,
-    as backward completes it). Returns ``[R, shard_numel]`` per flat group (of ``grads``'
-    groups, or of the layout), in the master dtype, padding zero.
+    ``grads``: a tree shaped like the parameters (each leaf ``[R, *shape]``; frozen ones absent or None), or a
+    :class:`~fzero.layout.FlatGrads` of some flat groups (a bucket's, as backward completes it). Returns
+    ``[R, shard_numel]`` per flat group (of ``grads``' groups, or of the layout), in the master dtype, padding zero.
 
-    Collectives: one ``reduce_scatter`` per flat group (``via_all_reduce``: ZeRO-1's
-    ``all_reduce`` of which the rank keeps its chunk), all started before any is waited for,
-    in ``reduce_dtype`` (default: the master dtype); 16-bit reductions divide by FSDP's
-    pre-factor before the sum and by the post-factor after it."""
+    Collectives: one ``reduce_scatter`` per flat group (``via_all_reduce``: ZeRO-1's ``all_reduce``), all started
+    before any is waited for, in ``reduce_dtype`` (default: the master dtype; 16 bits: FSDP's divide factors)."""
     check_world(shard, comm)
     if not isinstance(grads, FlatGrads):
         grads = flat_grads(shard.layout, grads, comm.local_ranks)
-    for g, f in zip(grads.groups, grads):
+    groups = grads.groups
+    for g, f in zip(groups, grads):
         if tuple(f.shape) != (comm.local_ranks, g.padded_numel):
             raise ValueError(f"reduce_scatter_grads: flat group {g.index} has shape {tuple(f.shape)}, expected "
                              f"{(comm.local_ranks, g.padded_numel)}")
-    groups = grads.groups
     with step_scope(GRAD_REDUCTION, comm.traced):
         if _joined(groups, lambda g: reduce_dtype or g.master_dtype):
             # rank-major, so each element is summed with the same elements in the same order
@@ -141,10 +130,8 @@ def reduce_scatter_grads(shard: ShardState, grads: Any, comm: Communicator, *,
         return tuple(done() for done in started)
 
 
-# Flat groups of up to this many padded elements in all travel joined in one collective: one
-# latency instead of one per group (0.87M parameters on gloo W=2: 1.12x DDP against 1.25x).
-# Larger ones go one collective each, straight into their own buffers: joining costs a send
-# buffer, a receive buffer and a copy cutting the groups out, at 162M longer than the collective.
+# Flat groups of up to this many padded elements in all travel joined in one collective (one latency, not one
+# per group); larger ones go one each, straight into their own buffers (joining costs two buffers and a copy).
 JOIN_NUMEL = 1 << 22
 
 
@@ -166,39 +153,37 @@ def _cut(whole: torch.Tensor, groups: Sequence[FlatGroup]) -> list[torch.Tensor]
 def all_gather_params(shard: ShardState, comm: Communicator, dtype: Optional[torch.dtype] = None, *,
                       groups: Optional[Sequence[FlatGroup]] = None, into: Optional[Sequence[torch.Tensor]] = None
                       ) -> tuple[torch.Tensor, ...]:
-    """The gathered flat parameter buffers ``[R, padded_numel]`` of every flat group (or of
-    ``groups``: a stage-3 unit's), in the compute dtype ``dtype`` (a group that keeps its own
-    dtype gets it, :func:`fzero.layout.compute_dtype`): what a stage 1-2 state keeps in
-    ``params`` and a stage-3 unit computes with. ``into``: write them into these buffers (a
-    donated state's, which the module's parameters view) instead of new ones.
+    """The gathered flat parameter buffers ``[R, padded_numel]`` of every flat group (or of ``groups``: a
+    stage-3 unit's), in the compute dtype ``dtype`` (a group that keeps its own dtype gets it,
+    :func:`fzero.layout.compute_dtype`): what a stage 1-2 state keeps in ``params`` and a stage-3 unit computes
+    with. ``into``: write them into these buffers (a donated state's, which the module's parameters view).
 
-    Collectives: one ``all_gather`` per flat group of the master shard cast before it (16-bit
-    compute moves 16-bit data), all started before any is waited for."""
+    Collectives: one ``all_gather`` per flat group of the master shard cast before it (16-bit compute moves
+    16-bit data), all started before any is waited for."""
     check_world(shard, comm)
     groups = shard.layout.groups if groups is None else groups
     with step_scope(GATHER, comm.traced):
         xs = [shard.master[g.index].to(compute_dtype(g, dtype)) for g in groups]
-        if into is None and _joined(groups, lambda g: compute_dtype(g, dtype)):
-            rows = comm.local_ranks
-            full = comm.all_gather(torch.cat(xs, dim=1)).view(rows, comm.world_size, -1)
-            return tuple(p.reshape(rows, g.padded_numel) for g, p in zip(groups, _cut(full, groups)))
         if into is not None:
             comm.all_gather_into(xs, into)
             return tuple(into)
+        if _joined(groups, lambda g: compute_dtype(g, dtype)):
+            rows = comm.local_ranks
+            full = comm.all_gather(torch.cat(xs, dim=1)).view(rows, comm.world_size, -1)
+            return tuple(p.reshape(rows, g.padded_numel) for g, p in zip(groups, _cut(full, groups)))
         started = [comm.all_gather_start(x) for x in xs]
         return tuple(done() for done in started)
 
 
 def full_params(shard: ShardState, comm: Communicator, dtype: Optional[torch.dtype] = None) -> Any:
-    """Every parameter in the model's structure, each leaf ``[R, *shape]`` in ``dtype``
-    (:func:`all_gather_params`' buffers viewed per parameter; frozen ones as broadcast views of
-    their replicated copy). For exports, tests and evaluation."""
+    """Every parameter in the model's structure, each leaf ``[R, *shape]`` in ``dtype`` (:func:`all_gather_params`'
+    buffers viewed per parameter; frozen ones broadcast views of their replicated copy). For exports, tests and
+    evaluation."""
     return param_tree(shard.layout, all_gather_params(shard, comm, dtype), shard.frozen, dtype)
 
 
 def global_norm(grads: Sequence[torch.Tensor], comm: Communicator) -> torch.Tensor:
-    """L2 norm (0-d float32) of gradients sharded as ``[R, shard_numel]`` (disjoint, padding
-    zero). One ``all_reduce(sum)``."""
+    """L2 norm (0-d float32) of gradients sharded as ``[R, shard_numel]`` (padding zero): one ``all_reduce(sum)``."""
     return comm.all_reduce(local_sq_norm(grads), "sum")[0].sqrt().float()
 
 
@@ -218,21 +203,16 @@ def shard_step(shard: ShardState, opt_state: OptState, grads: Sequence[torch.Ten
                comm: Optional[Communicator] = None, donate: bool = False) -> tuple[ShardState, OptState]:
     """The update rule on every flat group's master shard: the next ``(ShardState, OptState)``.
 
-    ``grads``: per flat group ``[R, shard_numel]``, unscaled (:func:`fzero.unscale_and_check`).
-    ``found_inf``: 0-d, agreed across ranks; nonzero keeps every value bitwise (selection, no
-    host sync) and the step count. ``used`` (``[T]`` bool, agreed, ``Layout.trainable_slots``
-    order): which parameters some rank had a gradient for; one without keeps its value and
-    moments and ``opt_state.missed`` counts the step it sat out, so its own step count is
-    ``step - missed`` (torch.optim's per-parameter ``step``). ``None``: every parameter had one.
-    Parameters at another step count than the optimizer's get their own step scalars, one pass
-    over the shard (eagerly only once some parameter has missed a step, read on the host;
-    traced, unless the state says none has: ``OptState.all_stepped``).
+    ``grads``: per flat group ``[R, shard_numel]``, unscaled (:func:`fzero.unscale_and_check`). ``found_inf``:
+    0-d, agreed across ranks; nonzero keeps every value bitwise (selection, no host sync) and the step count.
+    ``used`` (``[T]`` bool, agreed, ``Layout.trainable_slots`` order; ``None``: all): which parameters some rank
+    had a gradient for; one without keeps its value and moments, and ``opt_state.missed`` counts the steps it sat
+    out (its own step count, torch.optim's per-parameter ``step``, is ``step - missed``). Such parameters get their
+    own step scalars in one pass over the shard (traced, unless ``OptState.all_stepped``).
 
-    ``donate``: update the shards and moments in place (the inputs are consumed); otherwise the
-    result is new buffers. Eagerly both run the rule's in-place form (torch's fused Adam(W); the
-    pure step on fresh copies), so both give the same bits; traced (``comm.traced``) the
-    written-out update, which inductor fuses with what made the gradient. ``comm``: the rows'
-    ranks, and the collectives of a rule that needs them (:func:`fzero.muon`)."""
+    ``donate``: update the shards and moments in place (consuming the inputs), else into new buffers; eagerly
+    both run the rule's in-place form (torch's fused Adam(W)) and give the same bits; traced, the written-out
+    update. ``comm``: the rows' ranks, and the collectives of a rule that needs them (:func:`fzero.muon`)."""
     lay, opt = shard.layout, opt_state.optimizer
     if len(grads) != len(lay.groups):
         raise ValueError(f"shard_step: got {len(grads)} gradient shards for {len(lay.groups)} flat groups")
@@ -248,11 +228,11 @@ def shard_step(shard: ShardState, opt_state: OptState, grads: Sequence[torch.Ten
         raise ValueError(f"shard_step: used must be [{n}] (one flag per trainable parameter), got {tuple(used.shape)}")
     traced = comm is not None and comm.traced
     with step_scope(UPDATE, traced):
+        missed = opt_state.missed[0] if opt_state.missed else torch.zeros(n, dtype=torch.int64)
         if not opt.elementwise:
             if traced:
                 check_compilable(opt)
-            return _step_in_place(shard, opt_state, grads, found_inf, used, comm, donate)
-        missed = opt_state.missed[0] if opt_state.missed else torch.zeros(n, dtype=torch.int64)
+            return _step_in_place(shard, opt_state, grads, found_inf, used, comm, donate, missed)
         if traced:
             plain = used is None and opt_state.all_stepped
         else:
@@ -282,14 +262,8 @@ def shard_step(shard: ShardState, opt_state: OptState, grads: Sequence[torch.Ten
                 p2, m2 = _update_by_element(opt, lay, g, p, grad, moments, hyper, opt_state.step,
                                             per_slot.to(p.device), applied.to(p.device), ranks, where, donate)
             else:  # traced: written out; inductor fuses it with what made the gradient
-                p2, m2 = opt.update(p, grad, moments, hyper, opt_state.step)
-                if skip is not None:
-                    p2 = torch.where(skip, p, p2)
-                    m2 = tuple(torch.where(skip, a, b) for a, b in zip(moments, m2))
-                if donate:  # written back in one read-modify-write pass
-                    for old, new in zip((p, *moments), (p2, *m2)):
-                        old.copy_(new)
-                    p2, m2 = p, moments
+                new_p, new_m = opt.update(p, grad, moments, hyper, opt_state.step)
+                p2, m2 = _select(None if skip is None else applied, p, moments, new_p, new_m, donate)
             new_master.append(p2)
             new_moments.append(tuple(m2))
         return (replace(shard, master=tuple(new_master)),
@@ -301,13 +275,9 @@ def _update_by_element(opt: Optimizer, layout: Layout, group: FlatGroup, p: torc
                        take_all: torch.Tensor, ranks: Sequence[int], where: dict[int, int],
                        donate: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """One flat group's update with each parameter's own step scalars (``per_slot[k]``:
-    :meth:`~fzero.optim.Optimizer.step_scalars`, then its used flag), taken only where its
-    parameter is used and ``take_all`` holds; padding left alone. One pass over the shard: each
-    element finds its parameter's row by a ``bucketize`` of the static piece ends, so a
-    compiled step fuses the look-up into the update (inductor keeps the index as an int32
-    buffer of the shard's size). Other forms were worse in a graph: the scalars spread over
-    the shard ``[R, n, k]`` (+454 MiB at the step's peak on a 54M TinyGPT), pieces copied into
-    slices of a donated shard (each a copy of the whole shard)."""
+    :meth:`~fzero.optim.Optimizer.step_scalars`, then its used flag), taken only where its parameter is used and
+    ``take_all`` holds; padding left alone. Each element finds its row by a ``bucketize`` of the static piece ends:
+    one pass, which a compiled step fuses into the update (spreading the scalars over the shard costs memory)."""
     names = opt.step_scalar_names
     table = torch.cat([per_slot, per_slot.new_zeros(1, per_slot.shape[1])])  # last row: the padding's
     index = []
@@ -321,11 +291,18 @@ def _update_by_element(opt: Optimizer, layout: Layout, group: FlatGroup, p: torc
     index = torch.stack(index)  # [R, n]: each element's row of the table
     spread = {name: table[index, j].to(p.dtype) for j, name in enumerate(names)}
     new_p, new_m = opt.update(p, grad, moments, hyper, step, spread)
-    take = (table[index, len(names)] != 0) & take_all
-    new_p = torch.where(take, new_p, p)
-    new_m = tuple(torch.where(take, b, a) for a, b in zip(moments, new_m))
+    return _select((table[index, len(names)] != 0) & take_all, p, moments, new_p, new_m, donate)
+
+
+def _select(take: Optional[torch.Tensor], p: torch.Tensor, moments: tuple[torch.Tensor, ...], new_p: torch.Tensor,
+            new_m: tuple[torch.Tensor, ...], donate: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The update ``(new_p, new_m)`` where ``take`` holds (None: everywhere), the old values elsewhere; with
+    ``donate`` written back into ``p`` and ``moments`` in one read-modify-write pass, and those returned."""
+    if take is not None:
+        new_p = torch.where(take, new_p, p)
+        new_m = tuple(torch.where(take, b, a) for a, b in zip(moments, new_m))
     if not donate:
-        return new_p, new_m
+        return new_p, tuple(new_m)
     for old, new in zip((p, *moments), (new_p, *new_m)):
         old.copy_(new)
     return p, moments
@@ -333,16 +310,13 @@ def _update_by_element(opt: Optimizer, layout: Layout, group: FlatGroup, p: torc
 
 def _step_in_place(shard: ShardState, opt_state: OptState, grads: Sequence[torch.Tensor],
                    found_inf: Optional[torch.Tensor], used: Optional[torch.Tensor], comm: Optional[Communicator],
-                   donate: bool) -> tuple[ShardState, OptState]:
-    """:func:`shard_step` for a rule that is not elementwise (it updates each parameter's piece,
-    or calls collectives: :meth:`~fzero.optim.ShardRule.update_shards`), eagerly: ``found_inf`` and
-    ``used`` are read on the host (torch.optim's own loop reads its ``found_inf`` so), and only
-    the parameters that take the step are updated, at their own step counts, with their own
-    scalar state."""
+                   donate: bool, missed: torch.Tensor) -> tuple[ShardState, OptState]:
+    """:func:`shard_step` for a rule that is not elementwise (:meth:`~fzero.optim.ShardRule.update_shards`), eagerly:
+    ``found_inf`` and ``used`` are read on the host (as torch.optim's loop reads its ``found_inf``), and only the
+    parameters that take the step are updated, at their own step counts, with their own scalar state."""
     opt, lay = opt_state.optimizer, shard.layout
     n = len(lay.trainable_slots)
     ranks = _rows_ranks(lay, shard.master, comm)
-    missed = opt_state.missed[0] if opt_state.missed else torch.zeros(n, dtype=torch.int64)
     applied = found_inf is None or not bool(found_inf)
     take = [applied] * n if used is None else [applied and bool(u) for u in used.tolist()]
     step = int(opt_state.step)

@@ -1,23 +1,12 @@
-"""The training step: :func:`make_train_step`, fzero's pieces composed, and the wrappers around it.
+"""The training step: :func:`make_train_step`, fzero's public pieces composed, and its wrappers.
 
-A step, for every local rank, is the calls in ``make_train_step``'s ``step``:
+:func:`train_step` is the composition, as ``examples/compose_by_hand.py`` writes it out: per micro-batch
+:func:`fzero.loss_grads` (the loss :func:`fzero.scale`-d, each bucket handed to
+:func:`fzero.reduce_scatter_grads` as backward completes it), then :func:`fzero.unscale_and_check`,
+:func:`fzero.shard_step`, :func:`fzero.all_gather_params`, :func:`fzero.update_scale`. Its wrappers change
+no numbers: :func:`fzero.compiled.bind_step`, :func:`checking_replicas`, :func:`donating`, :func:`naming_step`.
 
-1. :func:`fzero.schedules.apply_schedules`: scheduled hyperparameters from the step count;
-2. per micro-batch, :func:`fzero.loss_grads`: forward, the loss scaled (:func:`fzero.scale`),
-   backward, and each bucket handed to :func:`fzero.reduce_scatter_grads` as backward completes
-   it (stage 1 and ``defer_reduce``: only at the last micro-batch, with the earlier ones' whole
-   gradients added); :func:`fzero.accumulate` sums the micro-batches;
-3. :func:`fzero.unscale_and_check`: one ``all_reduce(sum)`` agrees on the norm, the overflow
-   flag and the loss, then one pass unscales and clips;
-4. :func:`fzero.shard_step`, :func:`fzero.all_gather_params` (stages 1-2), :func:`fzero.update_scale`.
-
-``examples/compose_by_hand.py`` writes the same calls out and is tested bitwise equal to it.
-What surrounds the composition without changing its numbers is a wrapper of its own:
-:func:`fzero.compiled.bind_step` (the communicator, the workspace, ``compile=``),
-:func:`checking_replicas`, :func:`donating`, :func:`naming_step`.
-
-Imports: comm, compiled, grads, module, optim, pytree, replicas, scaler, schedules, sharding,
-state.
+Imports: comm, compiled, grads, module, replicas, scaler, schedules, sharding, state.
 """
 
 from __future__ import annotations
@@ -37,8 +26,8 @@ from .schedules import Schedule, apply_schedules
 from .sharding import all_gather_params, check_world, reduce_scatter_grads, shard_step
 from .state import TrainState, consume, ensure_live
 
-__all__ = ["make_train_step", "train_step", "module_loss", "check_batch", "check_state", "checking_replicas", "donating",
-           "naming_step", "LossFn", "StepFn"]
+__all__ = ["make_train_step", "train_step", "module_loss", "check_batch", "check_state", "checking_replicas",
+           "donating", "naming_step", "LossFn", "StepFn"]
 
 UNUSED = ("skip", "zeros")  # make_train_step(unused=...): what a parameter without a gradient does
 
@@ -46,33 +35,28 @@ UNUSED = ("skip", "zeros")  # make_train_step(unused=...): what a parameter with
 def _check_leaf(path: Any, x: Any, what: str, rows: int, accum_steps: int) -> None:
     if not isinstance(x, torch.Tensor):
         return
-    need = 2 if accum_steps > 1 else 1
-    if x.dim() >= need and x.shape[0] == rows and (accum_steps == 1 or x.shape[1] == accum_steps):
-        if x.dim() > need and x.shape[need] == 0:
-            # an empty batch's loss is NaN, which is not an overflow, and weight decay would still apply
-            per = "per rank and micro-batch" if accum_steps > 1 else "per rank"
-            raise ValueError(f"{what}: batch{tp.keystr(path)} is empty: shape {tuple(x.shape)}, 0 examples {per} "
-                             f"(dim {need}); every rank needs at least one example")
-        return
-    if accum_steps > 1:
-        want, fix = (f"[{rows}, {accum_steps}, ...] (local ranks, micro-batches)",
-                     f"comm.split_batch(batch, micro_batches={accum_steps})")
-    else:
-        want, fix = f"[{rows}, ...] (local ranks)", "comm.split_batch(batch)"
-    raise ValueError(f"{what}: batch{tp.keystr(path)} has shape {tuple(x.shape)}, but every batch leaf must be "
-                     f"{want}: split the global batch with {fix}")
+    many = accum_steps > 1
+    need = 2 if many else 1
+    if x.dim() < need or x.shape[0] != rows or (accum_steps != 1 and x.shape[1] != accum_steps):
+        want = f"[{rows}, {accum_steps}, ...] (local ranks, micro-batches)" if many else f"[{rows}, ...] (local ranks)"
+        fix = f"comm.split_batch(batch, micro_batches={accum_steps})" if many else "comm.split_batch(batch)"
+        raise ValueError(f"{what}: batch{tp.keystr(path)} has shape {tuple(x.shape)}, but every batch leaf must be "
+                         f"{want}: split the global batch with {fix}")
+    if x.dim() > need and x.shape[need] == 0:
+        # an empty batch's loss is NaN, which is not an overflow, and weight decay would still apply
+        per = "per rank and micro-batch" if many else "per rank"
+        raise ValueError(f"{what}: batch{tp.keystr(path)} is empty: shape {tuple(x.shape)}, 0 examples {per} "
+                         f"(dim {need}); every rank needs at least one example")
 
 
 def check_batch(batch: Any, rows: int, accum_steps: int = 1, what: str = "train step") -> None:
-    """Raise ``ValueError`` unless every tensor leaf of ``batch`` is ``[R, ...]`` (``[R, K, ...]``
-    with ``accum_steps=K``) and not empty, naming the leaf, its shape and the fix. Shapes are
-    static: free under compile."""
+    """Raise ``ValueError`` unless every tensor leaf of ``batch`` is ``[R, ...]`` (``[R, K, ...]`` with
+    ``accum_steps=K``) and not empty, naming the leaf, its shape and the fix (free under compile)."""
     tp.tree_map_with_path(lambda p, x: _check_leaf(p, x, what, rows, accum_steps), batch)
 
 
 def check_state(state: TrainState, comm: Communicator, stage: Optional[int] = None) -> None:
-    """Raise ``ValueError`` if ``state`` was built for another world than ``comm``'s, or for
-    another stage than ``stage`` (when a step names one), naming both."""
+    """Raise ``ValueError`` if ``state`` was built for another world than ``comm``'s or another ``stage``."""
     check_world(state.shard, comm)
     if stage is not None and stage != state.stage:
         raise ValueError(f"make_train_step(stage={stage}): this state was built for stage {state.stage} "
@@ -87,33 +71,22 @@ def make_train_step(loss_fn: LossFn, comm: Communicator, *, stage: Optional[int]
                     unused: str = "skip") -> StepFn:
     """A step ``(state, batch) -> (state, metrics)`` for the ZeRO stage the state was built for.
 
-    ``loss_fn(params, batch)``: a 0-d loss for one rank's micro-batch, ``params`` in the
-    structure given to :func:`~fzero.state.init_train_state`; at stage 3 a
-    :func:`fzero.module_loss`. ``batch``: leaves ``[R, ...]`` (``comm.split_batch``).
-    ``stage``: optional, checked against the state's.
-
-    ``clip_norm``: the global gradient norm clipped as ``clip_grad_norm_`` does, fused with
-    unscaling. ``accum_steps=K``: batch leaves ``[R, K, ...]``; the K micro-batches' gradients
-    (mean loss each) are averaged, then the optimizer runs once. Stages 2-3 reduce every
-    micro-batch; stage 1 (and stage 2 with ``defer_reduce``) accumulates whole local gradients
-    and reduces once. ``schedules``: ``{hyperparameter: schedule(step)}``, evaluated inside the
-    step (other groups get the value scaled by their ratio to the default).
-
-    Metrics (0-d): ``loss`` (mean over ranks, unscaled), ``found_inf``, ``scale`` (this step's),
-    ``grad_norm`` (unscaled, before clipping), ``lr`` (the default group's).
-
-    ``donate=True`` (JAX's ``donate_argnums``): shards and moments updated in place, the given
-    state consumed (using it again raises ``ValueError``); same bits as pure. ``compile=True``
-    (or torch.compile's ``backend``/``mode``/``options``): ``torch.compile(fullgraph=True)``,
-    one graph, no recompiles as values change. ``broadcast_buffers`` (DDP's default): every
-    rank's forward starts from rank 0's module buffers. ``check_replicas_every=N``: a digest of
-    what every rank must hold alike rides on the step's all-reduce (``metrics["replicas_differ"]``);
-    ``replica_check="raise"`` reads it every N-th call counted by the state and raises
-    :class:`fzero.ReplicaDivergenceError` naming the item and ranks; ``"flag"`` only reports.
-    ``unused``: a parameter no rank's loss reached: ``"skip"`` (DDP with
-    ``find_unused_parameters``, torch.optim): not updated, its own step count holds;
-    ``"zeros"``: a zero gradient (DeepSpeed's flat buffers). A failed collective raises
-    :class:`fzero.CollectiveError` naming the step."""
+    ``loss_fn(params, batch)``: a 0-d loss for one rank's micro-batch, ``params`` in the structure given to
+    :func:`~fzero.state.init_train_state` (stage 3: a :func:`fzero.module_loss`). ``batch``: leaves ``[R, ...]``
+    (``comm.split_batch``); with ``accum_steps=K``, ``[R, K, ...]``: the K micro-batches' gradients averaged, one
+    optimizer step (stage 1, and 2 with ``defer_reduce``, reduce once). ``stage``: optional, checked against the
+    state's. ``clip_norm``: the global norm clipped as ``clip_grad_norm_`` does. ``schedules``:
+    ``{hyperparameter: schedule(step)}``, evaluated inside the step (other groups get the value scaled by their
+    ratio to the default). ``donate=True``: shards and moments updated in place, the given state consumed (using
+    it again raises ``ValueError``). ``compile``: ``True`` or torch.compile's ``backend``/``mode``/``options``.
+    ``broadcast_buffers`` (DDP's default): every rank's forward starts from rank 0's module buffers.
+    ``check_replicas_every=N``: a digest of what ranks must hold alike rides on the step's all-reduce
+    (``metrics["replicas_differ"]``); ``replica_check="raise"`` reads it every N-th call and raises
+    :class:`fzero.ReplicaDivergenceError`, ``"flag"`` only reports. ``unused`` (a parameter no loss reached):
+    ``"skip"`` (as DDP) leaves it and its step count, ``"zeros"`` gives a zero gradient. Bad options raise
+    ``ValueError``; a failed collective :class:`fzero.CollectiveError`. Metrics (0-d): ``loss`` (mean over
+    ranks, unscaled), ``found_inf``, ``scale`` (this step's), ``grad_norm`` (unscaled, before clipping),
+    ``lr`` (the default group's)."""
     if stage not in (None, 1, 2, 3):
         raise ValueError(f"make_train_step: stage must be 1, 2 or 3, got {stage!r}")
     if unused not in UNUSED:
@@ -140,15 +113,12 @@ def make_train_step(loss_fn: LossFn, comm: Communicator, *, stage: Optional[int]
     return donating(core) if donate else core
 
 
-def train_step(loss_fn: LossFn, *, stage: Optional[int] = None, clip_norm: Optional[float] = None,
-               accum_steps: int = 1, defer_reduce: bool = False, schedules: Optional[Mapping[str, Schedule]] = None,
-               donate: bool = False, broadcast_buffers: bool = True, check_replicas: bool = False,
-               unused: str = "skip") -> ComposedStep:
-    """The composition :func:`make_train_step` runs, ``(state, batch, comm, workspace) -> (state,
-    metrics)``, for :func:`fzero.bind_step` (its options as there; ``check_replicas``: the
-    replica digest rides on the step's all-reduce, ``metrics["replicas_differ"]``)."""
+def train_step(loss_fn: LossFn, *, stage: Optional[int] = None, clip_norm: Optional[float] = None, accum_steps: int = 1,
+               defer_reduce: bool = False, schedules: Optional[Mapping[str, Schedule]] = None, donate: bool = False,
+               broadcast_buffers: bool = True, check_replicas: bool = False, unused: str = "skip") -> ComposedStep:
+    """The composition :func:`make_train_step` runs, ``(state, batch, comm, workspace) -> (state, metrics)``,
+    for :func:`fzero.bind_step`; options as there (``check_replicas``: ``metrics["replicas_differ"]``)."""
     schedules, K = dict(schedules or {}), accum_steps
-    check_replicas_every = check_replicas
 
     def step(state: TrainState, batch: Any, comm: Communicator, workspace: Workspace) -> tuple[TrainState, dict]:
         check_state(state, comm, stage)
@@ -156,7 +126,7 @@ def train_step(loss_fn: LossFn, *, stage: Optional[int] = None, clip_norm: Optio
         if defer_reduce and state.stage == 3:
             raise ValueError("make_train_step: stage 3 reduces every micro-step (defer_reduce needs full gradients)")
         defer = state.stage == 1 or defer_reduce  # one reduction, at the last micro-batch
-        digest = digest_parts(state, comm) if check_replicas_every else None
+        digest = digest_parts(state, comm) if check_replicas else None
         buffers_in = state.buffers  # what a skipped step keeps
         state = state.replace(opt=apply_schedules(state.opt, schedules))
         total: Optional[Grads] = None
@@ -164,8 +134,8 @@ def train_step(loss_fn: LossFn, *, stage: Optional[int] = None, clip_norm: Optio
             earlier = total.grads if defer and total is not None else None
 
             def reduce(grads, earlier=earlier):  # each bucket, as backward completes it
-                return reduce_scatter_grads(state.shard, accumulate(earlier, grads), comm, via_all_reduce=state.stage
-                                            == 1, reduce_dtype=state.precision.reduce_dtype)
+                return reduce_scatter_grads(state.shard, accumulate(earlier, grads), comm,
+                                            via_all_reduce=state.stage == 1, reduce_dtype=state.precision.reduce_dtype)
 
             g = loss_grads(loss_fn, state, micro_batch(batch, k, K), comm, workspace,
                            scaled=lambda loss: scale(state.scaler, loss), broadcast_buffers=broadcast_buffers,
@@ -200,7 +170,6 @@ def train_step(loss_fn: LossFn, *, stage: Optional[int] = None, clip_norm: Optio
 
 def naming_step(step: StepFn) -> StepFn:
     """``step`` whose :class:`~fzero.comm.CollectiveError` names the step it happened in."""
-
     def named(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         try:
             return step(state, batch)
@@ -213,9 +182,8 @@ def naming_step(step: StepFn) -> StepFn:
 
 
 def checking_replicas(step: StepFn, comm: Communicator, every: int, mode: str = "raise") -> StepFn:
-    """``step`` (built with ``check_replicas_every``) that on every ``every``-th call as the state
-    counts them (``state.calls``) reads ``replicas_differ`` (a host sync; none on the other
-    calls) and, if set, names what differs (:func:`fzero.replicas.check_replicas`)."""
+    """``step`` (built with ``check_replicas_every``) that every ``every``-th call (``state.calls``) reads
+    ``replicas_differ`` (a host sync) and, if set, raises naming what differs (``ValueError``: bad arguments)."""
     if not (isinstance(every, int) and every >= 1):
         raise ValueError(f"make_train_step: check_replicas_every must be a positive int, got {every!r}")
     if mode not in ("raise", "flag"):
@@ -227,8 +195,7 @@ def checking_replicas(step: StepFn, comm: Communicator, every: int, mode: str = 
         calls = int(state.calls[0]) + 1 if state.calls else 0  # a CPU counter: no device sync
         new_state, metrics = step(state, batch)
         if calls % every == 0 and bool(metrics["replicas_differ"]):
-            # the digest was of the state this step was given: name what differs there (a donating
-            # step changed only master shards and moments in place, which are never compared)
+            # the digest was of the state given (donating changed only shards and moments, never compared)
             check_replicas(state, comm)
             raise ReplicaDivergenceError("replicas disagreed at the start of this step (the digest carried by its "
                                          "all-reduce), but a second look found no difference", [])
@@ -238,9 +205,7 @@ def checking_replicas(step: StepFn, comm: Communicator, every: int, mode: str = 
 
 
 def donating(step: StepFn) -> StepFn:
-    """``step`` (built with ``donate=True``) that refuses a consumed state and consumes the one
-    it is given (:func:`fzero.state.consume`)."""
-
+    """``step`` (built with ``donate=True``) that refuses a consumed state and consumes the one given."""
     def run(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         ensure_live(state)
         new_state, metrics = step(state, batch)

@@ -1,45 +1,13 @@
 """Pretrained weights as an init source: ``init_train_state(model, ..., init=fzero.pretrained(path))``.
 
-``path``: a directory written by ``transformers``' ``save_pretrained``
-(``model.safetensors``, or shards listed by ``model.safetensors.index.json``; else
-``pytorch_model.bin``), one ``.safetensors`` file, an index ``.json``, or a
-``torch.save(model.state_dict())`` file. Keys are the module's ``state_dict`` names.
+``path``: a ``save_pretrained`` directory, a ``.safetensors`` file or index ``.json``, or a ``torch.save``
+state dict, keyed by ``state_dict`` names (any one of a tied tensor's names fills it). Files are
+untrusted and the model may exceed one rank: ``torch.save`` files load with ``weights_only=True,
+mmap=True``; safetensors are opened by header and each rank reads only the rows it owns. Every key is
+checked before any data are read (:class:`WeightsFileError`). The shards equal, bit for bit, those
+of the full model after ``load_state_dict`` of the same file.
 
-Files are untrusted, and the model may be larger than one rank:
-
-* ``torch.save`` files are opened with ``torch.load(weights_only=True, mmap=True)``:
-  unpickling allows tensors and plain containers only, so a file cannot run code,
-  and tensors are views of the mapped file, read when sliced;
-* safetensors files are opened with ``safe_open`` (the header only) and each rank
-  reads, per parameter, the rows holding the flat range it owns (``get_slice``):
-  no rank ever reads a whole model, and one tensor at most at a time (a frozen
-  parameter or a buffer, which the state keeps whole anyway);
-* before any data are read, every key is checked against the module: a missing
-  parameter or persistent buffer, a key the module does not have, another shape,
-  another dtype (unless ``cast=True``), an index naming a shard outside its
-  directory or a shard without the key: a :class:`WeightsFileError` (a
-  ``ValueError``) naming the key and the file. A file that is not what its name
-  says (not a zip of tensors, a truncated or malformed safetensors header) is one
-  too, naming the file.
-
-Tied names (GPT-2's ``lm_head.weight``, the same tensor as
-``transformer.wte.weight``): as ``transformers`` loads them, any one of a tied
-tensor's names in the file fills it (``save_pretrained`` keeps one; a
-``state_dict`` saved with ``torch.save`` has both, and the canonical name, the one
-``named_parameters`` gives, is read).
-
-Buffers: persistent ones come from the file; non-persistent ones (a rotary
-``inv_freq``, which a meta model holds no values for) from the init given as
-``pretrained(path, init=...)`` run on the modules that register them, by default
-the model's own ``_init_weights`` (what ``transformers`` runs for them after
-loading), else ``reset_parameters``; one left unwritten is an error naming it.
-
-Same numbers: the shards equal those of ``init_train_state`` on the full model
-after ``load_state_dict`` of the same file, bit for bit (the same conversions:
-file dtype to the parameter's dtype, then to the master dtype).
-
-Imports: ``fzero.layout``, ``fzero.materialize``, ``fzero.module``; ``safetensors``
-when a safetensors file is read.
+Imports: comm, layout, materialize, module.
 """
 
 from __future__ import annotations
@@ -50,15 +18,13 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 
 from .comm import Communicator
 from .layout import Layout
-from .materialize import (
-    RESET, InitFn, Materialized, ShardRows, init_buffers_of, init_fn, init_name,
-)
+from .materialize import RESET, InitFn, Materialized, ShardRows, init_buffers_of, init_fn, init_name
 from .module import module_spec
 
 __all__ = ["Pretrained", "WeightsFileError", "pretrained"]
@@ -67,28 +33,22 @@ INDEX = "model.safetensors.index.json"
 SAFETENSORS = "model.safetensors"
 TORCH_BIN = "pytorch_model.bin"
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-
+_SAFETENSORS_DTYPES = {  # safetensors' dtype codes
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 _BUFFER_HINT = (
-    "files hold no non-persistent buffers: pass fzero.pretrained(path, init=fn) with an fn(module) "
-    "that computes it (as the module's __init__ does), or build the model with its buffers off "
-    "the meta device (they are then taken as they are)"
-)
+    "files hold no non-persistent buffers: pass fzero.pretrained(path, init=fn) with an fn(module) that computes "
+    "it (as the module's __init__ does), or build the model with its buffers off the meta device (they are then "
+    "taken as they are)")
 
 
 class WeightsFileError(ValueError):
     """A weights file that does not fit the model or is not what it claims; names the key and file."""
 
 
-@dataclasses.dataclass(frozen=True)
-class _Meta:
-    """One tensor of a file, from its header: where, shape, dtype."""
-
+class _Meta(NamedTuple):  # one tensor of a file, from its header
     file: str
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -101,26 +61,21 @@ class _Files:
         self.index: dict[str, _Meta] = {}
         self._safe: dict[str, Any] = {}  # file -> safe_open handle
         self._torch: dict[str, Mapping[str, torch.Tensor]] = {}  # file -> mmapped state dict
-        self.names: list[str] = []
+        self.names: list[str] = []  # what error messages name
 
     def read(self, key: str) -> torch.Tensor:
         """The whole tensor ``key``."""
         m = self.index[key]
-        if m.file in self._safe:
-            return self._safe[m.file].get_tensor(key)
-        return self._torch[m.file][key]
+        return self._safe[m.file].get_tensor(key) if m.file in self._safe else self._torch[m.file][key]
 
     def read_flat(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Flat elements ``[start, stop)`` of ``key``, reading only the rows that hold them."""
         m = self.index[key]
-        if m.file not in self._safe:
-            return self._torch[m.file][key].reshape(-1)[start:stop]
-        if len(m.shape) == 0:
-            return self._safe[m.file].get_tensor(key).reshape(-1)[start:stop]
+        if m.file not in self._safe or len(m.shape) == 0:
+            return self.read(key).reshape(-1)[start:stop]
         row = math.prod(m.shape[1:])
         first, last = start // row, -(-stop // row)
-        part = self._safe[m.file].get_slice(key)[first:last]
-        return part.reshape(-1)[start - first * row : stop - first * row]
+        return self._safe[m.file].get_slice(key)[first:last].reshape(-1)[start - first * row : stop - first * row]
 
 
 def _bad(file: Union[str, Path], what: str) -> WeightsFileError:
@@ -128,7 +83,7 @@ def _bad(file: Union[str, Path], what: str) -> WeightsFileError:
 
 
 def _open_safetensors(files: _Files, file: Path, stack: contextlib.ExitStack) -> list[str]:
-    """Open one safetensors file (header only); index its tensors; return its keys."""
+    """Open one safetensors file (header only), index its tensors and return its keys."""
     try:
         from safetensors import safe_open
     except ImportError as e:  # pragma: no cover - transformers brings it
@@ -158,11 +113,8 @@ def _open_torch(files: _Files, file: Path) -> None:
     try:
         sd = torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - refused pickles, non-zip files, truncation: all unreadable
-        raise _bad(
-            file,
-            "not a torch.save state dict that loads with weights_only=True and mmap=True (nothing "
-            f"in it was run): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-        ) from e
+        raise _bad(file, "not a torch.save state dict that loads with weights_only=True and mmap=True (nothing "
+                   f"in it was run): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     if not isinstance(sd, Mapping):
         raise _bad(file, f"holds a {type(sd).__name__}, not a state dict (a mapping of names to tensors)")
     for k, v in sd.items():
@@ -179,9 +131,8 @@ def _open_index(files: _Files, index: Path, stack: contextlib.ExitStack) -> None
         weight_map = json.loads(index.read_text())["weight_map"]
     except Exception as e:  # noqa: BLE001 - unreadable or not JSON or no weight_map
         raise _bad(index, f"not a safetensors index with a weight_map ({type(e).__name__}: {e})") from e
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
         raise _bad(index, "weight_map is not a mapping of tensor names to file names")
     folder = index.parent.resolve()
     shards: dict[str, list[str]] = {}
@@ -194,11 +145,9 @@ def _open_index(files: _Files, index: Path, stack: contextlib.ExitStack) -> None
         if not file.is_file():
             raise _bad(index, f"names shard {shard!r} (for {keys[0]!r}), which does not exist")
         held = set(_open_safetensors(files, file, stack))
-        for key in keys:
-            if key not in held:
-                raise _bad(file, f"has no tensor {key!r}, which {index.name} says it holds")
-    # only what the index lists is the checkpoint (as transformers reads it), and the index
-    # is where a missing key is missing from
+        if missing := [key for key in keys if key not in held]:
+            raise _bad(file, f"has no tensor {missing[0]!r}, which {index.name} says it holds")
+    # only what the index lists is the checkpoint (as transformers reads it), and errors name the index
     files.index = {k: files.index[k] for k in weight_map}
     files.names = [str(index)]
 
@@ -221,11 +170,7 @@ def _open(path: Path, stack: contextlib.ExitStack) -> _Files:
     return files
 
 
-@dataclasses.dataclass(frozen=True)
-class _Want:
-    """A tensor the module needs from the file: its canonical name, every name it goes by,
-    shape and dtype."""
-
+class _Want(NamedTuple):  # a tensor the module needs: its canonical name, every name it goes by, shape, dtype
     name: str
     names: tuple[str, ...]
     shape: tuple[int, ...]
@@ -233,128 +178,93 @@ class _Want:
 
 
 def _wanted(module: torch.nn.Module, layout: Layout) -> tuple[list[_Want], list[str], set[str]]:
-    """What the file must hold (parameters and persistent buffers), the non-persistent
-    buffers (from the init), and every ``state_dict`` key the module has."""
+    """What the file must hold (parameters, persistent buffers), the non-persistent buffers (from the
+    init), and every ``state_dict`` key the module has."""
     spec = module_spec(module)
     also: dict[str, list[str]] = {}
     for alias, canonical in spec.aliases:
         also.setdefault(canonical, []).append(alias)
     wants = [_Want(s.path, (s.path, *also.get(s.path, ())), s.shape, s.dtype) for s in layout.slots]
     bufs = dict(module.named_buffers())
-    transient = []
-    for name, keep in zip(spec.buffers, spec.persistent):
-        if keep:
-            b = bufs[name]
-            wants.append(_Want(name, (name, *also.get(name, ())), tuple(b.shape), b.dtype))
-        else:
-            transient.append(name)
+    kept = [n for n, keep in zip(spec.buffers, spec.persistent) if keep]
+    wants += [_Want(n, (n, *also.get(n, ())), tuple(bufs[n].shape), bufs[n].dtype) for n in kept]
+    transient = [n for n, keep in zip(spec.buffers, spec.persistent) if not keep]
     return wants, transient, set(spec.state_dict_keys)
 
 
 def _check(files: _Files, wants: Sequence[_Want], keys: set[str], cast: bool) -> dict[str, str]:
     """``{canonical name: file key}``; a :class:`WeightsFileError` for the first key that does not fit."""
-    where = ", ".join(files.names)
     unexpected = sorted(k for k in files.index if k not in keys)
     if unexpected:
         raise WeightsFileError(
             f"{files.index[unexpected[0]].file}: tensor {unexpected[0]!r} is not in the model's state_dict"
-            + (f" (and {len(unexpected) - 1} more: {unexpected[1:4]})" if len(unexpected) > 1 else "")
-        )
+            + (f" (and {len(unexpected) - 1} more: {unexpected[1:4]})" if len(unexpected) > 1 else ""))
     chosen = {}
     for w in wants:
         present = [n for n in w.names if n in files.index]
         if not present:
-            tied = f" (nor under its tied name{'s' if len(w.names) > 2 else ''} {list(w.names[1:])})" if len(w.names) > 1 else ""
-            raise WeightsFileError(f"{where}: no tensor {w.name!r}{tied}, which the model needs")
+            tied = (f" (nor under its tied name{'s' if len(w.names) > 2 else ''} {list(w.names[1:])})"
+                    if len(w.names) > 1 else "")
+            raise WeightsFileError(f"{', '.join(files.names)}: no tensor {w.name!r}{tied}, which the model needs")
         for n in present:
             m = files.index[n]
             if m.shape != w.shape:
                 raise _bad(m.file, f"tensor {n!r} has shape {m.shape}, the model's is {w.shape}")
-            same = m.dtype == w.dtype or (cast and m.dtype.is_floating_point and w.dtype.is_floating_point)
-            if not same:
-                raise _bad(
-                    m.file,
-                    f"tensor {n!r} is {m.dtype}, the model's is {w.dtype}; build the model in the file's "
-                    "dtype, or pass fzero.pretrained(path, cast=True) to convert floating tensors",
-                )
+            if not (m.dtype == w.dtype or (cast and m.dtype.is_floating_point and w.dtype.is_floating_point)):
+                raise _bad(m.file, f"tensor {n!r} is {m.dtype}, the model's is {w.dtype}; build the model in the "
+                           "file's dtype, or pass fzero.pretrained(path, cast=True) to convert floating tensors")
         chosen[w.name] = present[0]
     return chosen
 
 
 @dataclasses.dataclass(frozen=True)
 class Pretrained:
-    """Weights from files as an init source (:class:`fzero.materialize.InitSource`); make it with
-    :func:`pretrained`."""
+    """Weights from files as an :class:`fzero.materialize.InitSource`; made by :func:`pretrained`."""
 
     path: Path
     init: Optional[Union[str, InitFn]] = None
     cast: bool = False
 
-    def materialize(
-        self, module: torch.nn.Module, layout: Layout, comm: Communicator, units: Sequence[str] = ()
-    ) -> Materialized:
-        """This process's shards, frozen parameters and buffers read from the files (no collective;
-        :func:`fzero.materialize.materialize` makes the ranks agree that every one succeeded)."""
+    def materialize(self, module: torch.nn.Module, layout: Layout, comm: Communicator,
+                    units: Sequence[str] = ()) -> Materialized:
+        """This process's shards, frozen parameters and buffers from the files (no collective)."""
         wants, transient, keys = _wanted(module, layout)
         # before the files are opened: their mappings and the buffer init's temporaries apart
         fn, who = self._buffer_init(module)
         computed = init_buffers_of(module, transient, fn, who, _BUFFER_HINT)
-        reps = len(comm.ranks)
         with contextlib.ExitStack() as stack:
             files = _open(self.path, stack)
             chosen = _check(files, wants, keys, self.cast)
-            rows, frozen = _read_params(files, chosen, layout, comm.ranks)
-            persistent = {w.name: _rows(files.read(chosen[w.name]).to(w.dtype), reps)
+            rows = ShardRows(layout, comm.ranks)
+            frozen = []
+            for i, s in enumerate(layout.slots):  # to the parameter's dtype first, as load_state_dict
+                key = chosen[s.path]
+                if s.group >= 0:
+                    rows.write(i, lambda start, stop: files.read_flat(key, start, stop).to(s.dtype))
+                else:
+                    frozen.append(files.read(key).to(s.dtype, copy=True))
+            persistent = {w.name: _rows(files.read(chosen[w.name]).to(w.dtype), len(comm.ranks))
                           for w in wants[len(layout.slots):]}
-            del files  # the mappings go with it
-        buffers = {**persistent, **{n: _rows(b, reps) for n, b in computed.items()}}
-        return Materialized(rows, frozen, tuple(buffers[n] for n, _ in module.named_buffers()))
+            files = None  # the mappings go with it
+        buffers = {**persistent, **{n: _rows(b, len(comm.ranks)) for n, b in computed.items()}}
+        return Materialized(rows.rows, tuple(frozen), tuple(buffers[n] for n, _ in module.named_buffers()))
 
     def _buffer_init(self, module: torch.nn.Module) -> tuple[InitFn, str]:
         if self.init is not None:
             return init_fn(self.init), f"fzero.pretrained(..., {init_name(self.init)})"
-        hf = getattr(module, "_init_weights", None)
-        if callable(hf):
+        if callable(hf := getattr(module, "_init_weights", None)):
             return hf, "fzero.pretrained's default buffer init (the model's _init_weights)"
         return init_fn(RESET), "fzero.pretrained's default buffer init (reset_parameters)"
-
-
-def _read_params(
-    files: _Files, chosen: Mapping[str, str], layout: Layout, ranks: Sequence[int]
-) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """The local ranks' rows of every flat group (each rank's owned range of each parameter,
-    read as the rows holding it) and the frozen parameters whole, in layout order."""
-    rows = ShardRows(layout, ranks)
-    frozen = []
-    for i, s in enumerate(layout.slots):
-        key = chosen[s.path]
-        if s.group >= 0:
-            rows.write(i, _converting(files.read_flat, key, s.dtype))
-        else:
-            frozen.append(files.read(key).to(s.dtype, copy=True))
-    return rows.rows, tuple(frozen)
-
-
-def _converting(
-    read: Callable[[str, int, int], torch.Tensor], key: str, dtype: torch.dtype
-) -> Callable[[int, int], torch.Tensor]:
-    # to the parameter's dtype first, as load_state_dict into the module would
-    return lambda start, stop: read(key, start, stop).to(dtype)
 
 
 def _rows(t: torch.Tensor, reps: int) -> torch.Tensor:
     return t.unsqueeze(0).repeat(reps, *([1] * t.dim()))
 
 
-def pretrained(
-    path: Union[str, os.PathLike], *, init: Optional[Union[str, InitFn]] = None, cast: bool = False
-) -> Pretrained:
-    """An init source reading ``path`` (see the module's docstring for the files it takes).
-
-    ``init``: what computes the non-persistent buffers, which files do not hold
-    (``"reset_parameters"`` or ``fn(module)``, run on the modules registering them);
-    default: the model's ``_init_weights`` (``transformers``), else ``reset_parameters``.
-    ``cast``: convert floating tensors of another dtype to the model's (default: an error).
-    Nothing is opened until ``init_train_state`` uses it.
-    """
+def pretrained(path: Union[str, os.PathLike], *, init: Optional[Union[str, InitFn]] = None,
+               cast: bool = False) -> Pretrained:
+    """An init source reading ``path`` (the module's docstring says which files). ``init``: what
+    computes the non-persistent buffers (``"reset_parameters"`` or ``fn(module)``, run on the modules
+    registering them; default: the model's ``_init_weights``, else ``reset_parameters``). ``cast``:
+    convert floating tensors of another dtype (default: an error). Nothing is opened until used."""
     return Pretrained(Path(path), init, cast)

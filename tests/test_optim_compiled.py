@@ -4,8 +4,8 @@ Which code runs where (``fzero/optim.py``, ``fzero/sharding.py::shard_step``):
 
 * eager, ``donate=False`` or ``True``: ``Optimizer.update_`` -> torch's fused
   Adam(W) kernel, or the written-out SGD rule copied back;
-* compiled, ``donate=False``: ``Optimizer.update`` out of place (``_adam_update``
-  / ``_sgd_update``) selected by ``torch.where``;
+* compiled, ``donate=False``: ``Optimizer.update`` out of place (``Adam.update``
+  / ``SGD.update``) selected by ``torch.where``;
 * compiled, ``donate=True``: ``Optimizer.update_``'s written-out branch.
 
 One compiled function runs both shard_step forms, so each static flag set

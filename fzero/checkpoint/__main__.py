@@ -34,7 +34,8 @@ def _info(path: str) -> None:
     print(f"optimizer   {info['optimizer']}, " + "; ".join(
         f"group {k}: " + ", ".join(f"{n} {v:g}" for n, v in h.items()) for k, h in enumerate(info["hyperparameters"])))
     prec = info["precision"]
-    print(f"precision   compute {prec['param_dtype'] or 'parameter dtype'}, reduce {prec['reduce_dtype'] or 'master dtype'}")
+    print(f"precision   compute {prec['param_dtype'] or 'parameter dtype'}, "
+          f"reduce {prec['reduce_dtype'] or 'master dtype'}")
     print("stored      " + ", ".join(f"{k} {_mib(v)}" for k, v in info["bytes_by_kind"].items()))
     print(f"files       {len(info['files'])}, {_mib(sum(info['files'].values()))}; "
           f"checksums {'yes' if info['checksums'] else 'no (saved before fzero wrote them)'}")

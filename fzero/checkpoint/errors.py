@@ -1,20 +1,14 @@
-"""The checkpoint errors. All are ``Exception`` subclasses (``ValueError``), so recovery code
-with ``except Exception:`` sees every failure to read a checkpoint; DCP's own
-``CheckpointException`` (a ``BaseException``) is converted where DCP is called
-(:mod:`fzero.checkpoint.planners`).
+"""The checkpoint errors. All are ``ValueError`` subclasses, so ``except Exception:`` sees every failure to
+read a checkpoint; DCP's ``CheckpointException`` (a ``BaseException``) is converted where DCP is called
+(:mod:`.planners`).
 
-Imports: nothing of fzero.
+Imports: none of fzero.
 """
 
 from __future__ import annotations
 
-__all__ = [
-    "CheckpointError",
-    "IncompleteCheckpointError",
-    "CheckpointNotFoundError",
-    "CheckpointMismatchError",
-    "CheckpointCorruptError",
-]
+__all__ = ["CheckpointError", "IncompleteCheckpointError", "CheckpointNotFoundError", "CheckpointMismatchError",
+           "CheckpointCorruptError"]
 
 
 class CheckpointError(ValueError):
@@ -34,5 +28,10 @@ class CheckpointMismatchError(CheckpointError):
 
 
 class CheckpointCorruptError(CheckpointError):
-    """The checkpoint's bytes are damaged: a checksum differs, or a record cannot be decoded.
-    The message names the checkpoint directory, the data file and the entry (parameter)."""
+    """The checkpoint's bytes are damaged (a checksum differs, a record cannot be decoded); the message
+    names the checkpoint directory, the data file and the entry."""
+
+
+def corrupt(d: object, what: str) -> CheckpointCorruptError:
+    """``CheckpointCorruptError("corrupt checkpoint {d}: {what}")``."""
+    return CheckpointCorruptError(f"corrupt checkpoint {d}: {what}")

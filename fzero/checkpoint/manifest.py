@@ -1,17 +1,12 @@
-"""The manifest (what must agree between a checkpoint and the state it loads into), and the
-checks of a checkpoint directory before any data are read.
+"""The manifest (what must agree between a checkpoint and the state it loads into), and the checks of a
+checkpoint directory before any data are read.
 
-``fzero/manifest`` is a JSON object entry: per parameter (tree order) path, shape, dtype
-and optimizer group; the optimizer's name, static configuration, moments and groups; the scaler's
-configuration; the precision policy; and, for information only, the world size, the
-stage kind and the tree structure. Loading compares it with the template state before
-reading anything else and names the first difference (:class:`CheckpointMismatchError`).
-DCP writes ``.metadata`` last; :func:`checked_metadata` requires it, every data file it
-names, each long enough, and fails with :class:`IncompleteCheckpointError` otherwise.
+``fzero/manifest`` is a JSON entry: per parameter (tree order) path, shape, dtype and optimizer group; the
+optimizer, scaler and precision configuration; the module's persistent buffers and ``state_dict`` keys; for
+information only, the world size, stage and tree structure. Loading names its first difference from the
+template state (:class:`CheckpointMismatchError`).
 
-Imports: :mod:`fzero.state` (the state), :mod:`fzero.checkpoint.planners`,
-:mod:`fzero.checkpoint.publish`, :mod:`fzero.checkpoint.checksums`, :mod:`fzero.checkpoint.metadata`,
-:mod:`fzero.checkpoint.errors`.
+Imports: comm, state, checksums, errors, metadata, planners, publish.
 """
 
 from __future__ import annotations
@@ -27,13 +22,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ..comm import Communicator
 from ..state import TrainState
 from .checksums import CheckedDir, open_checked
-from .errors import (
-    CheckpointCorruptError,
-    CheckpointMismatchError,
-    CheckpointNotFoundError,
-    IncompleteCheckpointError,
-)
-from .metadata import DTYPES, METADATA_FILE
+from .errors import CheckpointMismatchError, CheckpointNotFoundError, IncompleteCheckpointError, corrupt
+from .metadata import DTYPES, METADATA_FILE, _is_int
 from .planners import _Pieces, dcp_load
 from .publish import LATEST, _read_latest
 
@@ -43,28 +33,16 @@ MANIFEST_KEY = "fzero/manifest"
 
 PathLike = Union[str, os.PathLike]
 
-def _dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
-    return None if dtype is None else str(dtype)
-
 
 def _manifest(state: TrainState, comm: Communicator) -> dict[str, Any]:
-    """What must agree between a checkpoint and the state it loads into, as JSON values.
-
-    Per parameter (tree order): path, shape, dtype, optimizer group (-1: frozen).
-    Not the flat groups, buckets, alignment or world size: they only decide where
-    the data sit in the buffers, and checkpoints are keyed by parameter. Then the
-    optimizer's description (:meth:`~fzero.optim.Optimizer.manifest`: its name and static
-    configuration), moments, per-parameter scalars and groups; the scaler's configuration; the
-    precision policy. ``saved_world_size`` and ``structure`` are information only.
-    """
+    """What must agree between a checkpoint and ``state``, as JSON values (see the module doc). Not the flat
+    groups, buckets, alignment or world size: they only place the data in the buffers."""
     lay, opt, sc, prec = state.layout, state.opt.optimizer, state.scaler, state.precision
     manifest = {
         "format": FORMAT,
         "version": VERSION,
-        "params": [
-            [s.path, list(s.shape), str(s.dtype), lay.groups[s.group].opt_group if s.group >= 0 else -1]
-            for s in lay.slots
-        ],
+        "params": [[s.path, list(s.shape), str(s.dtype), lay.groups[s.group].opt_group if s.group >= 0 else -1]
+                   for s in lay.slots],
         "optimizer": {
             **opt.manifest(),  # kind (the rule's name) first, then its static configuration
             "moment_names": list(opt.moment_names),
@@ -73,34 +51,26 @@ def _manifest(state: TrainState, comm: Communicator) -> dict[str, Any]:
             "num_groups": opt.num_groups,
             "hyperparameters": [sorted(h) for h in state.opt.hyper],
         },
-        "scaler": {
-            "dynamic": sc.dynamic,
-            "growth_factor": sc.growth_factor,
-            "backoff_factor": sc.backoff_factor,
-            "growth_interval": sc.growth_interval,
-            "min_scale": sc.min_scale,
-            "hysteresis": sc.hysteresis,
-        },
-        "precision": {
-            "param_dtype": _dtype_name(prec.param_dtype),
-            "reduce_dtype": _dtype_name(prec.reduce_dtype),
-        },
-        # the module's persistent buffers (rank 0's are saved) and how to rebuild its
-        # state_dict (tied names, key order): what the offline tools need
-        "module": {
-            "buffers": [
-                [n, list(b.shape[1:]), str(b.dtype)]
-                for n, b, keep in zip(state.module.buffers, state.buffers, state.module.persistent) if keep
-            ],
-            "aliases": [list(a) for a in state.module.aliases],
-            "state_dict_keys": list(state.module.state_dict_keys),
-        },
+        "scaler": {k: getattr(sc, k) for k in ("dynamic", "growth_factor", "backoff_factor", "growth_interval",
+                                                "min_scale", "hysteresis")},
+        "precision": {k: None if getattr(prec, k) is None else str(getattr(prec, k))
+                      for k in ("param_dtype", "reduce_dtype")},
+        # the persistent buffers (rank 0's are saved) and how to rebuild the module's state_dict
+        "module": {"buffers": [[n, list(b.shape[1:]), str(b.dtype)] for n, b in persistent_buffers(state)],
+                   "aliases": [list(a) for a in state.module.aliases],
+                   "state_dict_keys": list(state.module.state_dict_keys)},
         "structure": str(lay.spec),
         "saved_world_size": comm.world_size,
         # Stage 3 keeps no gathered parameters between steps; stages 1 and 2 hold the same state.
         "saved_stage": "3" if not len(state.params) else "1 or 2",
     }
     return json.loads(json.dumps(manifest))  # tuples become lists, as they are read back
+
+
+def persistent_buffers(state: TrainState) -> list[tuple[str, torch.Tensor]]:
+    """``[(name, [R, ...])]``: the module buffers a ``state_dict`` holds (rank rows)."""
+    spec = state.module
+    return [(n, b) for n, b, keep in zip(spec.buffers, state.buffers, spec.persistent) if keep]
 
 
 def _params_difference(saved: Sequence[Sequence[Any]], mine: Sequence[Sequence[Any]]) -> Optional[str]:
@@ -113,17 +83,13 @@ def _params_difference(saved: Sequence[Sequence[Any]], mine: Sequence[Sequence[A
                 return f"parameter {a[0]!r}: {field} {u} vs {v}"
     if len(saved) != len(mine):
         longer = saved if len(saved) > len(mine) else mine
-        first_extra = longer[min(len(saved), len(mine))][0]
-        return f"parameter count {len(saved)} vs {len(mine)}; first extra: {first_extra!r}"
+        return f"parameter count {len(saved)} vs {len(mine)}; first extra: {longer[min(len(saved), len(mine))][0]!r}"
     return None
 
 
 def _manifest_difference(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> Optional[str]:
-    """The first difference between a checkpoint's manifest and a state's, or None.
-
-    Order: format, model (parameters in order: path, shape, dtype, optimizer
-    group), optimizer, scaler, precision. Values read "checkpoint vs this state".
-    """
+    """The first difference between a checkpoint's manifest and a state's, or None. Order: format, model
+    (parameters, buffers), optimizer, scaler, precision. Values read "checkpoint vs this state"."""
     if saved.get("format") != FORMAT:
         return f"not an fzero checkpoint (format {saved.get('format')!r})"
     if saved.get("version", 0) > VERSION:
@@ -145,11 +111,10 @@ def _manifest_difference(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> O
 
 
 def resolve_checkpoint(path: PathLike) -> Path:
-    """The checkpoint directory ``path`` designates: ``path/LATEST``'s target when
-    ``path`` is a root, else ``path`` itself. Raises :class:`IncompleteCheckpointError`
-    when it has no DCP ``.metadata`` (written last, so its absence means the save
-    did not finish) and :class:`CheckpointNotFoundError` (a ``FileNotFoundError`` too)
-    when ``path`` does not exist."""
+    """The checkpoint directory ``path`` designates: ``path/LATEST``'s target when ``path`` is a root, else
+    ``path`` itself. Raises :class:`IncompleteCheckpointError` when it has no DCP ``.metadata`` (written
+    last: the save did not finish) and :class:`CheckpointNotFoundError` (also a ``FileNotFoundError``) when
+    ``path`` does not exist."""
     return _resolve(path)[0]
 
 
@@ -164,12 +129,9 @@ def _resolve(path: PathLike) -> tuple[Path, Optional[str]]:
         raise IncompleteCheckpointError(f"{p / LATEST} names {name!r}, but {d} does not exist")
     if not (d / METADATA_FILE).is_file():
         if name is None and not any(d.glob("*.distcp")):
-            raise IncompleteCheckpointError(
-                f"no checkpoint at {d}: neither a {LATEST} file nor a DCP .metadata file"
-            )
-        raise IncompleteCheckpointError(
-            f"incomplete checkpoint {d}: no .metadata file (DCP writes it last: the save did not finish)"
-        )
+            raise IncompleteCheckpointError(f"no checkpoint at {d}: neither a {LATEST} file nor a DCP .metadata file")
+        raise IncompleteCheckpointError(f"incomplete checkpoint {d}: no .metadata file (DCP writes it last: "
+                                        "the save did not finish)")
     return d, name
 
 
@@ -184,36 +146,28 @@ def _check_data_files(d: Path, metadata: Metadata) -> None:
             raise IncompleteCheckpointError(f"incomplete checkpoint {d}: data file {rel} is missing")
         have = f.stat().st_size
         if have < size:
-            raise IncompleteCheckpointError(
-                f"incomplete checkpoint {d}: data file {rel} is truncated ({have} bytes, the metadata "
-                f"needs {size})"
-            )
+            raise IncompleteCheckpointError(f"incomplete checkpoint {d}: data file {rel} is truncated ({have} "
+                                            f"bytes, the metadata needs {size})")
 
 
 def read_manifest(path: PathLike) -> dict[str, Any]:
-    """The manifest of the checkpoint at ``path`` (a root or a checkpoint directory).
-
-    Reads only the metadata and the manifest entry, in this process (no collective).
-    Raises :class:`IncompleteCheckpointError` for an incomplete checkpoint,
-    :class:`CheckpointCorruptError` for a damaged one and :class:`CheckpointMismatchError`
-    for a DCP checkpoint that fzero did not write.
-    """
+    """The manifest of the checkpoint at ``path`` (a root or a checkpoint directory), read in this process
+    (no collective). Raises :class:`IncompleteCheckpointError` for an incomplete checkpoint,
+    :class:`CheckpointCorruptError` for a damaged one and :class:`CheckpointMismatchError` for a DCP
+    checkpoint that fzero did not write."""
     return _read_manifest(checked_metadata(path))
 
 
 def checked_metadata(path: PathLike) -> CheckedDir:
-    """The checkpoint directory ``path`` designates with its metadata, read without running
-    code, checked, and bound to its checksums (:func:`~.checksums.open_checked`); once every
-    data file it names is there, each long enough. Through a root, the checkpoint must be the
-    one saved under the name ``LATEST`` gives (not another checkpoint's files copied there)."""
+    """The checkpoint directory ``path`` designates, opened with :func:`~.checksums.open_checked`, once every
+    data file it names is there and long enough. Through a root, the checkpoint must be the one saved under
+    the name ``LATEST`` gives (not another checkpoint's files copied there)."""
     d, latest = _resolve(path)
     checked = open_checked(d)
     sums = checked.checksums
     if latest is not None and sums is not None and sums.name is not None and sums.name != latest:
-        raise CheckpointCorruptError(
-            f"corrupt checkpoint {d}: {LATEST} names it {latest!r}, but it was saved as {sums.name!r} "
-            f"(step {sums.step}): another checkpoint's files are in its place"
-        )
+        raise corrupt(d, f"{LATEST} names it {latest!r}, but it was saved as {sums.name!r} (step {sums.step}): "
+                         "another checkpoint's files are in its place")
     _check_data_files(d, checked.metadata)
     return checked
 
@@ -228,17 +182,11 @@ def _read_manifest(checked: CheckedDir) -> dict[str, Any]:
     try:
         manifest = json.loads(box[MANIFEST_KEY])
     except (TypeError, ValueError) as e:
-        raise CheckpointCorruptError(
-            f"corrupt checkpoint {d}: entry {MANIFEST_KEY!r} in data file {file} is not JSON ({e})"
-        ) from e
+        raise corrupt(d, f"entry {MANIFEST_KEY!r} in data file {file} is not JSON ({e})") from e
     problem = _manifest_problem(manifest)
     if problem is not None:
-        raise CheckpointCorruptError(f"corrupt checkpoint {d}: entry {MANIFEST_KEY!r} in data file {file}: {problem}")
+        raise corrupt(d, f"entry {MANIFEST_KEY!r} in data file {file}: {problem}")
     return manifest
-
-
-def _is_int(x: Any, least: int = 0) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= least
 
 
 def _is_strs(x: Any) -> bool:
@@ -250,9 +198,8 @@ def _is_shape(x: Any) -> bool:
 
 
 def _manifest_problem(m: Any) -> Optional[str]:
-    """What is malformed in a manifest, or None: everything the checks and the offline tools
-    read from it has its type (a manifest of an old or foreign writer fails as corrupt, never
-    with a ``KeyError`` or ``TypeError`` deep in a tool)."""
+    """What is malformed in a manifest, or None: everything the checks and offline tools read has its type
+    (an old or foreign manifest fails as corrupt, never with a ``KeyError`` deep in a tool)."""
     if not isinstance(m, dict):
         return "it is not a JSON object"
     if m.get("format") != FORMAT:
@@ -304,7 +251,5 @@ def _check_entries(d: Path, metadata: Metadata, wanted: Mapping[str, Any]) -> No
             if not isinstance(md, TensorStorageMetadata):
                 raise CheckpointMismatchError(f"checkpoint {d}: entry {key!r} is not a tensor")
             if tuple(md.size) != tuple(obj.size()) or md.properties.dtype != obj.dtype:
-                raise CheckpointMismatchError(
-                    f"checkpoint {d}: entry {key!r} is {md.properties.dtype}{list(md.size)}, this "
-                    f"state needs {obj.dtype}{list(obj.size())}"
-                )
+                raise CheckpointMismatchError(f"checkpoint {d}: entry {key!r} is {md.properties.dtype}"
+                                              f"{list(md.size)}, this state needs {obj.dtype}{list(obj.size())}")

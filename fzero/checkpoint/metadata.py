@@ -1,28 +1,18 @@
 """DCP's ``.metadata`` read without running code, and checked before anything trusts it.
 
-DCP stores a checkpoint's index (which entries, their sizes and chunks, where each record
-lies) as a pickle, and its own reader loads it with ``pickle.load``: a downloaded checkpoint
-could run any code the moment it is opened. fzero never does that. :func:`read_metadata`
-unpickles with an allow-list of exactly the types DCP's metadata is made of (its metadata
-dataclasses, ``torch.Size``, dtypes and layouts, a path for the checkpoint id), in the spirit
-of ``torch.load(weights_only=True)``; any other global is refused before it is looked up,
-so no constructor, function or ``__reduce__`` of another type can run. Object records in
-the data files are read with ``torch.load(weights_only=True)`` (:mod:`.planners`).
+DCP pickles a checkpoint's index and loads it with ``pickle.load``: a downloaded checkpoint could run code.
+:func:`read_metadata` unpickles with an allow-list of exactly the types DCP's metadata is made of (as
+``torch.load(weights_only=True)`` does); :func:`check_metadata` then checks every value fzero and DCP read
+(chunks tile their tensor, one record per chunk in a plain data file, records do not overlap, no transforms).
+Failures are :class:`CheckpointCorruptError` naming the file and entry.
 
-:func:`check_metadata` then checks what the metadata says, so that nothing downstream
-meets a malformed value (an ``AttributeError`` deep in DCP, a read outside the checkpoint
-directory, a tensor half of whose elements no record holds): every entry is a tensor or a
-bytes entry; every tensor's chunks lie inside it, do not overlap and cover it; every chunk
-and bytes entry has exactly one record, in a data file of the directory (a plain file
-name), and records do not overlap; no record asks DCP for a transform. Every failure is a
-:class:`~fzero.checkpoint.errors.CheckpointCorruptError` naming the file and the entry.
-
-Imports: :mod:`fzero.checkpoint.errors`.
+Imports: errors.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import pathlib
 import pickle
 from pathlib import Path
@@ -31,23 +21,16 @@ from typing import Any, Optional
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
 import torch.distributed.checkpoint.metadata as dcp_md
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
 
-from .errors import CheckpointCorruptError
+from .errors import CheckpointCorruptError, corrupt
 
 __all__ = ["METADATA_FILE", "FZERO_KEY", "read_metadata", "unpickle_metadata", "check_metadata", "DTYPES"]
 
 METADATA_FILE = ".metadata"
 CHECKSUMS_FILE = "checksums.json"  # written by .checksums; named here, the one file a record may not be
-# Metadata.planner_data holds {FZERO_KEY: {...}} in checkpoints fzero writes (see .checksums):
-# what the checkpoint was saved with, so a missing checksum file is damage, not an old format.
+# Metadata.planner_data holds {FZERO_KEY: {...}} in checkpoints fzero writes (see .checksums)
 FZERO_KEY = "fzero"
 
 DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
@@ -59,14 +42,11 @@ _METADATA_TYPES = ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesS
 
 def _allowed() -> dict[tuple[str, str], Any]:
     """Every global DCP's metadata pickle refers to: nothing else can be loaded."""
-    allowed: dict[tuple[str, str], Any] = {
-        (dcp_md.__name__, n): getattr(dcp_md, n) for n in _METADATA_TYPES
-    }
+    allowed: dict[tuple[str, str], Any] = {(dcp_md.__name__, n): getattr(dcp_md, n) for n in _METADATA_TYPES}
     allowed[(dcp_fs.__name__, "_StorageInfo")] = dcp_fs._StorageInfo
     allowed[("torch", "Size")] = torch.Size
     allowed.update({("torch", str(d).removeprefix("torch.")): d for d in DTYPES.values()})
-    # torch pickles a layout as _get_layout(name): a dict lookup among torch's layouts
-    allowed[("torch.serialization", "_get_layout")] = _layout
+    allowed[("torch.serialization", "_get_layout")] = _layout  # how torch pickles a layout
     # StorageMeta.checkpoint_id: the path DCP saved to (information only)
     for name in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"):
         allowed[("pathlib", name)] = pathlib.PurePosixPath if "Windows" not in name else pathlib.PureWindowsPath
@@ -88,31 +68,25 @@ class _MetadataUnpickler(pickle.Unpickler):
         try:
             return self.ALLOWED[(module, name)]
         except KeyError:
-            raise pickle.UnpicklingError(
-                f"it refers to {module}.{name}, which is not part of checkpoint metadata (loading it "
-                "could run code)"
-            ) from None
+            raise pickle.UnpicklingError(f"it refers to {module}.{name}, which is not part of checkpoint "
+                                         "metadata (loading it could run code)") from None
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("it holds a persistent reference, which checkpoint metadata never does")
 
 
 def unpickle_metadata(d: Path, blob: bytes) -> Metadata:
-    """The :class:`Metadata` pickled in ``blob`` (the bytes of ``d/.metadata``), built with the
-    allow-list only; :class:`CheckpointCorruptError` naming the file for anything else."""
+    """The :class:`Metadata` pickled in ``blob`` (the bytes of ``d/.metadata``), built with the allow-list
+    only; :class:`CheckpointCorruptError` naming the file for anything else."""
     try:
         md = _MetadataUnpickler(io.BytesIO(blob)).load()
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - any failure to decode means the same thing
-        raise CheckpointCorruptError(
-            f"corrupt checkpoint {d}: file {METADATA_FILE} cannot be read as checkpoint metadata "
-            f"({type(e).__name__}: {_first_line(e)}); nothing in it was run"
-        ) from e
+        raise corrupt(d, f"file {METADATA_FILE} cannot be read as checkpoint metadata ({type(e).__name__}: "
+                         f"{_first_line(e)}); nothing in it was run") from e
     if not isinstance(md, Metadata):
-        raise CheckpointCorruptError(
-            f"corrupt checkpoint {d}: file {METADATA_FILE} holds a {type(md).__name__}, not checkpoint metadata"
-        )
+        raise corrupt(d, f"file {METADATA_FILE} holds a {type(md).__name__}, not checkpoint metadata")
     return md
 
 
@@ -122,8 +96,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def read_metadata(d: Path) -> tuple[Metadata, bytes]:
-    """``d/.metadata`` unpickled with the allow-list and checked (:func:`check_metadata`), and
-    its bytes (whose digest the checksum file binds)."""
+    """``d/.metadata`` unpickled with the allow-list and checked (:func:`check_metadata`), and its bytes."""
     blob = read_bytes(d, METADATA_FILE)
     md = unpickle_metadata(d, blob)
     check_metadata(d, md)
@@ -138,7 +111,7 @@ def read_bytes(d: Path, name: str) -> bytes:
 
 
 def _fail(d: Path, what: str) -> CheckpointCorruptError:
-    return CheckpointCorruptError(f"corrupt checkpoint {d}: file {METADATA_FILE} is damaged: {what}")
+    return corrupt(d, f"file {METADATA_FILE} is damaged: {what}")
 
 
 def _is_shape(x: Any, ndim: Optional[int] = None) -> bool:
@@ -146,13 +119,14 @@ def _is_shape(x: Any, ndim: Optional[int] = None) -> bool:
             and (ndim is None or len(x) == ndim))
 
 
-def _is_count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+def _is_int(x: Any, least: int = 0) -> bool:
+    """An ``int`` (not a ``bool``) of at least ``least``."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= least
 
 
 def check_metadata(d: Path, md: Metadata) -> None:
-    """Everything fzero and DCP read from ``md`` has the type and the value it must have (see
-    the module doc); :class:`CheckpointCorruptError` naming the entry otherwise."""
+    """Everything fzero and DCP read from ``md`` has the type and value it must have (see the module doc);
+    :class:`CheckpointCorruptError` naming the entry otherwise."""
     try:
         _check_metadata(d, md)
     except CheckpointCorruptError:
@@ -162,10 +136,9 @@ def check_metadata(d: Path, md: Metadata) -> None:
 
 
 def _check_metadata(d: Path, md: Metadata) -> None:
-    entries = md.state_dict_metadata
+    entries, storage = md.state_dict_metadata, md.storage_data
     if not isinstance(entries, dict):
         raise _fail(d, "it has no entry table")
-    storage = md.storage_data
     if not isinstance(storage, dict):
         raise _fail(d, "it has no record table")
     wanted: dict[MetadataIndex, int] = {}  # every record the entries need -> its minimum length
@@ -175,8 +148,7 @@ def _check_metadata(d: Path, md: Metadata) -> None:
         if isinstance(entry, BytesStorageMetadata):
             wanted[MetadataIndex(key)] = 0
         elif isinstance(entry, TensorStorageMetadata):
-            for index, nbytes in _tensor_chunks(d, key, entry):
-                wanted[index] = nbytes
+            wanted.update(_tensor_chunks(d, key, entry))
         else:
             raise _fail(d, f"entry {key!r} is a {type(entry).__name__}, neither a tensor nor bytes")
     spans: dict[str, list[tuple[int, int, str]]] = {}
@@ -188,7 +160,7 @@ def _check_metadata(d: Path, md: Metadata) -> None:
             raise _fail(d, f"it lists a record of entry {key!r} at {_at(index)} that no entry has")
         if not _is_plain_file(info.relative_path):
             raise _fail(d, f"entry {key!r}: data file {info.relative_path!r} is not a file name of the checkpoint")
-        if not (_is_count(info.offset) and _is_count(info.length)):
+        if not (_is_int(info.offset) and _is_int(info.length)):
             raise _fail(d, f"entry {key!r}: record position {info.offset!r}+{info.length!r} is not a byte range")
         if getattr(info, "transform_descriptors", None):
             raise _fail(d, f"entry {key!r}: its record asks for transforms {info.transform_descriptors!r}, "
@@ -218,8 +190,8 @@ def _is_plain_file(name: Any) -> bool:
 
 
 def _tensor_chunks(d: Path, key: str, entry: TensorStorageMetadata) -> list[tuple[MetadataIndex, int]]:
-    """``[(record index, least bytes it needs)]`` for the chunks of a tensor entry, once they lie
-    inside the tensor, do not overlap and cover every element."""
+    """``[(record index, least bytes it needs)]`` for the chunks of a tensor entry, once they lie inside the
+    tensor, do not overlap and cover every element."""
     props, size, chunks = entry.properties, entry.size, entry.chunks
     if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
         raise _fail(d, f"entry {key!r} has no dtype")
@@ -227,23 +199,18 @@ def _tensor_chunks(d: Path, key: str, entry: TensorStorageMetadata) -> list[tupl
         raise _fail(d, f"entry {key!r}: size {size!r} is not a shape")
     if not isinstance(chunks, list) or not all(isinstance(c, ChunkStorageMetadata) for c in chunks):
         raise _fail(d, f"entry {key!r}: its chunk list is damaged")
-    numel, covered = _volume(size), 0
     itemsize = torch.empty((), dtype=props.dtype).element_size()
-    out = []
-    boxes: list[tuple[torch.Size, torch.Size]] = []
     for c in chunks:
         if not (_is_shape(c.offsets, len(size)) and _is_shape(c.sizes, len(size))):
             raise _fail(d, f"entry {key!r}: chunk {c.offsets!r} {c.sizes!r} does not fit its {len(size)} dimensions")
         if any(o + n > s for o, n, s in zip(c.offsets, c.sizes, size)):
             raise _fail(d, f"entry {key!r}: chunk at {list(c.offsets)} of {list(c.sizes)} lies outside "
                            f"its size {list(size)}")
-        boxes.append((c.offsets, c.sizes))
-        covered += _volume(c.sizes)
-        out.append((MetadataIndex(key, c.offsets), _volume(c.sizes) * itemsize))
-    _check_disjoint(d, key, boxes)
+    _check_disjoint(d, key, [(c.offsets, c.sizes) for c in chunks])
+    covered, numel = sum(math.prod(c.sizes) for c in chunks), math.prod(size)
     if covered != numel:
         raise _fail(d, f"entry {key!r}: its chunks hold {covered} of its {numel} elements")
-    return out
+    return [(MetadataIndex(key, c.offsets), math.prod(c.sizes) * itemsize) for c in chunks]
 
 
 def _check_disjoint(d: Path, key: str, boxes: list[tuple[torch.Size, torch.Size]]) -> None:
@@ -254,15 +221,8 @@ def _check_disjoint(d: Path, key: str, boxes: list[tuple[torch.Size, torch.Size]
     else:
         pairs = [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:]]
     for (o, n), (p, m) in pairs:
-        if all(max(a, b) < min(a + x, b + y) for a, x, b, y in zip(o, n, p, m)) and _volume(n) and _volume(m):
+        if all(max(a, b) < min(a + x, b + y) for a, x, b, y in zip(o, n, p, m)) and math.prod(n) and math.prod(m):
             raise _fail(d, f"entry {key!r}: chunks at {list(o)} and {list(p)} overlap")
-
-
-def _volume(shape: torch.Size) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def fzero_marks(md: Metadata) -> dict[str, Any]:

@@ -1,29 +1,13 @@
 """DCP planners for fzero's flat state dicts, and the calls into DCP.
 
-Uneven shards. DTensor describes only ``torch.chunk``-style even shards, and
-``ShardedTensor`` (which can describe arbitrary offsets) needs an initialised
-process group, so it cannot serve the simulated world (W ranks in one process,
-no process group). Instead each parameter is given to DCP as a small
-:class:`_Pieces` object that implements DCP's checkpointable protocol
-(``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``):
-a list of ``(offset, 1-D view)`` pieces of one global tensor. DCP's own
-planning, deduplication, validation (saved chunks must tile the tensor) and
-resharding reads do the rest; the planners below only teach the lookup of a
-piece by its offset (DCP's default lookup honours the protocol on
-``torch.Tensor`` subclasses only). On a real rank a parameter has at most one
-piece per process; on the simulated world one per simulated rank, all written
-by the one process (``no_dist=True``). The files are the same DCP format
-either way, so a checkpoint saved on gloo loads on the simulated world and
-vice versa.
+DTensor describes only even shards and ``ShardedTensor`` needs a process group, so each parameter goes to
+DCP as a :class:`_Pieces` (``(offset, 1-D view)`` pieces of one global tensor in DCP's checkpointable
+protocol); DCP's planning, validation and resharding reads do the rest. The files are the same on gloo and
+on the simulated world (``no_dist=True``). :func:`dcp_save` and :func:`dcp_load` convert every failure (DCP's
+``CheckpointException`` is a ``BaseException``) but ``KeyboardInterrupt``/``SystemExit`` to a
+:class:`CheckpointError` naming the directory (reading: the entry and data file); fzero's own pass through.
 
-Errors. DCP reports failures as ``CheckpointException``, a ``BaseException``
-that ``except Exception:`` does not catch. :func:`dcp_save` and :func:`dcp_load`
-convert it (and any other failure but ``KeyboardInterrupt``/``SystemExit``) to a
-:class:`~fzero.checkpoint.errors.CheckpointError` naming the directory, and for
-reads the entry and data file being read: a fzero error raised inside DCP (a
-checksum) is re-raised as it is.
-
-Imports: :mod:`fzero.layout`, :mod:`fzero.checkpoint.errors`, :mod:`fzero.checkpoint.checksums`.
+Imports: layout, checksums, errors, metadata.
 """
 
 from __future__ import annotations
@@ -31,68 +15,42 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import (
-    DefaultSavePlanner,
-    create_default_local_load_plan,
-)
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    LoadPlanner,
-    ReadItem,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, ReadItem, TensorWriteData, WriteItem,
+                                                  WriteItemType)
 
 from ..layout import Layout
 from .checksums import CheckedDir, ChecksumWriter, VerifyingReader
 from .errors import CheckpointCorruptError, CheckpointError
-
-# -- uneven 1-D shards for DCP ------------------------------------------------------------
+from .metadata import _first_line
 
 
 @dataclasses.dataclass(frozen=True)
 class _Pieces:
-    """Pieces ``(global offset, 1-D tensor)`` of a global 1-D tensor of ``numel`` elements
-    held by this process, in DCP's checkpointable protocol.
-
-    Saving: each piece becomes one DCP chunk. Loading: each piece is a view into
-    the destination buffer that DCP fills from the saved chunks overlapping it.
-    """
+    """Pieces ``(global offset, 1-D tensor)`` of a global 1-D tensor of ``numel`` elements held by this
+    process, in DCP's checkpointable protocol. Saving: each piece is one DCP chunk. Loading: each piece is a
+    view into the destination buffer that DCP fills from the saved chunks overlapping it."""
 
     numel: int
     dtype: torch.dtype
     pieces: tuple[tuple[int, torch.Tensor], ...]
 
     def size(self) -> torch.Size:
-        # DCP compares this with the saved size of the key before planning reads.
-        return torch.Size([self.numel])
+        return torch.Size([self.numel])  # DCP compares it with the saved size before planning reads
 
     def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, torch.Size([off])),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size([off]), sizes=t.size()),
-                    properties=TensorProperties.create_from_tensor(t),
-                    size=self.size(),
-                ),
-            )
-            for off, t in self.pieces
-        ]
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size([off])), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size([off]), t.size()),
+                                                      properties=TensorProperties.create_from_tensor(t),
+                                                      size=self.size()))
+                for off, t in self.pieces]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [ChunkStorageMetadata(offsets=torch.Size([off]), sizes=t.size()) for off, t in self.pieces]
@@ -105,13 +63,9 @@ class _Pieces:
 
 
 def _param_pieces(layout: Layout, rows: Sequence[torch.Tensor], ranks: Sequence[int]) -> dict[str, _Pieces]:
-    """Each trainable parameter's elements held in ``rows`` (one ``[R, shard_numel]`` buffer
-    per flat group, row ``i`` owned by rank ``ranks[i]``), as pieces of the parameter
-    flattened to 1-D: the intersection of each row's range with the parameter's.
-
-    Views, no copy. Padding belongs to no parameter, so it is never included; a
-    rank that owns only padding contributes no piece.
-    """
+    """Each trainable parameter's elements held in ``rows`` (one ``[R, shard_numel]`` buffer per flat group,
+    row ``i`` owned by rank ``ranks[i]``) as pieces of the parameter flattened to 1-D: views, never padding
+    (a rank that owns only padding contributes no piece)."""
     out: dict[str, _Pieces] = {}
     for g in layout.groups:
         n, buf = g.shard_numel, rows[g.index]
@@ -129,9 +83,7 @@ def _param_pieces(layout: Layout, rows: Sequence[torch.Tensor], ranks: Sequence[
 
 
 class _SavePlanner(DefaultSavePlanner):
-    """DCP's default save planner on an already flat state dict, plus lookup of
-    :class:`_Pieces` chunks by offset (the default accepts the checkpointable
-    protocol only on tensor subclasses)."""
+    """DCP's default save planner on an already flat state dict, looking :class:`_Pieces` chunks up by offset."""
 
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -144,17 +96,12 @@ class _SavePlanner(DefaultSavePlanner):
 
 
 class _LoadPlanner(LoadPlanner):
-    """Reads into the tensors and :class:`_Pieces` of a flat state dict, in place.
+    """Reads into the tensors and :class:`_Pieces` of a flat state dict, in place, with DCP's default local
+    plan (one read per overlap of a wanted and a saved chunk: the resharding). Object entries are unpickled
+    with ``weights_only=True``."""
 
-    Plans with DCP's default ``create_default_local_load_plan`` (one read per
-    overlap of a wanted chunk with a saved chunk: the resharding). Object
-    entries are unpickled with ``weights_only=True`` (primitives, containers,
-    tensors), as ``torch.load`` does by default.
-    """
-
-    def set_up_planner(
-        self, state_dict: dict[str, Any], metadata: Optional[Metadata] = None, is_coordinator: bool = False
-    ) -> None:
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Optional[Metadata] = None,
+                       is_coordinator: bool = False) -> None:
         self.state_dict = state_dict
         self.metadata = metadata
 
@@ -173,18 +120,13 @@ class _LoadPlanner(LoadPlanner):
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         obj = self.state_dict[read_item.dest_index.fqn]
-        target = obj.__get_tensor_shard__(read_item.dest_index) if isinstance(obj, _Pieces) else obj
-        return _narrow(target, read_item.dest_offsets, read_item.lengths)
+        t = obj.__get_tensor_shard__(read_item.dest_index) if isinstance(obj, _Pieces) else obj
+        for dim, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            t = t.narrow(dim, o, n)
+        return t
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         pass  # resolve_tensor handed out a view of the destination: already in place
-
-
-def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
-    """The view of ``t`` starting at ``offsets`` with ``lengths`` elements along each dimension."""
-    for dim, (o, n) in enumerate(zip(offsets, lengths)):
-        t = t.narrow(dim, o, n)
-    return t
 
 
 _SINGLE_PROCESS_NOTICE = ".*assuming the intent is to (save|load) in a single process.*"
@@ -192,52 +134,36 @@ _SINGLE_PROCESS_NOTICE = ".*assuming the intent is to (save|load) in a single pr
 
 def dcp_save(state_dict: dict[str, Any], path: Path, pg: Optional[dist.ProcessGroup],
              bind: Optional[Mapping[str, Any]] = None) -> None:
-    """DCP's save with checksums (:class:`ChecksumWriter`; ``bind``: what the checksum file
-    also binds, the step and the name); failures as :class:`CheckpointError`."""
-    try:
-        with warnings.catch_warnings():
-            # DCP warns when it runs in one process (no_dist): here that is intended.
-            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTICE)
-            dcp.save(
-                state_dict,
-                storage_writer=ChecksumWriter(path, sync_files=True, bind=bind),
-                planner=_SavePlanner(),
-                process_group=pg,
-                no_dist=pg is None,
-            )
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        raise _converted(e, f"writing checkpoint {path} failed", None) from e
+    """DCP's save with checksums (:class:`ChecksumWriter`; ``bind``: the step and the name the checksum file
+    also binds); failures as :class:`CheckpointError`."""
+    _call(lambda: dcp.save(state_dict, storage_writer=ChecksumWriter(path, sync_files=True, bind=bind),
+                           planner=_SavePlanner(), process_group=pg, no_dist=pg is None),
+          f"writing checkpoint {path} failed", None)
 
 
 def dcp_load(state_dict: dict[str, Any], checked: CheckedDir, pg: Optional[dist.ProcessGroup]) -> None:
-    """DCP's load into ``state_dict`` in place from a checked directory (its metadata read
-    without running code), every record's checksum checked as it is read
-    (:class:`VerifyingReader`); failures as :class:`CheckpointError` naming the entry and file."""
-    reader: Optional[VerifyingReader] = None
-    path = checked.dir
+    """DCP's load into ``state_dict`` in place from a checked directory, every record's checksum checked as
+    it is read (:class:`VerifyingReader`); failures as :class:`CheckpointError` naming the entry and file."""
+    reader = VerifyingReader(checked)
+    _call(lambda: dcp.load(state_dict, storage_reader=reader, planner=_LoadPlanner(), process_group=pg,
+                           no_dist=pg is None),
+          f"reading checkpoint {checked.dir} failed", reader)
+
+
+def _call(run: Callable[[], Any], what: str, reader: Optional[VerifyingReader]) -> None:
+    """``run()`` without DCP's one-process notice (intended here), any failure converted."""
     try:
-        reader = VerifyingReader(checked)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTICE)
-            dcp.load(state_dict, storage_reader=reader, planner=_LoadPlanner(), process_group=pg, no_dist=pg is None)
+            run()
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        where = None if reader is None else reader.current
-        raise _converted(e, f"reading checkpoint {path} failed", where) from e
-
-
-def _root_causes(e: BaseException) -> list[BaseException]:
-    """The exceptions inside DCP's ``CheckpointException`` (one per failed rank), else ``e``."""
-    if isinstance(e, CheckpointException):
-        return [exc for exc, _ in e.failures.values()]
-    return [e]
+        raise _converted(e, what, None if reader is None else reader.current) from e
 
 
 def _converted(e: BaseException, what: str, where: Optional[tuple[str, str]]) -> CheckpointError:
-    causes = _root_causes(e)
+    causes = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
     for c in causes:
         if isinstance(c, (KeyboardInterrupt, SystemExit)):
             return c  # type: ignore[return-value] - raised as it is
@@ -245,13 +171,11 @@ def _converted(e: BaseException, what: str, where: Optional[tuple[str, str]]) ->
         if isinstance(c, CheckpointError):
             return c  # a checksum or a check of ours: already names directory, file and entry
     cause = causes[0]
-    text = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+    text = f"{type(cause).__name__}: {_first_line(cause)}"
     if where is not None:
         key, file = where
         if isinstance(cause, OSError):
             return CheckpointError(f"{what}: reading entry {key!r} in data file {file}: {text}")
-        # DCP failed decoding a record: damaged bytes of a checkpoint saved without checksums.
+        # DCP failed decoding a record: damaged bytes of a checkpoint saved without checksums
         return CheckpointCorruptError(f"{what}: entry {key!r} in data file {file} cannot be decoded ({text})")
     return CheckpointError(f"{what}: {text}")
-
-

@@ -1,12 +1,10 @@
 """Atomic publication of a checkpoint directory, and the coordination of ranks around it.
 
-``save_checkpoint(state, root, comm, name=...)`` writes into ``root/.tmp-{name}``;
-after every rank has finished (DCP's final collective, then a barrier) the
-coordinator renames it to ``root/{name}`` and then atomically replaces
-``root/LATEST`` (temporary file, fsync, ``os.replace``). A save killed at any
-point leaves ``LATEST`` naming the previous, complete checkpoint.
+A save writes into ``root/.tmp-{name}``; once every rank has finished (DCP's final collective, a barrier) the
+coordinator renames it to ``root/{name}``, then replaces ``root/LATEST`` atomically (temporary file, fsync,
+``os.replace``). A save killed at any point leaves ``LATEST`` naming the previous, complete checkpoint.
 
-Imports: :mod:`fzero.comm`, :mod:`fzero.dist`, :mod:`fzero.checkpoint.errors`.
+Imports: comm, dist, errors.
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ LATEST = "LATEST"
 _TMP_PREFIX = ".tmp-"
 _OLD_PREFIX = ".old-"
 
+
 def _process_group(comm: Communicator) -> Optional[dist.ProcessGroup]:
     """The process group of ``comm``; None when one process holds every rank (the simulated world)."""
     inner = comm
@@ -36,21 +35,15 @@ def _process_group(comm: Communicator) -> Optional[dist.ProcessGroup]:
         return inner.group
     if comm.local_ranks == comm.world_size:
         return None
-    raise TypeError(
-        f"checkpoints need a communicator that holds every rank in one process or a "
-        f"TorchCommunicator; got {comm!r}"
-    )
-
-
-def _is_coordinator(pg: Optional[dist.ProcessGroup]) -> bool:
-    return pg is None or dist.get_rank(pg) == 0
+    raise TypeError(f"checkpoints need a communicator that holds every rank in one process or a "
+                    f"TorchCommunicator; got {comm!r}")
 
 
 def _on_coordinator(pg: Optional[dist.ProcessGroup], what: str, fn: Callable[[], None]) -> None:
-    """Run ``fn`` on the coordinator (rank 0 of ``pg``); every rank returns after it, or raises
-    if it failed. Collective: one ``broadcast_object_list`` of the outcome (none in one process)."""
+    """Run ``fn`` on the coordinator (rank 0 of ``pg``); every rank returns after it, or raises if it failed.
+    Collective: one ``broadcast_object_list`` of the outcome (none in one process)."""
     error: Optional[BaseException] = None
-    if _is_coordinator(pg):
+    if pg is None or dist.get_rank(pg) == 0:
         try:
             fn()
         except BaseException as e:  # noqa: BLE001 - every rank must learn of it, then it is re-raised
@@ -65,19 +58,15 @@ def _on_coordinator(pg: Optional[dist.ProcessGroup], what: str, fn: Callable[[],
 
 
 def _check_name(name: str) -> None:
-    if (
-        not isinstance(name, str) or not name or name != os.path.basename(name)
-        or name.startswith(".") or name == LATEST
-    ):
-        raise ValueError(
-            f"checkpoint name must be a plain directory name (no '/', not starting with '.', "
-            f"not {LATEST!r}), got {name!r}"
-        )
+    if not isinstance(name, str) or not name or name != os.path.basename(name) or name.startswith(".") \
+            or name == LATEST:
+        raise ValueError(f"checkpoint name must be a plain directory name (no '/', not starting with '.', "
+                         f"not {LATEST!r}), got {name!r}")
 
 
 def _read_latest(root: Path) -> Optional[str]:
-    """The name ``root/LATEST`` holds; None without one. A ``LATEST`` that cannot be read or
-    does not hold a checkpoint name is a :class:`CheckpointCorruptError` naming it."""
+    """The name ``root/LATEST`` holds; None without one. :class:`CheckpointCorruptError` naming it if it
+    cannot be read or holds no checkpoint name."""
     try:
         raw = (root / LATEST).read_bytes()
     except FileNotFoundError:
@@ -96,7 +85,7 @@ def _read_latest(root: Path) -> Optional[str]:
 
 
 def _fsync_dir(path: Path) -> None:
-    # A rename is durable only once its directory is synced.
+    """Make a rename in ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -116,8 +105,7 @@ def _write_latest(root: Path, name: str) -> None:
 
 
 def _prepare_tmp(root: Path, tmp: Path) -> None:
-    """A fresh empty ``tmp``; leftovers of interrupted saves in ``root`` are removed
-    (a root belongs to one run: one save at a time)."""
+    """A fresh empty ``tmp``; leftovers of interrupted saves in ``root`` are removed (one save at a time)."""
     root.mkdir(parents=True, exist_ok=True)
     for p in root.iterdir():
         if p.is_dir() and p.name.startswith((_TMP_PREFIX, _OLD_PREFIX)):
@@ -128,11 +116,8 @@ def _prepare_tmp(root: Path, tmp: Path) -> None:
 
 
 def _publish(root: Path, tmp: Path, name: str) -> None:
-    """Rename the finished ``tmp`` to ``root/name``, then point ``LATEST`` at it.
-
-    A stale directory of that name (not the one ``LATEST`` names: that was
-    refused earlier) is moved aside first and removed last.
-    """
+    """Rename the finished ``tmp`` to ``root/name``, then point ``LATEST`` at it. A stale directory of that
+    name (not the one ``LATEST`` names: refused earlier) is moved aside first and removed last."""
     _fsync_dir(tmp)
     final = root / name
     aside = None

@@ -1,13 +1,9 @@
-"""The communicator over a ``torch.distributed`` process group: :class:`TorchCommunicator`.
+"""The communicator over a ``torch.distributed`` process group, one process per rank (``torchrun``):
+:class:`TorchCommunicator`. Eagerly its collectives are c10d calls with ``async_op=True``; traced, fzero's
+operators on gloo (:mod:`fzero.dist.gloo`), functional collectives elsewhere. Both run the process group's own
+algorithm, so eager and compiled steps reduce to the same bits.
 
-One process is one rank (the local-rank axis has size 1), launched by ``torchrun``. Eagerly,
-collectives are c10d calls with ``async_op=True`` whose waits are bounded by ``timeout``, and
-``overlaps`` is set: the step may run them on a thread of their own while backward goes on.
-Traced (:meth:`~fzero.comm.Communicator.tracing`), on gloo they are fzero's operators
-(:mod:`fzero.dist.gloo`), elsewhere ``torch.distributed._functional_collectives``. Both run
-the process group's own algorithm, so eager and compiled steps reduce to the same bits.
-
-Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.scopes``, ``fzero.dist.gloo``.
+Imports: comm, layout, dist.gloo.
 """
 
 from __future__ import annotations
@@ -40,15 +36,13 @@ _c10d_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.redu
 def launcher_world_size(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
     """The world size a launcher (``torchrun``) gave this process, or ``None``."""
     env = os.environ if env is None else env
-    if "LOCAL_RANK" not in env or "WORLD_SIZE" not in env:
-        return None
-    return int(env["WORLD_SIZE"])
+    return int(env["WORLD_SIZE"]) if "LOCAL_RANK" in env and "WORLD_SIZE" in env else None
 
 
 def choose_comm(requested: str, env: Optional[Mapping[str, str]] = None) -> str:
-    """``"sim"`` or ``"torch"`` for a script's ``--comm {auto,sim,torch}``: ``auto`` is ``torch``
-    under a launcher and ``sim`` otherwise; ``sim`` under a launcher of several ranks raises
-    ``ValueError`` (each process would run the same simulated world and write the same files)."""
+    """``"sim"`` or ``"torch"`` for a script's ``--comm {auto,sim,torch}``: ``auto`` is ``torch`` under a
+    launcher and ``sim`` otherwise; ``sim`` under a launcher of several ranks raises ``ValueError`` (each
+    process would run the same simulated world and write the same files)."""
     if requested not in ("auto", "sim", "torch"):
         raise ValueError(f"--comm must be auto, sim or torch, got {requested!r}")
     world = launcher_world_size(env)
@@ -66,36 +60,25 @@ class LayoutMismatchError(ValueError):
 
 
 class TorchCommunicator(Communicator):
-    """Collectives over ``group`` (default: the world group) for this process's rank.
-
-    ``reduce_scatter_via``: ``"reduce_scatter"`` (the backend's own), ``"all_to_all"`` (each
-    rank sends every other rank its chunk and sums what it received in rank order: a
-    reduce-scatter's traffic and the simulated world's bits at any W), ``"all_reduce"`` (an
-    all-reduce and a slice, twice the traffic). Default: ``"all_to_all"`` on gloo, whose own
-    reduce-scatter is its slowest collective (W=2, 1M floats: 5.5 ms native, 4.7 all-reduce,
-    2.6 all-to-all; ``benchmarks/bench_collectives.py``), the backend's own elsewhere.
-
-    ``all_gather_via``: ``"all_gather"`` (the backend's own) or ``"point_to_point"``
-    (:func:`fzero.dist.gloo.point_to_point_gather`; the default on gloo).
-
-    ``timeout`` (seconds or a ``timedelta``; default None: the process group's own): the
-    longest a rank waits for one collective of a step; a stalled or dead peer then raises
-    :class:`~fzero.comm.CollectiveError` naming it. Compiled steps on gloo too (fzero's
-    operators wait inside the graph). Pass the same bound to ``init_process_group(timeout=)``:
-    it bounds what runs outside the step."""
+    """Collectives over ``group`` (default: the world group) for this process's rank (local-rank axis of size 1);
+    ``RuntimeError`` without a default process group. ``reduce_scatter_via``: ``"reduce_scatter"`` (the
+    backend's own), ``"all_to_all"`` (each rank sends every other rank its chunk and sums what it received in
+    rank order: a reduce-scatter's traffic, the simulated world's bits) or ``"all_reduce"`` (and a slice: twice
+    the traffic); default ``"all_to_all"`` on gloo (its own reduce-scatter is its slowest collective), else the
+    backend's own. ``all_gather_via``: ``"all_gather"`` (the backend's own) or ``"point_to_point"`` (the default
+    on gloo). ``timeout`` (seconds or a ``timedelta``; default: the process group's own) bounds each wait of a
+    step, eager or compiled: a stalled or dead peer then raises :class:`~fzero.comm.CollectiveError`. Pass the
+    same bound to ``init_process_group(timeout=)`` for what runs outside the step."""
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, reduce_scatter_via: Optional[str] = None,
                  timeout: Optional[Union[float, datetime.timedelta]] = None, all_gather_via: Optional[str] = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchCommunicator needs an initialised default process group: call "
                                "torch.distributed.init_process_group (e.g. under torchrun) first")
-        # The default group is not held (None means it to c10d): holding it kept gloo's threads
-        # alive after destroy_process_group, and a thread freeing a tensor during interpreter
-        # shutdown aborted the process (about 1 run in 10 under load).
+        # None, not the default group: holding it kept gloo's threads alive past shutdown, and could abort the process
         self._pg = group
         self._name = (group if group is not None else dist.group.WORLD).group_name
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.local_ranks, self.ranks = 1, (self.rank,)
         self.backend = str(dist.get_backend(group))
         gloo = self.backend == "gloo"
@@ -112,8 +95,7 @@ class TorchCommunicator(Communicator):
             raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
         self.timeout = None if timeout is None else float(timeout)
         self.overlaps = True
-        # all_to_all receives the input's size beside the result, an all-reduce reduces a copy of
-        # it, gloo's own reduce-scatter copies its input too (census, tests/test_memory_census.py)
+        # beside the result: all_to_all receives the input's size, all-reduce and gloo's reduce-scatter copy it
         self.reduce_scatter_buffers = 0.0 if reduce_scatter_via == "reduce_scatter" and not gloo else 1.0
         self.all_reduce_buffers = 1.0
         self._ops = gloo and self.world_size > 1  # traced: fzero's operators (fzero.dist.gloo)
@@ -136,8 +118,7 @@ class TorchCommunicator(Communicator):
 
     @contextlib.contextmanager
     def reusing_buffers(self) -> Iterator[None]:
-        """Eagerly: gathers and all-to-all receives inside the block come from a
-        :class:`~fzero.dist.gloo.ScratchPool`, dropped at its end."""
+        """Eagerly: gathers and all-to-all receives inside the block come from one :class:`ScratchPool`."""
         if self.traced or self._pool is not None:
             yield
             return
@@ -158,16 +139,11 @@ class TorchCommunicator(Communicator):
     def _t(self) -> float:
         return self.timeout or 0.0
 
-    def _finish(self, total: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        # a functional collective's result waited for here: states hold plain tensors
-        return self._average(funcol.wait_tensor(total), op)
-
     def _average(self, total: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         return total / self.world_size if op == "avg" and self.world_size > 1 else total
 
-    # -- all-reduce -------------------------------------------------------------------
-    def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        return self.all_reduce_start(x, op)()
+    def _traced_p2p(self) -> bool:
+        return self.traced and self._ops and self.all_gather_via == "point_to_point"
 
     def all_reduce_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
         self._check_rows(x, "all_reduce")
@@ -182,7 +158,8 @@ class TorchCommunicator(Communicator):
             out = torch.ops.fzero.all_reduce_shard(x[0], self.world_size, -1, op, self._name, self._t())
             return lambda: out.unsqueeze(0)
         started = funcol.all_reduce(x[0], "max" if op == "max" else "sum", self._name)
-        return lambda: self._finish(started, op).unsqueeze(0)
+        # functional collectives are waited for in the returned function: states hold plain tensors
+        return lambda: self._average(funcol.wait_tensor(started), op).unsqueeze(0)
 
     def all_reduce_shard_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
         """Traced on gloo one operator that frees the whole sum inside; otherwise the default."""
@@ -194,10 +171,6 @@ class TorchCommunicator(Communicator):
             raise ValueError(f"all_reduce_shard supports 'sum' and 'avg', got {op!r}")
         out = torch.ops.fzero.all_reduce_shard(x[0], self.world_size, self.rank, op, self._name, self._t())
         return lambda: out.unsqueeze(0)
-
-    # -- reduce-scatter ---------------------------------------------------------------
-    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        return self.reduce_scatter_start(x, op)()
 
     def reduce_scatter_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
         self._check_rows(x, "reduce_scatter")
@@ -224,34 +197,28 @@ class TorchCommunicator(Communicator):
                           self._bound(what.replace(")", ", as all_to_all_single)", 1)), sent)
         if self.traced:
             started = funcol.reduce_scatter_tensor(x[0], "sum", 0, self._name)
-            return lambda: self._finish(started, op).unsqueeze(0)
+            return lambda: self._average(funcol.wait_tensor(started), op).unsqueeze(0)
         out, sent = x.new_empty(n), x[0].contiguous()
         work = _c10d_reduce_scatter(out, sent, dist.ReduceOp.SUM, group=self._pg, async_op=True)
         return waiter(work, lambda: average_owned(out, op, world).unsqueeze(0), self._bound(what), sent)
-
-    # -- all-gather -------------------------------------------------------------------
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        return self.all_gather_start(x)()
 
     def all_gather_start(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
         self._check_rows(x, "all_gather")
         if x.dim() != 2:
             raise ValueError(f"all_gather: expected shape [R, n], got {tuple(x.shape)}")
+        if self._traced_p2p():
+            out = torch.ops.fzero.all_gather_point_to_point(x[0].contiguous(), self.world_size, self._name, self._t())
+            return lambda: out.unsqueeze(0)
         if self.traced:
-            if self._ops and self.all_gather_via == "point_to_point":
-                out = torch.ops.fzero.all_gather_point_to_point(x[0].contiguous(), self.world_size, self._name,
-                                                                self._t())
-                return lambda: out.unsqueeze(0)
             started = _funcol_gather(x[0].contiguous(), 0, self._name)
-            return lambda: self._finish(started, "sum").unsqueeze(0)
+            return lambda: funcol.wait_tensor(started).unsqueeze(0)
         out = self._empty(self.world_size * x.shape[1], x)
         return self._gather_into(out, x[0].contiguous(), lambda: out.unsqueeze(0))
 
     def all_gather_into_start(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """Eagerly c10d gathers straight into ``out``; traced, the operator writes it (gloo's
-        point-to-point path) or the functional gather's result is copied into it."""
+        """Eagerly c10d gathers straight into ``out``; traced, gloo's operator does, or the result is copied in."""
         self._check_into(x, out)
-        if self.traced and self._ops and self.all_gather_via == "point_to_point" and out.is_contiguous():
+        if self._traced_p2p() and out.is_contiguous():
             torch.ops.fzero.gather_point_to_point_many([out[0]], [x[0].contiguous()], self._name, self._t())
             return lambda: out
         if self.traced or not out.is_contiguous():
@@ -260,10 +227,8 @@ class TorchCommunicator(Communicator):
         return self._gather_into(out[0], x[0].contiguous(), lambda: out)
 
     def all_gather_into(self, xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
-        """Traced on gloo's point-to-point path one operator for every pair, all sends and
-        receives started before any wait; otherwise the default."""
-        if not (self.traced and self._ops and self.all_gather_via == "point_to_point"
-                and all(o.is_contiguous() for o in outs)):
+        """Traced on gloo's point-to-point path: one operator for every pair; otherwise the default."""
+        if not (self._traced_p2p() and all(o.is_contiguous() for o in outs)):
             return super().all_gather_into(xs, outs)
         for x, out in zip(xs, outs):
             self._check_into(x, out)
@@ -272,8 +237,7 @@ class TorchCommunicator(Communicator):
 
     def _gather_into(self, out: torch.Tensor, sent: torch.Tensor,
                      result: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        """Start the eager gather of ``sent`` into ``out`` (``[W * n]``) as ``all_gather_via``
-        says; what is sent is kept until the wait."""
+        """Starts the eager gather of ``sent`` into ``out`` (``[W * n]``) as ``all_gather_via`` says."""
         if self.all_gather_via == "point_to_point" and self.world_size > 1:
             self._sent_tags = (self._sent_tags + 1) % (1 << 30)
             work: Any = point_to_point_gather(out, sent, self._pg, self.rank, self.world_size, self._sent_tags)
@@ -281,10 +245,8 @@ class TorchCommunicator(Communicator):
             work = _c10d_all_gather(out, sent, group=self._pg, async_op=True)
         return waiter(work, result, self._bound(f"all_gather of {out.numel()} {out.dtype}"), sent)
 
-    # -- broadcast, layout ------------------------------------------------------------
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        self._check_rows(x, "broadcast")
-        self._check_src(src)
+        self._check_broadcast(x, src)
         if self.timeout is not None and not self.traced:  # c10d's work, so that the wait is bounded
             out = x[0].contiguous().clone()
             work = dist.broadcast(out, group_src=src, group=self._pg, async_op=True)
@@ -297,10 +259,9 @@ class TorchCommunicator(Communicator):
         ``all_gather_object`` every rank joins whatever it built (an error, not a hang)."""
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, (layout.fingerprint, layout.describe()), group=self._pg)
-        fingerprints = [g[0] for g in gathered]
-        if len(set(fingerprints)) == 1:
+        odd = next((r for r, g in enumerate(gathered) if g[0] != gathered[0][0]), None)
+        if odd is None:
             return
-        odd = next(r for r, f in enumerate(fingerprints) if f != fingerprints[0])
         raise LayoutMismatchError(
             f"rank {self.rank}: ranks built different parameter layouts (rank 0 vs rank {odd}: "
             f"{first_difference(gathered[0][1], gathered[odd][1])}); every rank must build the same model with "

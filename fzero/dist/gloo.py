@@ -1,21 +1,10 @@
-"""What :class:`fzero.dist.TorchCommunicator` does on gloo, and the bounded waits it uses.
+"""What :class:`fzero.dist.TorchCommunicator` does on gloo, and the bounded waits it uses: a point-to-point
+all-gather (:func:`point_to_point_gather`), host buffers handed out again (:class:`ScratchPool`), and traced
+collectives as operators (``torch.library.custom_op``) that run the eager c10d calls inside a compiled step's
+graph and wait there, within the communicator's timeout (a functional collective takes none, and gloo's thread
+frees its buffers whenever inductor's schedule lets it), one reduction at a time.
 
-* **Point-to-point all-gather** (:func:`point_to_point_gather`): gloo's own all-gather
-  receives into a buffer of the output's size it allocates for every call, then copies out
-  of it. Measured (gloo W=2, 2 cores, one gather of 81M floats per rank): 1.44 s and 158 000
-  page faults, against 0.38-0.50 s and none with ``isend``/``irecv`` straight into the output.
-* **Traced collectives as operators** (``torch.library.custom_op``): a compiled step's
-  reductions and gathers run the eager c10d calls inside the graph and wait there, within the
-  communicator's timeout (a functional collective takes none, and gloo's thread frees its
-  buffers when inductor's schedule lets it: at 162M a compiled stage-2 step held every
-  group's received buffer at once). One reduction at a time, its buffers dropped before the
-  next starts.
-* **Buffer reuse** (:class:`ScratchPool`): an eager stage-3 step gathers every unit in
-  forward and again in backward, buffers of the same few sizes; glibc maps each fresh and it
-  faults in page by page (at 162M, gloo W=2: 47 gather buffers, 1.8 GB a step). The pool
-  hands a buffer out again once nothing refers to its storage (its reference count).
-
-Imports: torch only.
+Imports: comm, scopes.
 """
 
 from __future__ import annotations
@@ -34,14 +23,13 @@ from ..scopes import GATHER, GRAD_REDUCTION, step_scope
 __all__ = ["Bound", "wait", "waiter", "Works", "point_to_point_gather", "ScratchPool", "C10D_OP"]
 
 C10D_OP = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-
 # (collective, rank, timeout in seconds): what a bounded wait names when it gives up
 Bound = Optional[tuple[str, int, float]]
 
 
 def wait(work: Any, bound: Bound) -> None:
-    """``work.wait()``; with a bound, c10d's ``wait(timeout)``, and a failure (the timeout, or a
-    peer that died) as :class:`~fzero.comm.CollectiveError` naming the collective."""
+    """``work.wait()``; with a bound, c10d's ``wait(timeout)``, and a failure (the timeout, or a peer that
+    died) as :class:`~fzero.comm.CollectiveError` naming the collective."""
     if bound is None:
         work.wait()
         return
@@ -57,11 +45,9 @@ def wait(work: Any, bound: Bound) -> None:
 
 def waiter(work: Any, result: Callable[[], torch.Tensor], bound: Bound = None,
            sent: Optional[torch.Tensor] = None) -> Callable[[], torch.Tensor]:
-    """A function that waits for ``work`` and gives ``result()``. The ``Work`` is dropped once
-    waited for (it keeps the thread-local state of its launch, saved-tensor hooks included: a
-    ``Work`` reachable from those hooks was a reference cycle through C++ that leaked each
-    stage-3 step's gradients). ``sent`` is kept until the wait, so a step's memory does not
-    depend on when gloo's thread lets it go."""
+    """A function that waits for ``work`` and gives ``result()``. The ``Work`` is dropped once waited for (it
+    keeps its launch's saved-tensor hooks: a reference cycle through C++ otherwise). ``sent`` is kept until the
+    wait, so a step's memory does not depend on when gloo's thread lets it go."""
     pending, keep = [work], [sent]
 
     def done() -> torch.Tensor:
@@ -92,9 +78,9 @@ class Works:
 
 def point_to_point_gather(out: torch.Tensor, sent: torch.Tensor, group: Optional[dist.ProcessGroup], rank: int,
                           world: int, tag: int) -> Works:
-    """Start an all-gather of ``sent`` (``[n]``, contiguous) into ``out`` (``[world * n]``,
-    rank-major): ``world - 1`` sends and receives, each peer's shard received straight into
-    its place, this rank's copied there."""
+    """Start an all-gather of ``sent`` (``[n]``, contiguous) into ``out`` (``[world * n]``, rank-major):
+    ``world - 1`` sends and receives, each peer's shard received straight into its place (gloo's own all-gather
+    receives into a fresh buffer and copies out of it), this rank's copied there."""
     n = sent.numel()
     works = []
     for k in range(1, world):
@@ -105,44 +91,34 @@ def point_to_point_gather(out: torch.Tensor, sent: torch.Tensor, group: Optional
     return Works(works)
 
 
-def _group(name: str) -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
-
-
-def _bound(what: str, group: dist.ProcessGroup, timeout: float) -> Bound:
-    """A traced operator's bound: ``timeout`` 0 is none (the process group's own)."""
-    return (what, dist.get_rank(group), timeout) if timeout > 0 else None
-
-
 def average_owned(total: torch.Tensor, op: str, world: int) -> torch.Tensor:
     """``avg``'s division in place, for a result buffer the collective allocated itself."""
     return total.div_(world) if op == "avg" and world > 1 else total
 
 
+def _group_and_bound(group_name: str, what: str, timeout: float) -> tuple[dist.ProcessGroup, Bound]:
+    """A traced operator's process group, and the bound of its wait for ``what`` (``timeout`` 0: none)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    return group, ((what, dist.get_rank(group), timeout) if timeout > 0 else None)
+
+
 @torch.library.custom_op("fzero::gather_point_to_point_many", mutates_args=("outs",))
 def _gather_many(outs: list[torch.Tensor], sents: list[torch.Tensor], group_name: str, timeout: float) -> None:
-    """:func:`point_to_point_gather` of each ``sents[k]`` into ``outs[k]``, every one started
-    before any is waited for, within one deadline (162M, gloo W=2, compiled stage 2: 3.84-3.99 s
-    a step with one operator per group waited for in turn, 3.71-3.73 s this way)."""
-    group = _group(group_name)
+    """:func:`point_to_point_gather` of each ``sents[k]`` into ``outs[k]``, all started before one deadline (it
+    returns nothing, so torch makes its fake itself)."""
+    what = f"all_gather of {sum(out.numel() for out in outs)} {outs[0].dtype} in {len(outs)} groups"
+    group, bound = _group_and_bound(group_name, what, timeout)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     works = Works([w for k, (out, sent) in enumerate(zip(outs, sents))
                    for w in point_to_point_gather(out, sent, group, rank, world, k).works])
-    total = sum(out.numel() for out in outs)
-    wait(works, _bound(f"all_gather of {total} {outs[0].dtype} in {len(outs)} groups", group, timeout))
-
-
-@_gather_many.register_fake
-def _(outs: list[torch.Tensor], sents: list[torch.Tensor], group_name: str, timeout: float) -> None:
-    return None
+    wait(works, bound)
 
 
 @torch.library.custom_op("fzero::all_gather_point_to_point", mutates_args=())
 def _gather_new(sent: torch.Tensor, world: int, group_name: str, timeout: float) -> torch.Tensor:
-    """The point-to-point gather into a new ``[world * n]``: the functional form, which a compiled
-    stage-3 step recomputes in backward instead of keeping the unit (``fzero.units``)."""
+    """The gather into a new ``[world * n]``: a compiled stage-3 step recomputes it in backward (``fzero.units``)."""
     with step_scope(GATHER):
         out = sent.new_empty(world * sent.numel())
         _gather_many([out], [sent], group_name, timeout)
@@ -156,18 +132,14 @@ def _(sent: torch.Tensor, world: int, group_name: str, timeout: float) -> torch.
 
 @torch.library.custom_op("fzero::reduce_scatter_all_to_all", mutates_args=())
 def _reduce_scatter_op(sent: torch.Tensor, world: int, op: str, group_name: str, timeout: float) -> torch.Tensor:
-    """Rank ``k``'s chunk of every rank's ``sent`` (``[world * n]``) arrives at rank ``k`` and is
-    summed there in rank order (``[world, n].sum(0)``, the simulated world's kernel), averaged
-    in place for ``avg``. Allocates the received ``[world * n]`` (freed before it returns) and
-    the result ``[n]``."""
-    group = _group(group_name)
+    """Rank ``k``'s chunk of every rank's ``sent`` (``[world * n]``) arrives at rank ``k``, summed there in rank
+    order as in the simulated world (``[world, n].sum(0)``); the received buffer is freed before it returns."""
+    what = f"reduce_scatter ({op}, as all_to_all_single) of {sent.numel()} {sent.dtype}"
+    group, bound = _group_and_bound(group_name, what, timeout)
     n = sent.numel() // world
     with step_scope(GRAD_REDUCTION):
         received = sent.new_empty(world * n)
-        work = dist.all_to_all_single(received, sent, group=group, async_op=True)
-        wait(work, _bound(f"reduce_scatter ({op}, as all_to_all_single) of {sent.numel()} {sent.dtype}", group,
-                          timeout))
-        del work
+        wait(dist.all_to_all_single(received, sent, group=group, async_op=True), bound)
         total = received.view(world, n).sum(0)
         del received
         return average_owned(total, op, world)
@@ -180,14 +152,13 @@ def _(sent: torch.Tensor, world: int, op: str, group_name: str, timeout: float) 
 
 @torch.library.custom_op("fzero::all_reduce_shard", mutates_args=())
 def _all_reduce_op(x: torch.Tensor, world: int, rank: int, op: str, group_name: str, timeout: float) -> torch.Tensor:
-    """``all_reduce`` of a copy of ``x``, waited for, averaged for ``avg``; ``rank`` -1 returns
-    the whole, a rank its chunk ``[numel / world]`` (ZeRO-1's reduction: the whole sum is freed
-    inside, so a compiled stage-1 step holds one group's sum at a time)."""
-    group = _group(group_name)
+    """``all_reduce`` of a copy of ``x``; ``rank`` -1 returns the whole, a rank its chunk ``[numel / world]``
+    (ZeRO-1: the whole sum is freed inside, so a compiled stage-1 step holds one group's sum at a time)."""
+    group, bound = _group_and_bound(group_name, f"all_reduce ({op}) of {x.numel()} {x.dtype}", timeout)
     with step_scope(GRAD_REDUCTION):
         out = x.clone()
         work = dist.all_reduce(out, C10D_OP[op], group=group, async_op=True)
-        wait(work, _bound(f"all_reduce ({op}) of {out.numel()} {out.dtype}", group, timeout))
+        wait(work, bound)
         if rank >= 0:
             n = x.numel() // world
             out = out[rank * n:(rank + 1) * n].clone()
@@ -201,19 +172,15 @@ def _(x: torch.Tensor, world: int, rank: int, op: str, group_name: str, timeout:
 
 # The storage's reference count (a private torch function: where a torch lacks it, nothing is pooled)
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
-
-# Smaller blocks come from glibc's heap, which keeps freed memory mapped anyway
-MIN_BYTES = 1 << 20
-
-# A request may take a free buffer up to this many times its size (162M, stage 3: the gathers'
-# census peak 389.8 MiB with it, 416.8 with exact sizes only)
-SLACK = 1.25
+MIN_BYTES = 1 << 20  # smaller blocks come from glibc's heap, which keeps freed memory mapped anyway
+SLACK = 1.25  # a request may take a free buffer up to this many times its size (a lower peak than exact sizes)
 
 
 class ScratchPool:
-    """Host buffers of at least :data:`MIN_BYTES`, handed out again once nothing (tensor, view,
-    autograd node, collective) refers to their storage: reuse cannot change a value. At most
-    ``per_size`` free buffers of one size are kept; :meth:`clear` drops them all."""
+    """Host buffers of at least :data:`MIN_BYTES` (eager stage 3 gathers into the same few sizes, which glibc maps
+    afresh and faults in page by page), handed out again once nothing (tensor, view, autograd node, collective)
+    refers to their storage, so reuse cannot change a value. At most ``per_size`` free buffers of one size are
+    kept; :meth:`clear` drops them all."""
 
     def __init__(self, per_size: int = 2):
         self.per_size = per_size
@@ -228,11 +195,8 @@ class ScratchPool:
         nbytes = math.prod(int(s) for s in shape) * dtype.itemsize
         if nbytes < MIN_BYTES or torch.device(device).type != "cpu" or _USE_COUNT is None:
             return torch.empty(tuple(shape), dtype=dtype, device=device)
-        base = None
-        for size in sorted(k for k in self.bufs if nbytes <= k <= nbytes * SLACK):
-            base = next((b for b in self.bufs[size] if self._free(b)), None)
-            if base is not None:
-                break
+        sizes = sorted(k for k in self.bufs if nbytes <= k <= nbytes * SLACK)
+        base = next((b for size in sizes for b in self.bufs[size] if self._free(b)), None)
         if base is None:
             base = torch.empty(nbytes, dtype=torch.uint8, device=device)
             self.bufs.setdefault(nbytes, []).append(base)
@@ -244,16 +208,11 @@ class ScratchPool:
         return out
 
     def _trim(self) -> None:
-        for size in list(self.bufs):
-            spare, kept = self.per_size, []
-            for b in self.bufs[size]:
-                if not self._free(b):
-                    kept.append(b)
-                elif spare:
-                    kept.append(b)
-                    spare -= 1
-            self.bufs[size] = kept
-            if not kept:
+        """Drops each size's free buffers beyond the first ``per_size``."""
+        for size, bases in list(self.bufs.items()):
+            spare = [b for b in bases if self._free(b)][self.per_size:]
+            self.bufs[size] = [b for b in bases if not any(b is s for s in spare)]
+            if not self.bufs[size]:
                 del self.bufs[size]
 
     def clear(self) -> None:

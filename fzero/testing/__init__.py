@@ -1,20 +1,13 @@
-"""Testing and measurement utilities (not used by training code).
+"""Testing and measurement utilities, unused by training code: :class:`FaultyWorld` (``faults``),
+:class:`Census` (``census``), :class:`GatherTracker`, :func:`run_torchrun`, and hypothesis strategies
+(``strategies``: needs ``hypothesis``, which importing this package does not).
 
-* :class:`FaultyWorld` (``fzero.testing.faults``): a communicator wrapper that
-  injects faults (non-finite gradients, a corrupted collective result, a
-  delayed rank) at given steps and records what it did;
-* :mod:`fzero.testing.strategies`: hypothesis strategies for property tests
-  of training code (needs ``hypothesis``: ``pip install fzero[testing]``;
-  ``import fzero.testing`` works without it);
-* :class:`GatherTracker` (live gathered bytes), :func:`run_torchrun`;
-* :class:`Census` (``fzero.testing.census``): live CPU tensor bytes of a block
-  at its peak, by what holds them (the profiler's allocator events, replayed).
-
-Imports: ``fzero.comm``.
+Imports: comm, census, faults.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -29,64 +22,38 @@ from ..comm import Communicator, ReduceOp
 from .census import Census
 from .faults import CorruptResult, Delay, FaultRecord, FaultyWorld, GradFault
 
-__all__ = [
-    "Census",
-    "CorruptResult",
-    "Delay",
-    "FaultRecord",
-    "FaultyWorld",
-    "GatherTracker",
-    "GradFault",
-    "run_torchrun",
-]
+__all__ = ["Census", "CorruptResult", "Delay", "FaultRecord", "FaultyWorld", "GatherTracker", "GradFault",
+           "run_torchrun"]
 
 
-def run_torchrun(
-    nproc: int,
-    script: str,
-    args: Sequence[str],
-    *,
-    timeout: float,
-    pythonpath: Sequence[str] = (),
-    capture: bool = True,
-) -> tuple[Optional[int], str]:
-    """Run ``script`` under PyTorch's launcher (``torch.distributed.run``) on ``nproc``
-    local ranks, in a new session, and kill torchrun with every rank on timeout,
-    on Ctrl-C, or if it is left running for any reason.
-
-    Returns ``(exit code or None on timeout, output)``; the output is empty
-    when ``capture=False`` (it goes to this process's stdout). Ranks get
-    ``OMP_NUM_THREADS=1`` unless set, ``pythonpath`` prepended to
-    ``PYTHONPATH``, a shared inductor cache, and ``PYTHONFAULTHANDLER=1`` unless
-    set (a rank killed by a signal, a crash inside C code, prints every thread's
-    Python stack: torchrun alone reports only the signal).
-    """
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), script, *args,
-    ]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
+def run_torchrun(nproc: int, script: str, args: Sequence[str], *, timeout: float, pythonpath: Sequence[str] = (),
+                 capture: bool = True) -> tuple[Optional[int], str]:
+    """Run ``script`` under ``torch.distributed.run`` on ``nproc`` local ranks in a new session, killing
+    torchrun and every rank on timeout, Ctrl-C or any other exit. Returns ``(exit code or None on
+    timeout, output)`` (output empty, printed instead, when ``capture=False``). Ranks get ``pythonpath``
+    prepended to ``PYTHONPATH``, a shared inductor cache, and unless set ``OMP_NUM_THREADS=1`` and
+    ``PYTHONFAULTHANDLER=1`` (a rank crashing in C code prints every thread's Python stack)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run",
+           "--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), script, *args]
+    env = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
+           "TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), "fzero-inductor"), **os.environ}
     env["PYTHONPATH"] = os.pathsep.join([*pythonpath, env.get("PYTHONPATH", "")])
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fzero-inductor"))
-    env.setdefault("PYTHONFAULTHANDLER", "1")
     with tempfile.TemporaryFile("w+") as log:
-        out = log if capture else None
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if capture else None,
+        proc = subprocess.Popen(cmd, stdout=log if capture else None, stderr=subprocess.STDOUT if capture else None,
                                 env=env, start_new_session=True)
-        rc: Optional[int] = None
         try:
-            rc = proc.wait(timeout=timeout)
+            rc: Optional[int] = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = None
         finally:
             if proc.poll() is None:
-                # torchrun starts every rank in a session of its own, so killing torchrun's
-                # group alone leaves the ranks running: find them (and what they started)
-                # while torchrun is still their parent, then kill all of them
-                ranks = _descendants(proc.pid)
-                for pid in [proc.pid, *ranks]:
-                    _kill_group_and_process(pid)
+                # each rank has a session of its own, so killing torchrun's group would leave them
+                # running: find them while torchrun is still their parent, then kill all
+                for pid in [proc.pid, *_descendants(proc.pid)]:
+                    with contextlib.suppress(ProcessLookupError):  # SIGKILL the group pid leads, if any, and pid
+                        if os.getpgid(pid) == pid:
+                            os.killpg(pid, signal.SIGKILL)
+                        os.kill(pid, signal.SIGKILL)
                 proc.wait()
         log.seek(0)
         return rc, log.read() if capture else ""
@@ -94,14 +61,12 @@ def run_torchrun(
 
 def _descendants(pid: int) -> list[int]:
     """Every process below ``pid`` in the process tree (Linux ``/proc``; elsewhere none)."""
-    children: dict[int, list[int]] = {}
     try:
-        entries = os.listdir("/proc")
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
     except OSError:
         return []
+    children: dict[int, list[int]] = {}
     for entry in entries:
-        if not entry.isdigit():
-            continue
         try:
             with open(f"/proc/{entry}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
@@ -116,31 +81,15 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _kill_group_and_process(pid: int) -> None:
-    """SIGKILL ``pid``'s process group, when ``pid`` leads it, and ``pid`` itself."""
-    try:
-        if os.getpgid(pid) == pid:
-            os.killpg(pid, signal.SIGKILL)
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 class GatherTracker(Communicator):
-    """Wraps a communicator and measures how many all-gathered bytes are alive at once.
-
-    Every ``all_gather`` output is tracked until the last reference to it (or
-    to a view of it) is dropped, so ``peak_bytes`` is the true high-water
-    mark of gathered parameters in an eager step. Bytes are per local rank.
-    """
+    """Wraps a communicator and measures how many all-gathered bytes (per local rank) are alive at
+    once: each ``all_gather`` output counts until its last reference (or a view's) is dropped, so
+    ``peak_bytes`` is the true high-water mark of gathered parameters in an eager step."""
 
     def __init__(self, inner: Communicator):
-        self.inner = inner
-        self.world_size = inner.world_size
-        self.local_ranks = inner.local_ranks
-        self.ranks = inner.ranks
-        self.live_bytes = 0
-        self.peak_bytes = 0
+        self.inner, self.world_size = inner, inner.world_size
+        self.local_ranks, self.ranks = inner.local_ranks, inner.ranks
+        self.live_bytes = self.peak_bytes = 0
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
@@ -163,8 +112,7 @@ class GatherTracker(Communicator):
         return self.inner.reduce_scatter(x, op)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        # module buffers, not parameters: passed through untouched and uncounted
-        return self.inner.broadcast(x, src)
+        return self.inner.broadcast(x, src)  # module buffers: untouched and uncounted
 
     def check_layout(self, layout: Any) -> None:
         self.inner.check_layout(layout)

@@ -1,46 +1,12 @@
 """A census of live CPU tensor storage: where every allocator byte is at a block's peak.
 
-:class:`Census` is a context manager. Inside it, PyTorch's profiler
-(``torch.profiler.profile(profile_memory=True)``) records every allocation and
-free that the c10 CPU allocator makes on the profiled thread, with its address
-and size; on exit the census replays them in time order and reports the live
-bytes over time, the peak, and which allocations were live at the peak, named
-by what they hold when the caller says (``known``).
+Inside a :class:`Census` block PyTorch's profiler records the c10 CPU allocator's allocations and frees on
+this thread; on exit the census replays them: the peak and what was live at it, named by the ``known`` tensors
+it holds, plus the ``baseline`` of known storages from before the block (frees timed by ``weakref.finalize``).
+Not counted: Python objects, memory outside the c10 allocator (gloo, oneDNN/MKL, malloc overhead), threads
+the profiler does not follow (their frees unseen until the address is reused). The first profiler session costs ~2 s.
 
-What is counted, exactly:
-
-* bytes the c10 CPU allocator hands out for tensor storages (``at::empty`` and
-  friends: every CPU tensor's data, autograd's saved tensors and gradients,
-  kernels' temporaries that go through the allocator), counted at their
-  requested size, not at what ``malloc`` rounds them to;
-* only allocations made *inside* the block (``peak_bytes``, ``end_bytes``),
-  plus, reported separately (``baseline``), the storages of ``known`` tensors
-  that existed *before* the block: their frees are learned from a
-  ``weakref.finalize`` on each storage (the profiler reports no free for a
-  buffer it did not see allocated) and ordered against the profiler's events
-  by wall-clock time (both are Unix-epoch nanoseconds; measured agreement
-  within a microsecond).
-
-Not counted: Python objects, memory that does not go through the c10 CPU
-allocator (gloo's internal buffers, oneDNN/MKL scratch space, the allocator's
-and ``malloc``'s own overhead and fragmentation, shared libraries, code), and
-allocations made on threads the profiler does not follow (autograd's CPU
-backward runs on the calling thread, so it is followed). A buffer allocated in
-the block and freed on a thread the profiler does not follow stays live in the
-replay until its address is handed out again (``missed_frees`` counts those
-reuses). Allocated is not resident either: pages never written cost no RSS. So
-the census and an RSS measurement differ by everything listed here.
-
-Cost (measured on a 2-core CPU): the first profiler session of a process starts
-Kineto (about 2 s); then one eager fzero step of a small GPT (d_model 128, 2
-layers, SimulatedWorld(2), about 300 allocations) took 0.05-0.08 s in all under
-the census, replay included. ``categories=True`` (the profiler's own split of
-the unnamed bytes into activations, gradients, temporaries, ...) records shapes
-and runs torch's (private) memory profiler on exit: 0.4-0.7 s for that step. On
-fzero's steps it names little (most bytes stay ``other``); the table's split by
-allocating operator says more.
-
-Imports: torch only.
+Imports: none of fzero.
 """
 
 from __future__ import annotations
@@ -57,26 +23,22 @@ __all__ = ["Allocation", "Census", "malloc_in_use", "storages_of"]
 
 KnownTensors = Union[Iterable[torch.Tensor], Callable[[], Iterable[torch.Tensor]]]
 OTHER = "other"
-# record_function scopes the census names allocations by (fzero's step buffers: fzero.memory.SCOPES)
-SCOPE_PREFIXES = ("fzero::",)
+SCOPE_PREFIXES = ("fzero::",)  # record_function scopes that name allocations (fzero.memory.SCOPES)
 
 
 @dataclasses.dataclass(frozen=True)
 class Allocation:
-    """One CPU allocation made inside the block: ``nbytes`` at ``ptr`` from ``start_ns``
-    to ``end_ns`` (``None``: still live at exit). ``kind``: the profiler's category of the
-    buffer when ``categories=True`` (``"activation"``, ``"gradient"``, ``"temporary"``, ...),
-    else ``"other"``."""
+    """One CPU allocation in the block: ``nbytes`` at ``ptr`` from ``start_ns`` to ``end_ns`` (None: live at
+    exit). ``kind``: the profiler's category or ``"other"``; ``op``/``scope``: the innermost allocating operator
+    / census ``record_function``; ``free_seen=False``: ``end_ns`` is when its address was reused, or None."""
 
     ptr: int
     nbytes: int
     start_ns: int
     end_ns: Optional[int]
     kind: str = OTHER
-    op: str = ""  # the innermost operator (or record_function scope) that allocated it
-    scope: str = ""  # the innermost enclosing ``record_function`` named with a census prefix
-    # False: no free was seen (made on a thread the profiler does not follow, e.g. gloo's):
-    # ``end_ns`` is then when its address was handed out again, or None
+    op: str = ""
+    scope: str = ""
     free_seen: bool = True
 
     def live_at(self, t_ns: int) -> bool:
@@ -84,29 +46,20 @@ class Allocation:
 
 
 def storages_of(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
-    """The distinct CPU storages behind ``tensors`` (views share one; DTensors give their
-    local shard; non-CPU, meta and empty storages are skipped)."""
-    seen: set[int] = set()
-    out = []
+    """The distinct CPU storages behind ``tensors`` (views share one; a DTensor's local shard; empty skipped)."""
+    out: dict[int, torch.UntypedStorage] = {}
     for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        if hasattr(t, "to_local"):  # DTensor (FSDP2 parameters): the rank's own shard
-            t = t.to_local()
-        if t.device.type != "cpu":
-            continue
-        s = t.untyped_storage()
-        if s.nbytes() == 0 or s.data_ptr() in seen:
-            continue
-        seen.add(s.data_ptr())
-        out.append(s)
-    return out
+        if isinstance(t, torch.Tensor):
+            t = t.to_local() if hasattr(t, "to_local") else t  # DTensor (FSDP2 parameters)
+            s = t.untyped_storage() if t.device.type == "cpu" else None
+            if s is not None and s.nbytes() != 0:
+                out.setdefault(s.data_ptr(), s)
+    return list(out.values())
 
 
 @dataclasses.dataclass
 class _Baseline:
-    """A known storage that existed before the block: its address range and, once the
-    storage dies, the wall-clock time it died."""
+    """A known storage from before the block: its address range and when it died (if it did)."""
 
     category: str
     ptr: int
@@ -116,62 +69,49 @@ class _Baseline:
     def live_at(self, t_ns: int) -> bool:
         return self.freed_ns is None or t_ns < self.freed_ns
 
+    def mark_freed(self) -> None:
+        self.freed_ns = time.time_ns()
+
+
+def _sums(pairs: Iterable[tuple[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name, n in pairs:
+        out[name] = out.get(name, 0) + n
+    return out
+
 
 class Census:
     """Live CPU storage bytes of a block: peak, end, and what was live at the peak.
 
-    ``known``: named categories of tensors. An iterable is read when the block starts
-    (tensors that exist before it, e.g. a training state; its storages' bytes are the
-    category's ``baseline``); a zero-argument callable is called when the block ends
-    (tensors that exist after it, e.g. the state a step returned). At the peak, each
-    live allocation made in the block whose address range contains a known tensor's
-    storage is attributed to that category (the first that names it); the rest is
-    ``"other"``, or the profiler's categories with ``categories=True``. More categories
-    can be named after the block with :meth:`attribute`. The census keeps no reference to
-    known tensors (it would change what is freed).
-
-    After the block:
-
-    * ``peak_bytes``: max over time of live bytes allocated inside the block (and not
-      freed before that time); ``peak_ns`` when it was first reached;
-    * ``end_bytes``: bytes allocated inside the block and still alive at exit;
-    * ``baseline``: bytes of known storages that existed at entry, by category;
-    * ``by_category``: at the peak, everything the census sees live: for each known
-      category its baseline storages still alive plus its in-block allocations, and the
-      other in-block bytes; ``sum(by_category.values()) == total_at_peak ==
-      peak_bytes + baseline_at_peak``. ``in_block_by_category`` is the in-block part;
-    * ``allocations``: every in-block :class:`Allocation`; ``missed_frees``: allocations
-      whose free the profiler did not see (their address was handed out again).
-    """
+    ``known``: category -> tensors, an iterable read at entry (its storages are the ``baseline``) or a zero-argument
+    callable read at exit. An in-block allocation holding a known storage belongs to the first category naming it,
+    the rest to ``"other"`` (``categories=True``: the profiler's kinds). ``scopes``: ``record_function`` name
+    prefixes naming an allocation's ``scope``. After the block: ``peak_bytes`` (first at ``peak_ns``),
+    ``end_bytes`` (live at exit), ``allocations``, ``missed_frees`` (address reused) and the breakdowns below."""
 
     def __init__(self, known: Mapping[str, KnownTensors] = {}, *, categories: bool = False,
                  scopes: tuple[str, ...] = SCOPE_PREFIXES):
-        self.categories = categories
-        self.scopes = scopes
-        self._at_entry: dict[str, list[torch.UntypedStorage]] = {}
-        self._at_exit: dict[str, Callable[[], Iterable[torch.Tensor]]] = {}
-        for name, tensors in known.items():
-            if callable(tensors):
-                self._at_exit[name] = tensors
-            else:
-                self._at_entry[name] = storages_of(tensors)
+        self.categories, self.scopes = categories, scopes
+        self._at_entry = {k: storages_of(v) for k, v in known.items() if not callable(v)}
+        self._at_exit = {k: v for k, v in known.items() if callable(v)}
         self._baseline: list[_Baseline] = []
         self._attributed: dict[int, str] = {}  # index in allocations -> category
         self._prof = None
         self.allocations: list[Allocation] = []
-        self.missed_frees = 0
-        self.peak_bytes = 0
-        self.peak_ns = 0
-        self.end_bytes = 0
-        self.start_ns = 0
-        self.end_ns = 0
+        self.missed_frees = self.peak_bytes = self.peak_ns = self.end_bytes = self.start_ns = self.end_ns = 0
         self.category_note = ""
 
-    # ------------------------------------------------------------------ the block
     def __enter__(self) -> "Census":
-        self._watch_baseline()
+        seen: set[int] = set()  # entry-time known storages -> address ranges, watched by a finalizer
+        for name, storages in self._at_entry.items():
+            for s in storages:
+                if s.data_ptr() not in seen:
+                    seen.add(s.data_ptr())
+                    b = _Baseline(name, s.data_ptr(), s.nbytes())
+                    weakref.finalize(s, b.mark_freed)
+                    self._baseline.append(b)
+        self._at_entry = {}
         from torch.profiler import ProfilerActivity, profile
-
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                              record_shapes=self.categories)
         self._prof.__enter__()
@@ -183,8 +123,9 @@ class Census:
         self._prof.__exit__(*exc)
         if exc[0] is not None:
             return
-        events = _allocation_events(self._prof.profiler.kineto_results, self.scopes)
-        kinds = _profiler_kinds(self._prof.profiler.kineto_results) if self.categories else {}
+        results = self._prof.profiler.kineto_results
+        events = _allocation_events(results, self.scopes)
+        kinds = _profiler_kinds(results) if self.categories else {}
         if self.categories and not kinds:
             self.category_note = "torch's memory profiler gave no categories"
         self._prof = None
@@ -194,28 +135,9 @@ class Census:
         self.attribute({name: fn() for name, fn in self._at_exit.items()})
         self._at_exit = {}
 
-    def _watch_baseline(self) -> None:
-        """Turn the entry-time known storages into address ranges with a finalizer each
-        (the census must not keep them alive), first category first."""
-        seen: set[int] = set()
-        for name, storages in self._at_entry.items():
-            for s in storages:
-                ptr = s.data_ptr()
-                if ptr in seen:
-                    continue
-                seen.add(ptr)
-                b = _Baseline(name, ptr, s.nbytes())
-                weakref.finalize(s, _mark_freed, b)
-                self._baseline.append(b)
-        self._at_entry = {}
-
-    # ------------------------------------------------------------------ naming bytes
     def attribute(self, known: Mapping[str, Iterable[torch.Tensor]]) -> None:
-        """Name in-block allocations after the block: each allocation still live at exit
-        that contains the storage of one of ``known``'s tensors (alive now) belongs to that
-        category, unless an earlier category claimed it. A live known storage the block
-        did not allocate existed before it and stayed live throughout: it is added to the
-        category's baseline."""
+        """Name allocations live at exit holding a ``known`` tensor's storage (first claim wins); a known
+        storage the block did not allocate joins the category's baseline."""
         live = sorted((a.ptr, i) for i, a in enumerate(self.allocations) if a.end_ns is None)
         starts = [p for p, _ in live]
         have = {b.ptr for b in self._baseline}
@@ -232,14 +154,13 @@ class Census:
                     have.add(ptr)
                     self._baseline.append(_Baseline(name, ptr, n))
 
-    # ------------------------------------------------------------------ results
+    def _named(self, live: Callable[[Allocation], bool]) -> dict[str, int]:
+        return _sums((self._attributed.get(i, a.kind), a.nbytes) for i, a in enumerate(self.allocations) if live(a))
+
     @property
     def baseline(self) -> dict[str, int]:
         """Bytes of known storages that existed before the block, by category."""
-        out: dict[str, int] = {}
-        for b in self._baseline:
-            out[b.category] = out.get(b.category, 0) + b.nbytes
-        return out
+        return _sums((b.category, b.nbytes) for b in self._baseline)
 
     @property
     def baseline_at_peak(self) -> int:
@@ -248,100 +169,66 @@ class Census:
     @property
     def in_block_by_category(self) -> dict[str, int]:
         """In-block bytes live at the peak, by known category, else by ``Allocation.kind``."""
-        out: dict[str, int] = {}
-        for i, a in enumerate(self.allocations):
-            if a.live_at(self.peak_ns):
-                name = self._attributed.get(i, a.kind)
-                out[name] = out.get(name, 0) + a.nbytes
-        return out
+        return self._named(lambda a: a.live_at(self.peak_ns))
 
     @property
     def end_by_category(self) -> dict[str, int]:
         """In-block bytes still live at exit (``end_bytes``), by category."""
-        out: dict[str, int] = {}
-        for i, a in enumerate(self.allocations):
-            if a.end_ns is None:
-                name = self._attributed.get(i, a.kind)
-                out[name] = out.get(name, 0) + a.nbytes
-        return out
+        return self._named(lambda a: a.end_ns is None)
 
     @property
     def baseline_by_category(self) -> dict[str, int]:
         """Baseline bytes still live at the peak, by category."""
-        out: dict[str, int] = {}
-        for b in self._baseline:
-            if b.live_at(self.peak_ns):
-                out[b.category] = out.get(b.category, 0) + b.nbytes
-        return out
+        return _sums((b.category, b.nbytes) for b in self._baseline if b.live_at(self.peak_ns))
 
     @property
     def by_category(self) -> dict[str, int]:
         """Everything the census sees live at the peak, by category (baseline + in block)."""
-        out = dict(self.baseline_by_category)
-        for name, n in self.in_block_by_category.items():
-            out[name] = out.get(name, 0) + n
-        return out
+        return _sums([*self.baseline_by_category.items(), *self.in_block_by_category.items()])
 
     def by_op(self, category: Optional[str] = OTHER) -> dict[str, int]:
-        """In-block bytes live at the peak by the operator that allocated them, largest
-        first: those of ``category`` (default: the unnamed ones; ``None``: all)."""
-        out: dict[str, int] = {}
-        for i, a in enumerate(self.allocations):
-            if a.live_at(self.peak_ns) and category in (None, self._attributed.get(i, a.kind)):
-                out[a.op or "?"] = out.get(a.op or "?", 0) + a.nbytes
+        """In-block bytes live at the peak of ``category`` (``None``: all) by allocating operator, largest first."""
+        out = _sums((a.op or "?", a.nbytes) for i, a in enumerate(self.allocations)
+                    if a.live_at(self.peak_ns) and category in (None, self._attributed.get(i, a.kind)))
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     @property
     def by_scope(self) -> dict[str, int]:
         """In-block bytes live at the peak by scope (``""``: allocated outside every scope)."""
-        out: dict[str, int] = {}
-        for a in self.allocations:
-            if a.live_at(self.peak_ns):
-                out[a.scope] = out.get(a.scope, 0) + a.nbytes
-        return out
+        return _sums((a.scope, a.nbytes) for a in self.allocations if a.live_at(self.peak_ns))
+
+    def _peak_of(self, keep: Callable[[Allocation], bool]) -> tuple[int, int]:
+        return _peak([a for a in self.allocations if keep(a)], self.start_ns)
 
     @property
     def scope_peaks(self) -> dict[str, int]:
-        """Each scope's own peak: the most bytes its allocations held at once during the
-        block (at whatever time; not necessarily the block's peak)."""
-        by: dict[str, list[Allocation]] = {}
-        for a in self.allocations:
-            if a.scope:
-                by.setdefault(a.scope, []).append(a)
-        return {name: _peak(allocs, self.start_ns)[0] for name, allocs in by.items()}
+        """Each scope's own peak: the most bytes its allocations held at once (at any time)."""
+        scopes = dict.fromkeys(a.scope for a in self.allocations if a.scope)
+        return {s: self._peak_of(lambda a: a.scope == s)[0] for s in scopes}
 
     def scope_peak_ns(self, scope: str) -> int:
         """When ``scope``'s allocations first held their peak (:attr:`scope_peaks`)."""
-        return _peak([a for a in self.allocations if a.scope == scope], self.start_ns)[1]
+        return self._peak_of(lambda a: a.scope == scope)[1]
 
     def unseen_bytes(self, scope: Optional[str] = None, at_ns: Optional[int] = None) -> int:
-        """Bytes whose free the census did not see (their last reference dropped on a thread
-        the profiler does not follow, e.g. gloo's): it counts them live until their address
-        is handed out again. Of ``scope``'s allocations (``None``: all), live at ``at_ns``
-        (``None``: whenever in the block)."""
+        """Bytes whose free was not seen (another thread's, e.g. gloo's; live until the address is reused)
+        of ``scope``'s allocations (``None``: all), live at ``at_ns`` (``None``: whenever in the block)."""
         return sum(a.nbytes for a in self.allocations if not a.free_seen
                    and (scope is None or a.scope == scope) and (at_ns is None or a.live_at(at_ns)))
 
     def joint_peak(self, scopes: Iterable[str], seen_only: bool = False) -> int:
-        """The most bytes the allocations of ``scopes`` held at once, together. ``seen_only``:
-        without the allocations whose free the census did not see (:meth:`unseen_bytes`): a
-        lower bound where another thread freed them, the plain peak an upper one."""
+        """The most bytes ``scopes``' allocations held at once, together; ``seen_only``: a lower bound, without
+        those whose free was not seen (:meth:`unseen_bytes`)."""
         wanted = set(scopes)
-        return _peak([a for a in self.allocations if a.scope in wanted and (a.free_seen or not seen_only)],
-                     self.start_ns)[0]
+        return self._peak_of(lambda a: a.scope in wanted and (a.free_seen or not seen_only))[0]
 
     @property
     def total_at_peak(self) -> int:
         return self.peak_bytes + self.baseline_at_peak
 
-    def timeline(self) -> list[tuple[int, int]]:
-        """``(ns since the block started, in-block live bytes)`` after every event."""
-        return [(t - self.start_ns, live) for t, live in _live_curve(self.allocations)]
-
     def table(self, unit: float = 2.0**20, unit_name: str = "MiB", ops: int = 4) -> str:
-        """A plain-text breakdown at the peak: per category the bytes that existed before
-        the block and those the block allocated, the ``ops`` operators that allocated most
-        of the unnamed bytes, then totals."""
+        """A plain-text breakdown at the peak: per category the bytes from before and in the block, the
+        ``ops`` operators that allocated most unnamed bytes, per-scope peaks, then totals."""
         before, inside = self.baseline_by_category, self.in_block_by_category
         names = list(dict.fromkeys([*before, *inside]))
         names.sort(key=lambda k: (k == OTHER, -(before.get(k, 0) + inside.get(k, 0))))
@@ -352,21 +239,16 @@ class Census:
             b, i = before.get(n, 0), inside.get(n, 0)
             lines.append(f"{n:<{w}} {b / unit:10.2f} {i / unit:10.2f} {(b + i) / unit:10.2f}")
         lines += [f"{'  ' + op:<{w}} {'':>10} {n / unit:10.2f}" for op, n in top]
-        scoped = {k: v for k, v in self.by_scope.items() if k}
-        peaks = self.scope_peaks
+        scoped, peaks = self.by_scope, self.scope_peaks
         if peaks:
             lines.append(f"{'in block by scope':<{w}} {'own peak':>10} {'at peak':>10}")
             lines += [f"{'  ' + k:<{w}} {peaks[k] / unit:10.2f} {scoped.get(k, 0) / unit:10.2f}" for k in sorted(peaks)]
         lines.append(f"{'live at the peak':<{w}} {self.baseline_at_peak / unit:10.2f} "
                      f"{self.peak_bytes / unit:10.2f} {self.total_at_peak / unit:10.2f}")
         lines.append(f"{'allocated in block, live at exit':<{w}} {'':>10} {self.end_bytes / unit:10.2f}")
-        notes = [f"{len(self.allocations)} allocations in the block"]
-        if self.missed_frees:
-            notes.append(f"{self.missed_frees} frees not seen (address reused)")
-        if self.category_note:
-            notes.append(self.category_note)
-        lines.append("(" + "; ".join(notes) + ")")
-        return "\n".join(lines)
+        missed = f"{self.missed_frees} frees not seen (address reused)" if self.missed_frees else ""
+        notes = [f"{len(self.allocations)} allocations in the block", missed, self.category_note]
+        return "\n".join([*lines, "(" + "; ".join(n for n in notes if n) + ")"])
 
 
 def _short(op: str, width: int = 40) -> str:
@@ -376,17 +258,10 @@ def _short(op: str, width: int = 40) -> str:
     return op if len(op) <= width else op[:width - 3] + "..."
 
 
-# ---------------------------------------------------------------------- replay
-def _mark_freed(b: _Baseline) -> None:
-    b.freed_ns = time.time_ns()
-
-
 def _allocation_events(results, scopes: tuple[str, ...] = ()) -> list[tuple[int, int, int, str, str]]:
-    """``(time ns, ptr, signed bytes, enclosing operator, enclosing scope)`` of every CPU
-    allocator event, in time order (ties in the order the profiler recorded them). The scope
-    is the innermost enclosing ``record_function`` whose name starts with one of ``scopes``."""
+    """``(time ns, ptr, signed bytes, operator, scope)`` of every CPU allocator event, in time order;
+    the scope is the innermost enclosing ``record_function`` whose name starts with one of ``scopes``."""
     from torch._C._profiler import _EventType
-
     out: list[tuple[int, int, int, str, str]] = []
     stack = [(node, "", "") for node in reversed(results.experimental_event_tree())]
     while stack:  # depth first, in recorded order
@@ -398,18 +273,15 @@ def _allocation_events(results, scopes: tuple[str, ...] = ()) -> list[tuple[int,
         if node.name.startswith(scopes):
             scope = node.name
         stack.extend((child, node.name, scope) for child in reversed(node.children))
-    # stable: events with one time stamp keep the order they were recorded in
-    out.sort(key=lambda e: e[0])
+    out.sort(key=lambda e: e[0])  # stable
     return out
 
 
 def _profiler_kinds(results) -> dict[tuple[int, int], str]:
-    """``(ptr, time ns) -> category`` of each allocation by torch's memory profiler
-    (private API; empty if it fails)."""
+    """``(ptr, time ns) -> category`` of each allocation by torch's private memory profiler ({} if it fails)."""
     try:
         from torch._C._profiler import _EventType
         from torch.profiler import _memory_profiler as mp
-
         profile = mp.MemoryProfile(results)
         out: dict[tuple[int, int], str] = {}
         for node in profile._op_tree.dfs():
@@ -426,9 +298,7 @@ def _profiler_kinds(results) -> dict[tuple[int, int], str]:
 
 def _replay(events: list[tuple[int, int, int, str, str]],
             kinds: Mapping[tuple[int, int], str]) -> tuple[list[Allocation], int]:
-    """Pair allocations with frees by address. A free of an address the block did not
-    allocate belongs to an older buffer and is ignored; an allocation at an address still
-    live means its free was not seen: the old one ends there (counted)."""
+    """Pair allocations with frees by address: ``(allocations, missed frees)``; frees of unknown addresses ignored."""
     open_: dict[int, tuple[int, int, str, str]] = {}  # ptr -> (start, nbytes, op, scope)
     out: list[Allocation] = []
     missed = 0
@@ -439,7 +309,7 @@ def _replay(events: list[tuple[int, int, int, str, str]],
 
     for t, ptr, size, op, scope in events:
         if size > 0:
-            if ptr in open_:
+            if ptr in open_:  # a free missed: the old allocation ends here
                 missed += 1
                 close(ptr, t, seen=False)
             open_[ptr] = (t, size, op, scope)
@@ -451,33 +321,22 @@ def _replay(events: list[tuple[int, int, int, str, str]],
     return out, missed
 
 
-def _live_curve(allocations: list[Allocation]) -> list[tuple[int, int]]:
-    """In-block live bytes after each allocation or free, in time order."""
+def _peak(allocations: list[Allocation], start_ns: int) -> tuple[int, int]:
+    """``(peak live bytes, first time reached)``, frees first at a tie; ``(0, start_ns)`` for an empty block."""
     deltas = [(a.start_ns, 1, a.nbytes) for a in allocations]
     deltas += [(a.end_ns, 0, -a.nbytes) for a in allocations if a.end_ns is not None]
-    deltas.sort()  # at one time stamp frees (0) before allocations (1)
-    live, out = 0, []
-    for t, _, d in deltas:
+    live, best, when = 0, 0, start_ns
+    for t, _, d in sorted(deltas):
         live += d
-        out.append((t, live))
-    return out
-
-
-def _peak(allocations: list[Allocation], start_ns: int) -> tuple[int, int]:
-    """``(peak bytes, first time reached)``; ``(0, start_ns)`` for an empty block."""
-    best, when = 0, start_ns
-    for t, live in _live_curve(allocations):
         if live > best:
             best, when = live, t
     return best, when
 
 
 def malloc_in_use() -> Optional[int]:
-    """Bytes glibc's malloc has handed out and not taken back, all arenas plus mmapped
-    chunks (``mallinfo2``: ``uordblks + hblkhd``): the heap that is live, whatever RSS the
-    allocator keeps after frees. ``None`` without glibc 2.33+."""
+    """Bytes glibc's malloc has handed out and not taken back, all arenas plus mmapped chunks
+    (``mallinfo2``: ``uordblks + hblkhd``), whatever RSS it keeps. ``None`` without glibc 2.33+."""
     import ctypes
-
     class MallInfo2(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]

@@ -1,31 +1,10 @@
-"""A communicator that injects faults: for testing what a training step does when
-a rank misbehaves.
+"""A communicator that injects faults, to test what a training step does when a rank misbehaves:
+:class:`FaultyWorld` applies :class:`GradFault`, :class:`CorruptResult` and :class:`Delay` at given
+steps on given ranks, inside step scopes only (:meth:`FaultyWorld.wrap`, ``with world.stepping():``;
+scope ``s`` is step ``s``); other collectives (init, replica checks, checkpoints) pass through. Eager
+only: under ``torch.compile`` an injection would happen once, while tracing.
 
-:class:`FaultyWorld` wraps any communicator (the simulated world or
-``TorchCommunicator``) and, at given steps, on given ranks:
-
-* :class:`GradFault`: puts ``inf`` or ``NaN`` into the rank's gradient: into
-  element ``index`` of the rank's input to the step's *first gradient
-  reduction*, which is the first ``reduce_scatter`` or ``all_reduce`` with op
-  ``sum``/``avg`` of the step (in fzero's steps every such collective before
-  ``unscale_and_clip``'s norm all-reduce reduces gradients);
-* :class:`CorruptResult`: changes element ``index`` of the rank's result of
-  the ``call``-th collective ``op`` of the step (default: flips the lowest bit,
-  the smallest possible change);
-* :class:`Delay`: sleeps ``seconds`` on the rank before its first collective
-  of the step (or before the ``call``-th ``op``), so the other ranks wait.
-
-Steps are counted explicitly, which keeps the schedule deterministic whatever
-the step does: faults apply only inside a step *scope*, the step function
-returned by :meth:`FaultyWorld.wrap` or the ``with world.stepping():`` block.
-Scope ``s`` (0, 1, ...) is step ``s``; collectives outside a scope
-(``init_train_state``, ``check_replicas``, checkpoints) pass through
-untouched. ``records`` lists every injection as a :class:`FaultRecord`.
-
-Eager only: the injections are Python side effects (under ``torch.compile``
-they would be made once, while tracing).
-
-Imports: ``fzero.comm``.
+Imports: comm.
 """
 
 from __future__ import annotations
@@ -48,8 +27,8 @@ _OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 @dataclasses.dataclass(frozen=True)
 class GradFault:
-    """``value`` (``inf`` or ``nan``) in rank ``rank``'s gradient at step ``step``
-    (element ``index`` of its input to the step's first gradient reduction)."""
+    """``value`` (``inf``, ``-inf`` or ``nan``) in rank ``rank``'s gradient at step ``step``: element ``index``
+    of its input to the step's first gradient reduction (``reduce_scatter``, or ``all_reduce`` sum/avg)."""
 
     step: int
     rank: int
@@ -87,9 +66,8 @@ Fault = Union[GradFault, CorruptResult, Delay]
 
 @dataclasses.dataclass(frozen=True)
 class FaultRecord:
-    """One injection, as made on this process: the fault, the collective
-    (``op``, its ``call`` index within the step), the flat ``index`` changed in
-    the rank's row, and the element's value ``before`` and ``after``."""
+    """One injection made on this process: the fault, the collective (``op``, its ``call`` index
+    in the step), the flat ``index`` changed in the rank's row, the value ``before`` and ``after``."""
 
     fault: Fault
     step: int
@@ -117,19 +95,13 @@ def _flip_lowest_bit(x: torch.Tensor) -> torch.Tensor:
 
 
 class FaultyWorld(Communicator):
-    """Wraps ``inner`` and injects ``faults`` (see the module docstring); deterministic.
-
-    ``step``: the index of the current (inside a scope) or next step scope.
-    ``records``: what was injected, in order. Works on the simulated world
-    (the fault hits row ``rank``) and on a real rank (only the process whose
-    ``comm.ranks`` holds ``rank`` injects; ``records`` are per process).
-    """
+    """Wraps ``inner`` and injects ``faults`` deterministically (``TypeError``/``ValueError`` if malformed).
+    ``step``: the current or next step scope's index; ``records``: the injections made on this process
+    (only where ``comm.ranks`` holds the fault's ``rank``; on the simulated world, that row)."""
 
     def __init__(self, inner: Communicator, faults: Sequence[Fault] = ()):
-        self.inner = inner
-        self.world_size = inner.world_size
-        self.local_ranks = inner.local_ranks
-        self.ranks = inner.ranks
+        self.inner, self.world_size = inner, inner.world_size
+        self.local_ranks, self.ranks = inner.local_ranks, inner.ranks
         for f in faults:
             if not isinstance(f, (GradFault, CorruptResult, Delay)):
                 raise TypeError(f"FaultyWorld: not a fault: {f!r}")
@@ -137,8 +109,7 @@ class FaultyWorld(Communicator):
                 raise ValueError(f"FaultyWorld: {f!r}: step must be a non-negative int")
             if not (isinstance(f.rank, int) and 0 <= f.rank < self.world_size):
                 raise ValueError(f"FaultyWorld: {f!r}: rank must be in [0, {self.world_size})")
-            op = getattr(f, "op", None)
-            if op is not None and op not in _OPS:
+            if getattr(f, "op", None) not in (None, *_OPS):
                 raise ValueError(f"FaultyWorld: {f!r}: op must be one of {_OPS}")
             if isinstance(f, GradFault) and not (math.isinf(f.value) or math.isnan(f.value)):
                 raise ValueError(f"FaultyWorld: {f!r}: value must be inf, -inf or nan")
@@ -147,23 +118,19 @@ class FaultyWorld(Communicator):
         self.faults = tuple(faults)
         self.step = 0
         self.records: list[FaultRecord] = []
-        self._active = False
-        self._calls: Counter = Counter()
-        self._grad_reduced = False
+        self._active, self._calls, self._grad_reduced = False, Counter(), False
 
     def __repr__(self) -> str:
         return f"FaultyWorld({self.inner!r}, {len(self.faults)} faults)"
 
-    def __getattr__(self, name: str) -> Any:
-        # backend attributes (rank, group, reduce_scatter_via, ...) come from inner
+    def __getattr__(self, name: str) -> Any:  # backend attributes (rank, group, ...) come from inner
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    # -- step scopes -----------------------------------------------------------------
     @contextlib.contextmanager
     def stepping(self) -> Iterator[int]:
-        """A step scope: faults of step ``self.step`` apply inside; the count advances on exit."""
+        """A step scope (not nestable): faults of step ``self.step`` apply inside; it advances on exit."""
         if self._active:
             raise RuntimeError("FaultyWorld.stepping: step scopes do not nest")
         self._active, self._calls, self._grad_reduced = True, Counter(), False
@@ -175,36 +142,30 @@ class FaultyWorld(Communicator):
 
     def wrap(self, step_fn: Callable[..., Any]) -> Callable[..., Any]:
         """``step_fn`` with each call run in its own step scope."""
-
         def faulty_step(*args: Any, **kwargs: Any) -> Any:
             with self.stepping():
                 return step_fn(*args, **kwargs)
-
         return faulty_step
 
     def faults_at(self, step: int) -> tuple[Fault, ...]:
         return tuple(f for f in self.faults if f.step == step)
 
-    # -- injection -------------------------------------------------------------------
     def _rows(self, rank: int) -> list[int]:
         return [i for i, r in enumerate(self.ranks) if r == rank]
 
-    def _set(self, x: torch.Tensor, row: int, index: int, fault: Fault, op: str, call: int,
-             value: Optional[float]) -> torch.Tensor:
-        flat = x[row].reshape(-1)
-        if not -flat.numel() <= index < flat.numel():
-            raise IndexError(
-                f"FaultyWorld: {fault!r}: index {index} is out of range for the {op} row of "
-                f"{flat.numel()} elements"
-            )
-        index %= flat.numel()
-        x = x.clone()
-        flat = x[row].reshape(-1)  # a view: x is contiguous after clone
-        before = flat[index].clone()
-        flat[index] = _flip_lowest_bit(before) if value is None else value
-        self.records.append(FaultRecord(
-            fault, self.step, self.ranks[row], op, call, index, before.item(), flat[index].item()
-        ))
+    def _inject(self, x: torch.Tensor, faults: list[Fault], op: str, call: int) -> torch.Tensor:
+        """``x``, or a copy with element ``index`` of each fault's rank's rows set to its ``value`` (None: bit flip)."""
+        for f, row in [(f, row) for f in faults for row in self._rows(f.rank)]:
+            n, index = x[row].numel(), f.index
+            if not -n <= index < n:
+                raise IndexError(f"FaultyWorld: {f!r}: index {index} is out of range for the {op} row of {n} elements")
+            index %= n
+            x = x.clone()
+            flat = x[row].reshape(-1)  # a view: x is contiguous after clone
+            before = flat[index].clone()
+            flat[index] = _flip_lowest_bit(before) if f.value is None else f.value
+            after = flat[index].item()
+            self.records.append(FaultRecord(f, self.step, self.ranks[row], op, call, index, before.item(), after))
         return x
 
     def _collective(self, op: str, x: torch.Tensor, run: Callable[[torch.Tensor], torch.Tensor],
@@ -222,18 +183,10 @@ class FaultyWorld(Communicator):
                     self.records.append(FaultRecord(f, self.step, f.rank, op, call))
         if (op == "reduce_scatter" or (op == "all_reduce" and reduce_op in ("sum", "avg"))) and not self._grad_reduced:
             self._grad_reduced = True
-            for f in here:
-                if isinstance(f, GradFault):
-                    for row in self._rows(f.rank):
-                        x = self._set(x, row, f.index, f, op, call, f.value)
-        out = run(x)
-        for f in here:
-            if isinstance(f, CorruptResult) and f.op == op and f.call == call:
-                for row in self._rows(f.rank):
-                    out = self._set(out, row, f.index, f, op, call, f.value)
-        return out
+            x = self._inject(x, [f for f in here if isinstance(f, GradFault)], op, call)
+        corrupt = [f for f in here if isinstance(f, CorruptResult) and f.op == op and f.call == call]
+        return self._inject(run(x), corrupt, op, call)
 
-    # -- collectives -----------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         return self._collective("all_reduce", x, lambda y: self.inner.all_reduce(y, op), op)
 
@@ -244,8 +197,7 @@ class FaultyWorld(Communicator):
         return self._collective("all_gather", x, self.inner.all_gather)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        # module buffers, not parameters: passed through untouched and uncounted
-        return self.inner.broadcast(x, src)
+        return self.inner.broadcast(x, src)  # module buffers: untouched and uncounted
 
     def check_layout(self, layout: Any) -> None:
         self.inner.check_layout(layout)

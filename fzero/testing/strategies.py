@@ -1,24 +1,8 @@
-"""Hypothesis strategies for property tests of training code built on fzero.
+"""Hypothesis strategies for property tests of fzero training code: parameter trees with awkward
+leaves, batch splits, optimizer specs, loss scalers, precision policies and fault schedules. Draws
+are small, so a test runs many examples in seconds. Needs ``hypothesis`` (``fzero[testing]``).
 
-Needs ``hypothesis`` (``pip install fzero[testing]``); ``import fzero.testing``
-does not. Everything drawn is small, so a property test runs many examples
-in seconds on the simulated world.
-
-* :func:`shapes`, :func:`float_dtypes`, :func:`world_sizes`, :func:`alignments`;
-* :func:`param_trees` -> :class:`ParamTree`: parameter pytrees with awkward
-  shapes (0-d, empty, odd sizes), mixed dtypes and frozen leaves, with the
-  ``trainable`` predicate for ``init_train_state``; :func:`layout_cases`
-  adds a world size and an alignment (:class:`LayoutCase`);
-* :func:`batch_splits` -> :class:`BatchSplit`: world size, per-rank batch and
-  accumulation steps;
-* :func:`optimizers`: SGD/Adam/AdamW specs with random hyperparameters, flags
-  and parameter groups (:class:`PathIn` predicates over given paths);
-* :func:`scalers`, and the pieces :data:`init_scales`, :data:`growth_factors`,
-  :data:`backoff_factors`, :data:`growth_intervals`, :data:`overflow_patterns`;
-* :func:`precisions`;
-* :func:`fault_schedules`: lists of :mod:`fzero.testing.faults` faults.
-
-Imports: ``fzero`` (public API), ``fzero.testing.faults``, hypothesis.
+Imports: optim, precision, scaler, testing.faults.
 """
 
 from __future__ import annotations
@@ -41,33 +25,12 @@ from ..precision import MixedPrecision
 from ..scaler import ScalerState, init_scaler, static_scaler
 from .faults import CorruptResult, Delay, Fault, GradFault
 
-__all__ = [
-    "FLOAT_DTYPES",
-    "shapes",
-    "float_dtypes",
-    "world_sizes",
-    "alignments",
-    "ParamTree",
-    "param_trees",
-    "LayoutCase",
-    "layout_cases",
-    "BatchSplit",
-    "batch_splits",
-    "PathIn",
-    "optimizers",
-    "powers_of_two",
-    "init_scales",
-    "growth_factors",
-    "backoff_factors",
-    "growth_intervals",
-    "overflow_patterns",
-    "scalers",
-    "precisions",
-    "fault_schedules",
-]
+__all__ = ["FLOAT_DTYPES", "shapes", "float_dtypes", "world_sizes", "alignments", "ParamTree", "param_trees",
+           "LayoutCase", "layout_cases", "BatchSplit", "batch_splits", "PathIn", "optimizers", "powers_of_two",
+           "init_scales", "growth_factors", "backoff_factors", "growth_intervals", "overflow_patterns",
+           "scalers", "precisions", "fault_schedules"]
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
 IntOrStrategy = Union[int, st.SearchStrategy]
 
 
@@ -75,15 +38,8 @@ def _ints(x: IntOrStrategy) -> st.SearchStrategy:
     return x if isinstance(x, st.SearchStrategy) else st.just(x)
 
 
-# --------------------------------------------------------------------------------------
-# Shapes, dtypes, worlds
-# --------------------------------------------------------------------------------------
-
-
 def shapes(max_dims: int = 3, max_side: int = 7, *, allow_empty: bool = True) -> st.SearchStrategy:
-    """Tensor shapes with 0 to ``max_dims`` dimensions (``()`` is 0-d), sides up to
-    ``max_side``; a side of 0 (an empty tensor) when ``allow_empty``. Shrinks
-    towards ``()``."""
+    """Shapes of 0 to ``max_dims`` dims, sides up to ``max_side`` (0 if ``allow_empty``); shrink towards ``()``."""
     return st.lists(st.integers(0 if allow_empty else 1, max_side), min_size=0, max_size=max_dims).map(tuple)
 
 
@@ -101,16 +57,10 @@ def alignments() -> st.SearchStrategy:
     return st.sampled_from([1, 2, 16])
 
 
-# --------------------------------------------------------------------------------------
-# Parameter trees
-# --------------------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class ParamTree:
-    """A parameter pytree ``{"a": [first half of the leaves], "b": (second half)}``
-    (paths ``a.0, a.1, ..., b.0, ...``) of leaves with ``shapes`` and ``dtypes``,
-    values from ``seed``; ``frozen[i]``: leaf ``i`` is not trainable."""
+    """A pytree ``{"a": [first half of the leaves], "b": (second half)}`` (paths ``a.0, ..., b.0, ...``) of
+    leaves with ``shapes`` and ``dtypes``, values from ``seed``; ``frozen[i]``: leaf ``i`` is not trainable."""
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[torch.dtype, ...]
@@ -153,30 +103,16 @@ class ParamTree:
         return list(tree["a"]) + list(tree["b"])
 
     def grads(self, world: int, scale: float = 1.0) -> list[torch.Tensor]:
-        """Per-rank gradients ``[world, *shape]`` for every leaf (float64 for float64
-        leaves, float32 otherwise), from ``seed + 1``."""
+        """Per-rank gradients ``[world, *shape]`` from ``seed + 1`` (float64 for float64 leaves, else float32)."""
         g = torch.Generator().manual_seed(self.seed + 1)
-        out = []
-        for s, d in zip(self.shapes, self.dtypes):
-            gd = torch.float64 if d == torch.float64 else torch.float32
-            out.append((torch.randn((world, *s), generator=g, dtype=torch.float64) * scale).to(gd))
-        return out
+        return [(torch.randn((world, *s), generator=g, dtype=torch.float64) * scale).to(
+            torch.float64 if d == torch.float64 else torch.float32) for s, d in zip(self.shapes, self.dtypes)]
 
 
 @st.composite
-def param_trees(
-    draw: Any,
-    min_leaves: int = 1,
-    max_leaves: int = 6,
-    *,
-    dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
-    max_dims: int = 3,
-    max_side: int = 7,
-    allow_empty: bool = True,
-    allow_frozen: bool = True,
-) -> ParamTree:
-    """:class:`ParamTree` s with 0-d, empty and odd-sized leaves of mixed dtypes; with
-    ``allow_frozen`` some leaves are frozen (at least one stays trainable)."""
+def param_trees(draw: Any, min_leaves: int = 1, max_leaves: int = 6, *, dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
+                max_dims: int = 3, max_side: int = 7, allow_empty: bool = True, allow_frozen: bool = True) -> ParamTree:
+    """:class:`ParamTree` s of 0-d, empty, odd-sized, mixed-dtype leaves; ``allow_frozen``: some (not all) frozen."""
     n = draw(st.integers(min_leaves, max_leaves))
     shp = tuple(draw(st.lists(shapes(max_dims, max_side, allow_empty=allow_empty), min_size=n, max_size=n)))
     dts = tuple(draw(st.lists(float_dtypes(dtypes), min_size=n, max_size=n)))
@@ -200,31 +136,17 @@ class LayoutCase(ParamTree):
 
 
 @st.composite
-def layout_cases(
-    draw: Any,
-    min_leaves: int = 1,
-    max_leaves: int = 6,
-    *,
-    worlds: Optional[st.SearchStrategy] = None,
-    allow_empty: bool = False,
-    allow_frozen: bool = False,
-    **tree_kw: Any,
-) -> LayoutCase:
-    """:class:`LayoutCase` s: a parameter tree, a world size (1-8) and an alignment."""
+def layout_cases(draw: Any, min_leaves: int = 1, max_leaves: int = 6, *, worlds: Optional[st.SearchStrategy] = None,
+                 allow_empty: bool = False, allow_frozen: bool = False, **tree_kw: Any) -> LayoutCase:
+    """:class:`LayoutCase` s: a parameter tree, a world size (``worlds``, default 1-8) and an alignment."""
     t = draw(param_trees(min_leaves, max_leaves, allow_empty=allow_empty, allow_frozen=allow_frozen, **tree_kw))
     world = draw(worlds if worlds is not None else world_sizes())
     return LayoutCase(t.shapes, t.dtypes, t.seed, t.frozen, world, draw(alignments()))
 
 
-# --------------------------------------------------------------------------------------
-# Batches
-# --------------------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class BatchSplit:
-    """A global batch of ``world * accum * per_rank`` examples: each of ``world`` ranks
-    takes ``accum`` micro-batches of ``per_rank``."""
+    """A global batch: each of ``world`` ranks takes ``accum`` micro-batches of ``per_rank`` examples."""
 
     world: int
     per_rank: int
@@ -240,17 +162,11 @@ class BatchSplit:
 
 
 @st.composite
-def batch_splits(
-    draw: Any, world: IntOrStrategy = None, max_per_rank: int = 3, max_accum: int = 3  # type: ignore[assignment]
-) -> BatchSplit:
+def batch_splits(draw: Any, world: IntOrStrategy = None,  # type: ignore[assignment]
+                 max_per_rank: int = 3, max_accum: int = 3) -> BatchSplit:
     """:class:`BatchSplit` s; ``world``: an int, a strategy, or None (1-4)."""
     w = draw(world_sizes(1, 4) if world is None else _ints(world))
     return BatchSplit(w, draw(st.integers(1, max_per_rank)), draw(st.integers(1, max_accum)))
-
-
-# --------------------------------------------------------------------------------------
-# Optimizers
-# --------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,16 +187,11 @@ _decays = st.sampled_from([0.0, 1e-2, 0.1])
 
 
 @st.composite
-def optimizers(
-    draw: Any,
-    paths: Sequence[str] = (),
-    kinds: Sequence[str] = ("sgd", "adam", "adamw"),
-    max_groups: int = 2,
-) -> Optimizer:
-    """SGD (momentum, dampening, nesterov, maximize), Adam and AdamW (amsgrad, maximize)
-    specs with random hyperparameters; with ``paths``, up to ``max_groups``
-    parameter groups over random subsets of them (:class:`PathIn`), each
-    overriding the learning rate and/or weight decay."""
+def optimizers(draw: Any, paths: Sequence[str] = (), kinds: Sequence[str] = ("sgd", "adam", "adamw"),
+               max_groups: int = 2) -> Optimizer:
+    """SGD (momentum, dampening, nesterov, maximize), Adam and AdamW (amsgrad, maximize) specs with
+    random hyperparameters; with ``paths``, up to ``max_groups`` parameter groups over random
+    subsets of them (:class:`PathIn`), each overriding the learning rate and/or weight decay."""
     kind = draw(st.sampled_from(tuple(kinds)))
     groups = []
     if paths and max_groups:
@@ -300,71 +211,43 @@ def optimizers(
                 amsgrad=draw(st.booleans()), maximize=draw(st.booleans()), groups=groups)
 
 
-# --------------------------------------------------------------------------------------
-# Loss scaling and precision
-# --------------------------------------------------------------------------------------
-
 powers_of_two = st.integers(0, 24).map(lambda k: 2.0**k)
-#: initial loss scales: powers of two and arbitrary floats in [1, 2**24]
-init_scales = st.one_of(powers_of_two, st.floats(1.0, 2.0**24, allow_nan=False))
+init_scales = st.one_of(powers_of_two, st.floats(1.0, 2.0**24, allow_nan=False))  # and arbitrary floats
 growth_factors = st.floats(1.0, 4.0, exclude_min=True, allow_nan=False)
 backoff_factors = st.floats(0.0, 1.0, exclude_min=True, exclude_max=True, allow_nan=False)
 growth_intervals = st.integers(1, 5)
-#: per-step overflow flags (True: that step's gradients are non-finite)
-overflow_patterns = st.lists(st.booleans(), min_size=1, max_size=40)
+overflow_patterns = st.lists(st.booleans(), min_size=1, max_size=40)  # per step: True = non-finite gradients
 
 
 @st.composite
 def scalers(draw: Any, dynamic: Optional[bool] = None) -> ScalerState:
-    """Static (a power-of-two scale) or dynamic scalers (``dynamic=None``: either):
-    power-of-two initial scale, growth factor, backoff, interval, optional
-    ``min_scale`` floor and hysteresis."""
+    """Static (a power-of-two scale) or dynamic scalers (``dynamic=None``: either): power-of-two
+    initial scale, growth factor, backoff, interval, optional ``min_scale`` floor and hysteresis."""
     if dynamic is None:
         dynamic = draw(st.booleans())
     if not dynamic:
         return static_scaler(draw(st.integers(0, 16).map(lambda k: 2.0**k)))
     init = draw(st.integers(0, 16).map(lambda k: 2.0**k))
     floor = draw(st.one_of(st.none(), st.sampled_from([1.0, 2.0**-4])))
-    return init_scaler(
-        init,
-        draw(st.sampled_from([2.0, 1.5, 4.0])),
-        draw(st.sampled_from([0.5, 0.25])),
-        draw(growth_intervals),
-        min_scale=floor if floor is None or floor <= init else None,
-        hysteresis=draw(st.one_of(st.none(), st.integers(1, 3))),
-    )
+    return init_scaler(init, draw(st.sampled_from([2.0, 1.5, 4.0])), draw(st.sampled_from([0.5, 0.25])),
+                       draw(growth_intervals), min_scale=floor if floor is None or floor <= init else None,
+                       hysteresis=draw(st.one_of(st.none(), st.integers(1, 3))))
 
 
-def precisions(param_dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16, torch.float16)) -> st.SearchStrategy:
+def precisions(param_dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16, torch.float16)
+               ) -> st.SearchStrategy:
     """:class:`~fzero.MixedPrecision` policies: compute dtype, reduce dtype (None or fp32)."""
-    return st.builds(
-        MixedPrecision,
-        param_dtype=st.sampled_from(tuple(param_dtypes)),
-        reduce_dtype=st.sampled_from([None, torch.float32]),
-    )
-
-
-# --------------------------------------------------------------------------------------
-# Faults
-# --------------------------------------------------------------------------------------
+    return st.builds(MixedPrecision, param_dtype=st.sampled_from(tuple(param_dtypes)),
+                     reduce_dtype=st.sampled_from([None, torch.float32]))
 
 
 @st.composite
-def fault_schedules(
-    draw: Any,
-    world_size: IntOrStrategy,
-    steps: int,
-    *,
-    max_faults: int = 3,
-    kinds: Sequence[str] = ("grad", "corrupt", "delay"),
-    corrupt_ops: Sequence[str] = ("all_gather",),
-    max_index: int = 0,
-    max_delay: float = 0.01,
-) -> tuple[Fault, ...]:
-    """Up to ``max_faults`` faults for a run of ``steps`` steps on ``world_size`` ranks:
-    :class:`GradFault` (inf, -inf or nan), :class:`CorruptResult` (of one of
-    ``corrupt_ops``, element ``0..max_index``, bit flip or a value) and
-    :class:`Delay` (up to ``max_delay`` seconds). Sorted by step."""
+def fault_schedules(draw: Any, world_size: IntOrStrategy, steps: int, *, max_faults: int = 3,
+                    kinds: Sequence[str] = ("grad", "corrupt", "delay"), corrupt_ops: Sequence[str] = ("all_gather",),
+                    max_index: int = 0, max_delay: float = 0.01) -> tuple[Fault, ...]:
+    """Up to ``max_faults`` faults for ``steps`` steps on ``world_size`` (an int or a strategy) ranks,
+    sorted by step: :class:`GradFault` (inf, -inf or nan), :class:`CorruptResult` (of one of
+    ``corrupt_ops``, element ``0..max_index``, bit flip or a value), :class:`Delay` (up to ``max_delay`` s)."""
     w = draw(_ints(world_size))
     out: list[Fault] = []
     for _ in range(draw(st.integers(0, max_faults))):
@@ -373,10 +256,9 @@ def fault_schedules(
         if kind == "grad":
             out.append(GradFault(step, rank, draw(st.sampled_from([math.inf, -math.inf, math.nan]))))
         elif kind == "corrupt":
-            out.append(CorruptResult(
-                step, rank, draw(st.sampled_from(tuple(corrupt_ops))), draw(st.integers(0, max_index)),
-                draw(st.one_of(st.none(), st.sampled_from([0.0, 1.0, 1e30, math.inf]))),
-            ))
+            out.append(CorruptResult(step, rank, draw(st.sampled_from(tuple(corrupt_ops))),
+                                     draw(st.integers(0, max_index)),
+                                     draw(st.one_of(st.none(), st.sampled_from([0.0, 1.0, 1e30, math.inf])))))
         else:
             out.append(Delay(step, rank, draw(st.floats(0.0, max_delay))))
     return tuple(sorted(out, key=lambda f: (f.step, f.rank)))
