@@ -7,7 +7,7 @@ named here, so a memory census (:class:`fzero.testing.census.Census`, or any pro
 
 ``fzero::grad_buckets``: stages 1-2, the bucket buffers gradients are copied into during backward.
 ``fzero::grad_reduction``: the gradient collectives' buffers (averaged shards, receive buffers,
-stacked rows; on gloo at stage 3 also a reduction batched with a gather).
+stacked rows).
 ``fzero::gather``: stage 3, the parameters gathered for a unit's forward and backward (what is
 sent, received and copied into each flat group's buffer, prefetches included).
 ``fzero::update``: after backward, norm, unscale and clip, the optimizer step and stages 1-2's

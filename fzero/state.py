@@ -28,7 +28,8 @@ from .rng import init_rng
 from .scaler import ScalerState, init_scaler, static_scaler
 from .sharding import ShardState, all_gather_params, init_shard, shard_layout
 
-__all__ = ["TrainState", "init_train_state", "hand_over_parameters", "ensure_live", "consume"]  # hand_over_parameters: fzero.module's
+# hand_over_parameters is fzero.module's, kept importable from here
+__all__ = ["TrainState", "init_train_state", "hand_over_parameters", "ensure_live", "consume"]
 
 
 @pytree_dataclass

@@ -3,7 +3,7 @@
 Inside a :class:`Census` block PyTorch's profiler records the c10 CPU allocator's allocations and frees on
 this thread; on exit the census replays them: the peak and what was live at it, named by the ``known`` tensors
 it holds, plus the ``baseline`` of known storages from before the block (frees timed by ``weakref.finalize``).
-Not counted: Python objects, memory outside the c10 allocator (gloo, oneDNN/MKL, malloc overhead), threads
+Not counted: Python objects, memory outside the c10 allocator (a backend's, oneDNN/MKL, malloc overhead), threads
 the profiler does not follow (their frees unseen until the address is reused). The first profiler session costs ~2 s.
 
 Imports: none of fzero.
@@ -211,7 +211,7 @@ class Census:
         return self._peak_of(lambda a: a.scope == scope)[1]
 
     def unseen_bytes(self, scope: Optional[str] = None, at_ns: Optional[int] = None) -> int:
-        """Bytes whose free was not seen (another thread's, e.g. gloo's; live until the address is reused)
+        """Bytes whose free was not seen (another thread's, e.g. a backend's; live until the address is reused)
         of ``scope``'s allocations (``None``: all), live at ``at_ns`` (``None``: whenever in the block)."""
         return sum(a.nbytes for a in self.allocations if not a.free_seen
                    and (scope is None or a.scope == scope) and (at_ns is None or a.live_at(at_ns)))
