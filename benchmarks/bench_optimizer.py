@@ -15,7 +15,7 @@ run instead of inductor's loop); ``inductor-floor`` is an inductor loop with the
 same memory traffic and one addition per array (the bandwidth floor).
 ``--unscale``: every variant first multiplies the gradient by a 0-d factor, as
 a training step unscales and clips (torch: in place on ``.grad``, as
-``GradScaler.unscale_``; fzero: inside the step function, as ``fzero.scaler.unscale_and_clip``),
+``GradScaler.unscale_``; fzero: inside the step function, as ``fzero.unscale_and_check(..., in_place=True)``),
 which inductor fuses into its loop and an opaque kernel cannot.
 
 Each variant runs ``--repeats`` times in a fresh process, the variants
@@ -84,6 +84,7 @@ def optimizer_variant(name: str, numel: int, steps: int, unscale: bool) -> dict:
     comm = fzero.SimulatedWorld(1)
     shard = fzero.init_shard({"w": torch.randn(numel)}, comm, alignment=1)
     opt_state = fzero.optim.init_opt_state(fzero.adamw(lr=1e-3), shard.master)
+    traced = comm.tracing()
     grads = (torch.randn(1, numel) * 1e-3,)
     found = torch.zeros(())
     donate = "donating" in name
@@ -103,7 +104,8 @@ def optimizer_variant(name: str, numel: int, steps: int, unscale: bool) -> dict:
                 h["eps"], f,
             )
             return s, replace(o, step=o.step + (f == 0).to(o.step.dtype))
-        return fzero.shard_step(s, o, g, f, donate=donate)
+        # a compiled step is traced with its communicator's tracing() copy (fzero.bind_step does the same)
+        return fzero.shard_step(s, o, g, f, donate=donate, comm=traced if "compiled" in name else None)
 
     if name == "fused-op-compiled-donating":
         _define_fused_op()
