@@ -3,7 +3,7 @@
 A :class:`TrainState` is everything a step carries to the next: this process's shards and master
 copy, the optimizer state, the loss scale, the gathered parameters (stages 1-2), the module's
 buffers and each local rank's generator state. Building it hands the module's parameters to the
-state (:func:`hand_over_parameters`); a donating step consumes the state it is given
+state (:func:`fzero.module.hand_over_parameters`); a donating step consumes the state it is given
 (:func:`consume`, :func:`ensure_live`). :mod:`fzero.step` imports this module, never the reverse.
 
 Imports: buckets, comm, materialize, module, optim, precision, pytree, rng, scaler, sharding.
@@ -28,8 +28,7 @@ from .rng import init_rng
 from .scaler import ScalerState, init_scaler, static_scaler
 from .sharding import ShardState, all_gather_params, init_shard, shard_layout
 
-# hand_over_parameters is fzero.module's, kept importable from here
-__all__ = ["TrainState", "init_train_state", "hand_over_parameters", "ensure_live", "consume"]
+__all__ = ["TrainState", "init_train_state", "ensure_live", "consume"]
 
 
 @pytree_dataclass
