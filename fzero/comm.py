@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as tp
 
 __all__ = ["CollectiveError", "Communicator", "SimulatedWorld", "CountingCommunicator", "CollectiveRecord",
-           "gradient_divide_factors"]
+           "gradient_divide_factors", "rank_order_sum"]
 ReduceOp = Literal["sum", "avg", "max"]
 
 
@@ -50,6 +50,18 @@ def gradient_divide_factors(world_size: int) -> tuple[float, float]:
     while world_size % pre == 0 and world_size / pre > pre:
         pre *= 2
     return float(pre), world_size / pre
+
+
+def rank_order_sum(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``rows[0] + rows[1] + ...`` added one row at a time, in rank order, in the rows' dtype (as a ring
+    reduce-scatter adds on the wire), into a new tensor: the one definition of a reduce-scatter's sum, so
+    every communicator and path gives the same bits (``-0 + -0`` stays ``-0``)."""
+    if len(rows) == 1:
+        return rows[0].clone()
+    total = rows[0] + rows[1]
+    for row in rows[2:]:
+        total.add_(row)
+    return total
 
 
 class Communicator:
@@ -180,8 +192,9 @@ class Communicator:
 
 
 class SimulatedWorld(Communicator):
-    """All ``world_size`` ranks in one process: collectives reduce over dim 0 in rank order (the bits of
-    ``fzero.dist``'s all-to-all reduce-scatter); with one rank, reductions return their input (no copy)."""
+    """All ``world_size`` ranks in one process: a reduce-scatter adds the ranks' rows in rank order
+    (:func:`rank_order_sum`, the bits of ``fzero.dist``'s default reduce-scatter on gloo), an all-reduce sums over
+    dim 0; with one rank, reductions return their input (no copy)."""
 
     def __init__(self, world_size: int):
         if not (isinstance(world_size, int) and world_size >= 1):
@@ -215,7 +228,8 @@ class SimulatedWorld(Communicator):
         n = self._chunk(x, "reduce_scatter")
         if self.world_size == 1:
             return x
-        return self._reduce0(x.reshape(self.world_size, self.world_size, n), op)
+        total = rank_order_sum(x.reshape(self.world_size, self.world_size, n).unbind(0))
+        return total.div_(self.world_size) if op == "avg" else total
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         self._check_rows(x, "all_gather")

@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from ..comm import Communicator, ReduceOp
+from ..comm import Communicator, ReduceOp, rank_order_sum
 from ..layout import Layout, first_difference
-from .gloo import C10D_OP, Bound, ScratchPool, average_owned, point_to_point_gather, waiter
+from .gloo import (C10D_OP, Bound, ScratchPool, average_owned, point_to_point_gather,
+                   point_to_point_reduce_scatter, waiter)
 
 __all__ = ["TorchCommunicator", "LayoutMismatchError", "REDUCE_SCATTER_PATHS", "ALL_GATHER_PATHS",
            "launcher_world_size", "choose_comm"]
@@ -62,8 +63,9 @@ class LayoutMismatchError(ValueError):
 class TorchCommunicator(Communicator):
     """Collectives over ``group`` (default: the world group) for this process's rank (local-rank axis of size 1);
     ``RuntimeError`` without a default process group. ``reduce_scatter_via``: ``"reduce_scatter"`` (the
-    backend's own), ``"all_to_all"`` (each rank sends every other rank its chunk and sums what it received in
-    rank order: a reduce-scatter's traffic, the simulated world's bits) or ``"all_reduce"`` (and a slice: twice
+    backend's own), ``"all_to_all"`` (each rank sends every other rank its chunk, point to point, and adds what it
+    received in rank order: a reduce-scatter's traffic, the simulated world's bits; at W=2 received straight into
+    the result) or ``"all_reduce"`` (and a slice: twice
     the traffic); default ``"all_to_all"`` on gloo (its own reduce-scatter is its slowest collective), else the
     backend's own. ``all_gather_via``: ``"all_gather"`` (the backend's own) or ``"point_to_point"`` (the default
     on gloo). ``timeout`` (seconds or a ``timedelta``; default: the process group's own) bounds each wait of a
@@ -95,11 +97,15 @@ class TorchCommunicator(Communicator):
             raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
         self.timeout = None if timeout is None else float(timeout)
         self.overlaps = True
-        # beside the result: all_to_all receives the input's size, all-reduce and gloo's reduce-scatter copy it
-        self.reduce_scatter_buffers = 0.0 if reduce_scatter_via == "reduce_scatter" and not gloo else 1.0
+        # beside the result: all_to_all receives the chunks of the peers after the first, all-reduce and gloo's
+        # reduce-scatter copy the input
+        self.reduce_scatter_buffers = {"reduce_scatter": 0.0 if not gloo else 1.0, "all_reduce": 1.0,
+                                       "all_to_all": max(self.world_size - 2, 0) / self.world_size}[reduce_scatter_via]
         self.all_reduce_buffers = 1.0
         self._ops = gloo and self.world_size > 1  # traced: fzero's operators (fzero.dist.gloo)
-        self._sent_tags = 0  # point-to-point gathers: each its own tag, in the same order everywhere
+        # point-to-point tags: gathers even, reductions odd (each kind is issued by one thread at a time, in the
+        # same order everywhere; a stage-3 step gathers on one thread while another reduces)
+        self._tags = [0, 1]
         self._pool: Optional[ScratchPool] = None
 
     def __repr__(self) -> str:
@@ -132,6 +138,11 @@ class TorchCommunicator(Communicator):
     def _empty(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         pool = self._pool
         return pool.empty((numel,), like.dtype, like.device) if pool is not None else like.new_empty(numel)
+
+    def _tag(self, kind: int) -> int:
+        """The next point-to-point tag of ``kind`` (0: gathers, 1: reductions)."""
+        self._tags[kind] = (self._tags[kind] + 2) % (1 << 30)
+        return self._tags[kind]
 
     def _bound(self, collective: str) -> Bound:
         return None if self.timeout is None else (collective, self.rank, self.timeout)
@@ -190,11 +201,13 @@ class TorchCommunicator(Communicator):
                 return lambda: out.unsqueeze(0)
             if self.traced:
                 started = funcol.all_to_all_single(x[0].contiguous(), None, None, self._name)
-                return lambda: self._average(funcol.wait_tensor(started).view(world, n).sum(0), op).unsqueeze(0)
-            received, sent = self._empty(world * n, x), x[0].contiguous()
-            work = dist.all_to_all_single(received, sent, group=self._pg, async_op=True)
-            return waiter(work, lambda: average_owned(received.view(world, n).sum(0), op, world).unsqueeze(0),
-                          self._bound(what.replace(")", ", as all_to_all_single)", 1)), sent)
+                received = lambda: funcol.wait_tensor(started).view(world, n).unbind(0)  # noqa: E731
+                return lambda: self._average(rank_order_sum(received()), op).unsqueeze(0)
+            sent = x[0].contiguous()
+            works, total = point_to_point_reduce_scatter(sent, self._pg, self.rank, world, self._tag(1),
+                                                         lambda numel: self._empty(numel, sent))
+            return waiter(works, lambda: average_owned(total(), op, world).unsqueeze(0),
+                          self._bound(what.replace(")", ", point to point)", 1)), sent)
         if self.traced:
             started = funcol.reduce_scatter_tensor(x[0], "sum", 0, self._name)
             return lambda: self._average(funcol.wait_tensor(started), op).unsqueeze(0)
@@ -239,8 +252,7 @@ class TorchCommunicator(Communicator):
                      result: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         """Starts the eager gather of ``sent`` into ``out`` (``[W * n]``) as ``all_gather_via`` says."""
         if self.all_gather_via == "point_to_point" and self.world_size > 1:
-            self._sent_tags = (self._sent_tags + 1) % (1 << 30)
-            work: Any = point_to_point_gather(out, sent, self._pg, self.rank, self.world_size, self._sent_tags)
+            work: Any = point_to_point_gather(out, sent, self._pg, self.rank, self.world_size, self._tag(0))
         else:
             work = _c10d_all_gather(out, sent, group=self._pg, async_op=True)
         return waiter(work, result, self._bound(f"all_gather of {out.numel()} {out.dtype}"), sent)

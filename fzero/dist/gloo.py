@@ -1,5 +1,5 @@
 """What :class:`fzero.dist.TorchCommunicator` does on gloo, and the bounded waits it uses: a point-to-point
-all-gather (:func:`point_to_point_gather`), host buffers handed out again (:class:`ScratchPool`), and traced
+all-gather (:func:`point_to_point_gather`) and reduce-scatter (:func:`point_to_point_reduce_scatter`), host buffers handed out again (:class:`ScratchPool`), and traced
 collectives as operators (``torch.library.custom_op``) that run the eager c10d calls inside a compiled step's
 graph and wait there, within the communicator's timeout (a functional collective takes none, and gloo's thread
 frees its buffers whenever inductor's schedule lets it), one reduction at a time.
@@ -20,9 +20,11 @@ import torch.distributed as dist
 from ..comm import CollectiveError
 from ..scopes import GATHER, GRAD_REDUCTION, step_scope
 
-__all__ = ["Bound", "wait", "waiter", "Works", "point_to_point_gather", "ScratchPool", "C10D_OP"]
+__all__ = ["Bound", "wait", "waiter", "Works", "point_to_point_gather", "point_to_point_reduce_scatter", "ScratchPool",
+           "C10D_OP"]
 
 C10D_OP = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+TRACED_REDUCE_TAG = 1 << 30  # a traced reduce-scatter waits inside its operator: one tag serves them all
 # (collective, rank, timeout in seconds): what a bounded wait names when it gives up
 Bound = Optional[tuple[str, int, float]]
 
@@ -91,6 +93,35 @@ def point_to_point_gather(out: torch.Tensor, sent: torch.Tensor, group: Optional
     return Works(works)
 
 
+def point_to_point_reduce_scatter(sent: torch.Tensor, group: Optional[dist.ProcessGroup], rank: int, world: int,
+                                  tag: int, empty: Callable[[int], torch.Tensor]) -> tuple[Works, Callable[[], torch.Tensor]]:
+    """Start a reduce-scatter of ``sent`` (``[world * n]``, contiguous): chunk ``k`` sent to rank ``k``, ``world - 1``
+    sends and receives. Returns the works and a function, called once they are done, giving the new ``[n]`` sum in
+    rank order (:func:`fzero.comm.rank_order_sum`). The first peer's chunk of that sum (``c1`` on rank 0, since
+    ``c0 + c1 == c1 + c0``, else ``c0``) is received straight into the result, so two ranks need no other buffer;
+    each further peer's chunk goes to ``empty(n)``."""
+    n = sent.numel() // world
+    mine = [sent[k * n:(k + 1) * n] for k in range(world)]
+    if world == 1:
+        return Works([]), mine[0].clone
+    first = 1 if rank == 0 else 0
+    out = sent.new_empty(n)
+    terms, works = {rank: mine[rank]}, []
+    for k in range(1, world):
+        dst, src = (rank + k) % world, (rank - k) % world
+        works.append(dist.isend(mine[dst], group=group, group_dst=dst, tag=tag))
+        terms[src] = out if src == first else empty(n)
+        works.append(dist.irecv(terms[src], group=group, group_src=src, tag=tag))
+
+    def total() -> torch.Tensor:
+        for k in range(world):
+            if k != first:
+                out.add_(terms[k])
+        return out
+
+    return Works(works), total
+
+
 def average_owned(total: torch.Tensor, op: str, world: int) -> torch.Tensor:
     """``avg``'s division in place, for a result buffer the collective allocated itself."""
     return total.div_(world) if op == "avg" and world > 1 else total
@@ -132,17 +163,14 @@ def _(sent: torch.Tensor, world: int, group_name: str, timeout: float) -> torch.
 
 @torch.library.custom_op("fzero::reduce_scatter_all_to_all", mutates_args=())
 def _reduce_scatter_op(sent: torch.Tensor, world: int, op: str, group_name: str, timeout: float) -> torch.Tensor:
-    """Rank ``k``'s chunk of every rank's ``sent`` (``[world * n]``) arrives at rank ``k``, summed there in rank
-    order as in the simulated world (``[world, n].sum(0)``); the received buffer is freed before it returns."""
-    what = f"reduce_scatter ({op}, as all_to_all_single) of {sent.numel()} {sent.dtype}"
+    """:func:`point_to_point_reduce_scatter` of ``sent`` (``[world * n]``), waited for: this rank's ``[n]`` sum."""
+    what = f"reduce_scatter ({op}, point to point) of {sent.numel()} {sent.dtype}"
     group, bound = _group_and_bound(group_name, what, timeout)
-    n = sent.numel() // world
     with step_scope(GRAD_REDUCTION):
-        received = sent.new_empty(world * n)
-        wait(dist.all_to_all_single(received, sent, group=group, async_op=True), bound)
-        total = received.view(world, n).sum(0)
-        del received
-        return average_owned(total, op, world)
+        works, total = point_to_point_reduce_scatter(sent, group, dist.get_rank(group), world, TRACED_REDUCE_TAG,
+                                                     sent.new_empty)
+        wait(works, bound)
+        return average_owned(total(), op, world)
 
 
 @_reduce_scatter_op.register_fake
