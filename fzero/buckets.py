@@ -101,7 +101,7 @@ class Runner:
 
 class BufferPool:
     """Gradient bucket buffers reused from one bucket to the next within a step (eager stages 1-2),
-    sparing fresh buffers' page faults: at most ``limit`` kept, emptied by the step when it ends."""
+    sparing fresh buffers' page faults: at most ``limit`` kept, emptied once the last bucket is launched."""
 
     def __init__(self, limit: int = MAX_IN_FLIGHT + 1):
         self.limit = limit
@@ -196,6 +196,8 @@ class BucketReduction:
         groups, owned, done = self.started.pop(0)
         shards = done()
         self.shards.update((g.index, shard) for g, shard in zip(groups, shards))
+        if all(self.launched):  # no bucket left to fill: the buffer is freed, not kept (the step's peak is here)
+            return
         kept = {s.untyped_storage().data_ptr() for s in shards}
         for base in owned:  # back to the pool unless a result views it (one rank: the identity)
             if base.untyped_storage().data_ptr() not in kept:
@@ -220,6 +222,7 @@ class BucketReduction:
                                        for g in self.groups[b])
             self._launch(i)
         self.next = len(self.launches)
+        self.pool.clear()  # every bucket launched: what waits in the pool would only raise the peak
         while self.started:
             self._wait_oldest()
         shards, self.shards = self.shards, {}
