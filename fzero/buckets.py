@@ -189,6 +189,9 @@ class BucketReduction:
                 groups.append(g)
                 flats.append(bufs[pos] if bufs is not None else stack_rows([got[r][pos] for r in range(self.rows)]))
         self.launched[i] = True
+        if all(self.launched):  # no bucket left to fill: the pool would only raise the step's peak, which is here
+            self.pool.clear()
+            self.pool = BufferPool(0)
         self.started.append((tuple(groups), tuple(owned),
                              self.runner.submit(self.threaded, self.on_ready, FlatGrads(groups, flats))))
 
@@ -196,8 +199,6 @@ class BucketReduction:
         groups, owned, done = self.started.pop(0)
         shards = done()
         self.shards.update((g.index, shard) for g, shard in zip(groups, shards))
-        if all(self.launched):  # no bucket left to fill: the buffer is freed, not kept (the step's peak is here)
-            return
         kept = {s.untyped_storage().data_ptr() for s in shards}
         for base in owned:  # back to the pool unless a result views it (one rank: the identity)
             if base.untyped_storage().data_ptr() not in kept:
@@ -222,7 +223,6 @@ class BucketReduction:
                                        for g in self.groups[b])
             self._launch(i)
         self.next = len(self.launches)
-        self.pool.clear()  # every bucket launched: what waits in the pool would only raise the peak
         while self.started:
             self._wait_oldest()
         shards, self.shards = self.shards, {}

@@ -53,12 +53,9 @@ def gradient_divide_factors(world_size: int) -> tuple[float, float]:
 
 
 def rank_order_sum(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``rows[0] + rows[1] + ...`` added one row at a time, in rank order, in the rows' dtype (as a ring
-    reduce-scatter adds on the wire), into a new tensor: the one definition of a reduce-scatter's sum, so
-    every communicator and path gives the same bits (``-0 + -0`` stays ``-0``)."""
-    if len(rows) == 1:
-        return rows[0].clone()
-    total = rows[0] + rows[1]
+    """A new ``rows[0] + rows[1] + ...``, one row at a time in rank order in the rows' dtype (as a ring adds on the
+    wire): the one definition of a reduce-scatter's sum, so every communicator and path gives the same bits."""
+    total = rows[0] + rows[1] if len(rows) > 1 else rows[0].clone()
     for row in rows[2:]:
         total.add_(row)
     return total
@@ -205,21 +202,15 @@ class SimulatedWorld(Communicator):
     def __repr__(self) -> str:
         return f"SimulatedWorld({self.world_size})"
 
-    def _reduce0(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        if op == "max":
-            return x.amax(dim=0)
-        if op not in ("sum", "avg"):
-            raise ValueError(f"unknown reduce op {op!r}")
-        total = x.sum(dim=0)  # a new tensor: averaged in place, the same bits without a second buffer
-        return total.div_(self.world_size) if op == "avg" and self.world_size > 1 else total
-
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         self._check_rows(x, "all_reduce")
         if op not in ("sum", "avg", "max"):
             raise ValueError(f"unknown reduce op {op!r}")
         if self.world_size == 1:  # the identity: no copy
             return x
-        return self._reduce0(x, op).unsqueeze(0).repeat(self.world_size, *([1] * (x.dim() - 1)))
+        total = x.amax(dim=0) if op == "max" else x.sum(dim=0)  # new: averaged in place, the same bits
+        total = total.div_(self.world_size) if op == "avg" else total
+        return total.unsqueeze(0).repeat(self.world_size, *([1] * (x.dim() - 1)))
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         self._check_rows(x, "reduce_scatter")

@@ -91,21 +91,19 @@ class TorchCommunicator(Communicator):
         if all_gather_via not in ALL_GATHER_PATHS:
             raise ValueError(f"all_gather_via must be one of {ALL_GATHER_PATHS}, got {all_gather_via!r}")
         self.reduce_scatter_via, self.all_gather_via = reduce_scatter_via, all_gather_via
+        via_p2p = reduce_scatter_via == "all_to_all"
         if isinstance(timeout, datetime.timedelta):
             timeout = timeout.total_seconds()
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
         self.timeout = None if timeout is None else float(timeout)
         self.overlaps = True
-        # beside the result: all_to_all receives the chunks of the peers after the first, all-reduce and gloo's
-        # reduce-scatter copy the input
-        self.reduce_scatter_buffers = {"reduce_scatter": 0.0 if not gloo else 1.0, "all_reduce": 1.0,
-                                       "all_to_all": max(self.world_size - 2, 0) / self.world_size}[reduce_scatter_via]
+        # beside the result: all_to_all receives the peers' chunks after the first, the others copy the input
+        copies = 0.0 if reduce_scatter_via == "reduce_scatter" and not gloo else 1.0
+        self.reduce_scatter_buffers = max(self.world_size - 2, 0) / self.world_size if via_p2p else copies
         self.all_reduce_buffers = 1.0
         self._ops = gloo and self.world_size > 1  # traced: fzero's operators (fzero.dist.gloo)
-        # point-to-point tags: gathers even, reductions odd (each kind is issued by one thread at a time, in the
-        # same order everywhere; a stage-3 step gathers on one thread while another reduces)
-        self._tags = [0, 1]
+        self._tags = [0, 1]  # point to point: gathers even, reductions odd (stage 3 does both at once)
         self._pool: Optional[ScratchPool] = None
 
     def __repr__(self) -> str:
@@ -125,22 +123,18 @@ class TorchCommunicator(Communicator):
     @contextlib.contextmanager
     def reusing_buffers(self) -> Iterator[None]:
         """Eagerly: gathers and all-to-all receives inside the block come from one :class:`ScratchPool`."""
-        if self.traced or self._pool is not None:
-            yield
-            return
-        self._pool = ScratchPool()
+        mine = not self.traced and self._pool is None
+        self._pool = ScratchPool() if mine else self._pool
         try:
             yield
         finally:
-            self._pool.clear()
-            self._pool = None
+            self._pool = None if mine else self._pool
 
     def _empty(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         pool = self._pool
         return pool.empty((numel,), like.dtype, like.device) if pool is not None else like.new_empty(numel)
 
-    def _tag(self, kind: int) -> int:
-        """The next point-to-point tag of ``kind`` (0: gathers, 1: reductions)."""
+    def _tag(self, kind: int) -> int:  # the next point-to-point tag of a kind (0: gathers, 1: reductions)
         self._tags[kind] = (self._tags[kind] + 2) % (1 << 30)
         return self._tags[kind]
 

@@ -1,8 +1,8 @@
-"""What :class:`fzero.dist.TorchCommunicator` does on gloo, and the bounded waits it uses: a point-to-point
-all-gather (:func:`point_to_point_gather`) and reduce-scatter (:func:`point_to_point_reduce_scatter`), host buffers handed out again (:class:`ScratchPool`), and traced
-collectives as operators (``torch.library.custom_op``) that run the eager c10d calls inside a compiled step's
-graph and wait there, within the communicator's timeout (a functional collective takes none, and gloo's thread
-frees its buffers whenever inductor's schedule lets it), one reduction at a time.
+"""What :class:`fzero.dist.TorchCommunicator` does on gloo, and the bounded waits it uses: point-to-point all-gather
+and reduce-scatter (:func:`point_to_point_gather`, :func:`point_to_point_reduce_scatter`), host buffers handed out
+again (:class:`ScratchPool`), and traced collectives as operators (``torch.library.custom_op``) that run the eager
+c10d calls inside a compiled step's graph and wait there, within the communicator's timeout (a functional
+collective takes none, and gloo's thread frees its buffers whenever inductor's schedule lets it), one at a time.
 
 Imports: comm, scopes.
 """
@@ -10,6 +10,7 @@ Imports: comm, scopes.
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -33,8 +34,7 @@ def wait(work: Any, bound: Bound) -> None:
     """``work.wait()``; with a bound, c10d's ``wait(timeout)``, and a failure (the timeout, or a peer that
     died) as :class:`~fzero.comm.CollectiveError` naming the collective."""
     if bound is None:
-        work.wait()
-        return
+        return work.wait()
     what, rank, seconds = bound
     try:
         done = work.wait(timeout=datetime.timedelta(seconds=seconds))
@@ -53,7 +53,7 @@ def waiter(work: Any, result: Callable[[], torch.Tensor], bound: Bound = None,
     pending, keep = [work], [sent]
 
     def done() -> torch.Tensor:
-        if pending:
+        while pending:
             wait(pending.pop(), bound)
         out = result()
         keep.clear()
@@ -69,11 +69,10 @@ class Works:
         self.works = works
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        end = None if timeout is None else time.monotonic() + timeout.total_seconds()
         for w in self.works:
-            if deadline is None:
-                w.wait()
-            elif w.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))) is False:
+            limit = {} if end is None else {"timeout": datetime.timedelta(seconds=max(end - time.monotonic(), 0.001))}
+            if w.wait(**limit) is False:
                 return False
         return True
 
@@ -83,43 +82,33 @@ def point_to_point_gather(out: torch.Tensor, sent: torch.Tensor, group: Optional
     """Start an all-gather of ``sent`` (``[n]``, contiguous) into ``out`` (``[world * n]``, rank-major):
     ``world - 1`` sends and receives, each peer's shard received straight into its place (gloo's own all-gather
     receives into a fresh buffer and copies out of it), this rank's copied there."""
-    n = sent.numel()
-    works = []
-    for k in range(1, world):
-        dst, src = (rank + k) % world, (rank - k) % world
-        works.append(dist.isend(sent, group=group, group_dst=dst, tag=tag))
-        works.append(dist.irecv(out[src * n:(src + 1) * n], group=group, group_src=src, tag=tag))
+    n, works = sent.numel(), []
+    for dst, src in [((rank + k) % world, (rank - k) % world) for k in range(1, world)]:
+        works += [dist.isend(sent, group=group, group_dst=dst, tag=tag),
+                  dist.irecv(out[src * n:(src + 1) * n], group=group, group_src=src, tag=tag)]
     out[rank * n:(rank + 1) * n].copy_(sent)
     return Works(works)
 
 
 def point_to_point_reduce_scatter(sent: torch.Tensor, group: Optional[dist.ProcessGroup], rank: int, world: int,
-                                  tag: int, empty: Callable[[int], torch.Tensor]) -> tuple[Works, Callable[[], torch.Tensor]]:
-    """Start a reduce-scatter of ``sent`` (``[world * n]``, contiguous): chunk ``k`` sent to rank ``k``, ``world - 1``
-    sends and receives. Returns the works and a function, called once they are done, giving the new ``[n]`` sum in
-    rank order (:func:`fzero.comm.rank_order_sum`). The first peer's chunk of that sum (``c1`` on rank 0, since
-    ``c0 + c1 == c1 + c0``, else ``c0``) is received straight into the result, so two ranks need no other buffer;
-    each further peer's chunk goes to ``empty(n)``."""
+                                  tag: int, empty: Callable[[int], torch.Tensor]) -> tuple[Works, Callable[[], Any]]:
+    """Start a reduce-scatter of ``sent`` (``[world * n]``, contiguous), chunk ``k`` sent to rank ``k``. Returns the
+    works and, to call once they are done, the new ``[n]`` sum in rank order (:func:`fzero.comm.rank_order_sum`).
+    The sum's first peer chunk (``c1`` on rank 0, as ``c0 + c1 == c1 + c0``; else ``c0``) is received straight
+    into the result, so two ranks need no other buffer; each further peer's chunk goes to ``empty(n)``."""
     n = sent.numel() // world
     mine = [sent[k * n:(k + 1) * n] for k in range(world)]
-    if world == 1:
-        return Works([]), mine[0].clone
-    first = 1 if rank == 0 else 0
-    out = sent.new_empty(n)
+    first, out = (1 if rank == 0 else 0), sent.new_empty(n)
     terms, works = {rank: mine[rank]}, []
     for k in range(1, world):
         dst, src = (rank + k) % world, (rank - k) % world
-        works.append(dist.isend(mine[dst], group=group, group_dst=dst, tag=tag))
         terms[src] = out if src == first else empty(n)
-        works.append(dist.irecv(terms[src], group=group, group_src=src, tag=tag))
-
-    def total() -> torch.Tensor:
-        for k in range(world):
-            if k != first:
-                out.add_(terms[k])
-        return out
-
-    return Works(works), total
+        works += [dist.isend(mine[dst], group=group, group_dst=dst, tag=tag),
+                  dist.irecv(terms[src], group=group, group_src=src, tag=tag)]
+    if world == 1:
+        return Works([]), mine[0].clone
+    return Works(works), lambda: functools.reduce(torch.Tensor.add_, [terms[k] for k in range(world) if k != first],
+                                                  out)
 
 
 def average_owned(total: torch.Tensor, op: str, world: int) -> torch.Tensor:
