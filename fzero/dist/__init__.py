@@ -64,9 +64,8 @@ class TorchCommunicator(Communicator):
     """Collectives over ``group`` (default: the world group) for this process's rank (local-rank axis of size 1);
     ``RuntimeError`` without a default process group. ``reduce_scatter_via``: ``"reduce_scatter"`` (the
     backend's own), ``"all_to_all"`` (each rank sends every other rank its chunk, point to point, and adds what it
-    received in rank order: a reduce-scatter's traffic, the simulated world's bits; at W=2 received straight into
-    the result) or ``"all_reduce"`` (and a slice: twice
-    the traffic); default ``"all_to_all"`` on gloo (its own reduce-scatter is its slowest collective), else the
+    received in rank order: a reduce-scatter's traffic, the simulated world's bits) or ``"all_reduce"`` (and a
+    slice: twice the traffic); default ``"all_to_all"`` on gloo (its own reduce-scatter is its slowest), else the
     backend's own. ``all_gather_via``: ``"all_gather"`` (the backend's own) or ``"point_to_point"`` (the default
     on gloo). ``timeout`` (seconds or a ``timedelta``; default: the process group's own) bounds each wait of a
     step, eager or compiled: a stalled or dead peer then raises :class:`~fzero.comm.CollectiveError`. Pass the
@@ -128,7 +127,9 @@ class TorchCommunicator(Communicator):
         try:
             yield
         finally:
-            self._pool = None if mine else self._pool
+            if mine:
+                self._pool.clear()
+                self._pool = None
 
     def _empty(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         pool = self._pool

@@ -92,10 +92,9 @@ def point_to_point_gather(out: torch.Tensor, sent: torch.Tensor, group: Optional
 
 def point_to_point_reduce_scatter(sent: torch.Tensor, group: Optional[dist.ProcessGroup], rank: int, world: int,
                                   tag: int, empty: Callable[[int], torch.Tensor]) -> tuple[Works, Callable[[], Any]]:
-    """Start a reduce-scatter of ``sent`` (``[world * n]``, contiguous), chunk ``k`` sent to rank ``k``. Returns the
-    works and, to call once they are done, the new ``[n]`` sum in rank order (:func:`fzero.comm.rank_order_sum`).
-    The sum's first peer chunk (``c1`` on rank 0, as ``c0 + c1 == c1 + c0``; else ``c0``) is received straight
-    into the result, so two ranks need no other buffer; each further peer's chunk goes to ``empty(n)``."""
+    """Start a reduce-scatter of ``sent`` (``[world * n]``): chunk ``k`` to rank ``k``. Returns the works and, for when
+    they are done, the new ``[n]`` sum in rank order (:func:`fzero.comm.rank_order_sum`), whose first peer term (``c1``
+    on rank 0, as ``c0 + c1 == c1 + c0``; else ``c0``) is received into the result; further peers use ``empty(n)``."""
     n = sent.numel() // world
     mine = [sent[k * n:(k + 1) * n] for k in range(world)]
     first, out = (1 if rank == 0 else 0), sent.new_empty(n)
