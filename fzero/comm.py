@@ -190,7 +190,7 @@ class Communicator:
 
 class SimulatedWorld(Communicator):
     """All ``world_size`` ranks in one process: a reduce-scatter adds the ranks' rows in rank order
-    (:func:`rank_order_sum`, the bits of ``fzero.dist``'s default reduce-scatter on gloo), an all-reduce sums over
+    (:func:`rank_order_sum`, the bits of ``fzero.dist``'s point-to-point reduce-scatter), an all-reduce sums over
     dim 0; with one rank, reductions return their input (no copy)."""
 
     def __init__(self, world_size: int):

@@ -171,10 +171,7 @@ def unscale_and_check(scaler: ScalerState, grads: Any, comm: Communicator, *, cl
     if clip_norm is not None:
         factor = factor * torch.clamp(clip_norm / (norm64 + 1e-6), max=1.0)
     mutate = in_place and not comm.traced  # traced: out of place, inductor fuses it
-    # times exactly 1 (no scaling, no clipping) changes no bit: eagerly on the CPU, where reading the factor
-    # waits for no device, that pass over every gradient is left out
-    identity = mutate and factor.device.type == "cpu" and bool(factor == 1)
-    out = leaves if identity else [g.mul_(factor.to(g.dtype)) if mutate else g * factor.to(g.dtype) for g in leaves]
+    out = [g.mul_(factor.to(g.dtype)) if mutate else g * factor.to(g.dtype) for g in leaves]
     return Checked(tp.tree_unflatten(out, spec), (~torch.isfinite(norm64)).float(), norm64,
                    (sums[1] / comm.world_size).float(), None if used is None else sums[2:2 + n_used] > 0,
                    None if riders is None else sums[2 + n_used:])

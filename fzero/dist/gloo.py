@@ -97,6 +97,8 @@ def point_to_point_reduce_scatter(sent: torch.Tensor, group: Optional[dist.Proce
     on rank 0, as ``c0 + c1 == c1 + c0``; else ``c0``) is received into the result; further peers use ``empty(n)``."""
     n = sent.numel() // world
     mine = [sent[k * n:(k + 1) * n] for k in range(world)]
+    if world == 1:
+        return Works([]), mine[0].clone
     first, out = (1 if rank == 0 else 0), sent.new_empty(n)
     terms, works = {rank: mine[rank]}, []
     for k in range(1, world):
@@ -104,8 +106,6 @@ def point_to_point_reduce_scatter(sent: torch.Tensor, group: Optional[dist.Proce
         terms[src] = out if src == first else empty(n)
         works += [dist.isend(mine[dst], group=group, group_dst=dst, tag=tag),
                   dist.irecv(terms[src], group=group, group_src=src, tag=tag)]
-    if world == 1:
-        return Works([]), mine[0].clone
     return Works(works), lambda: functools.reduce(torch.Tensor.add_, [terms[k] for k in range(world) if k != first],
                                                   out)
 
