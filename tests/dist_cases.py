@@ -404,8 +404,7 @@ class C10dCalls:
 
     # (label, the module attribute TorchCommunicator calls through, on fzero.dist or torch.distributed):
     # an all-gather is gloo's own or point to point (TorchCommunicator's all_gather_via)
-    PATCHED = [("all_to_all", "dist", "all_to_all_single"), ("all_to_all", "fdist", "point_to_point_reduce_scatter"),
-               ("all_reduce", "dist", "all_reduce"),
+    PATCHED = [("all_to_all", "fdist", "point_to_point_reduce_scatter"), ("all_reduce", "dist", "all_reduce"),
                ("all_gather", "fdist", "_c10d_all_gather"), ("all_gather", "fdist", "point_to_point_gather"),
                ("reduce_scatter", "fdist", "_c10d_reduce_scatter")]
 

@@ -92,8 +92,8 @@ def test_gloo_equals_simulated_world_w2_bitwise(w2, case, stage, compiled):
 
 
 def test_gloo_stage3_through_the_scratch_pool_equals_the_simulated_world_bitwise(w2):
-    """Every step buffer through the pool on real ranks (the tagged gathers, backward's joined
-    all-to-all): the pool reuses buffers, holds none between steps, and changes no bit."""
+    """Every step buffer through the pool on real ranks (the tagged gathers, backward's
+    reductions): the pool reuses buffers, holds none between steps, and changes no bit."""
     threads = torch.get_num_threads()
     torch.set_num_threads(SIM_THREADS)
     try:
@@ -209,9 +209,10 @@ def test_mismatched_models_fail_clearly_on_every_rank(w2):
 @pytest.mark.parametrize("fixture,world", [("w2", 2), ("w4", 4)])
 def test_gloo_reduce_scatter_ways_equal_the_simulated_world(fixture, world, request):
     """Every way TorchCommunicator computes a reduce-scatter gives the simulated world's
-    result; the all-to-all (gloo's default) sums in rank order with the simulated world's
-    kernel, so bit for bit at any W, signed zeros included; the others equal at W=2 (two terms
-    round alike in either order) and within rounding beyond."""
+    result; the point-to-point "all_to_all" way (gloo's default) adds in rank order as the
+    simulated world does (fzero.comm.rank_order_sum), so bit for bit at any W, signed zeros
+    included; the others equal at W=2 (two terms round alike in either order) and within
+    rounding beyond."""
     from fzero.dist import REDUCE_SCATTER_PATHS
 
     sim = fzero.SimulatedWorld(world)

@@ -121,7 +121,7 @@ class TorchCommunicator(Communicator):
 
     @contextlib.contextmanager
     def reusing_buffers(self) -> Iterator[None]:
-        """Eagerly: gathers and all-to-all receives inside the block come from one :class:`ScratchPool`."""
+        """Eagerly: gathers and reduce-scatter receives inside the block come from one :class:`ScratchPool`."""
         mine = not self.traced and self._pool is None
         self._pool = ScratchPool() if mine else self._pool
         try:

@@ -77,13 +77,17 @@ class Works:
         return True
 
 
+def _peers(rank: int, world: int) -> list[tuple[int, int]]:  # (dst, src) per round: send k ahead, receive k behind
+    return [((rank + k) % world, (rank - k) % world) for k in range(1, world)]
+
+
 def point_to_point_gather(out: torch.Tensor, sent: torch.Tensor, group: Optional[dist.ProcessGroup], rank: int,
                           world: int, tag: int) -> Works:
     """Start an all-gather of ``sent`` (``[n]``, contiguous) into ``out`` (``[world * n]``, rank-major):
     ``world - 1`` sends and receives, each peer's shard received straight into its place (gloo's own all-gather
     receives into a fresh buffer and copies out of it), this rank's copied there."""
     n, works = sent.numel(), []
-    for dst, src in [((rank + k) % world, (rank - k) % world) for k in range(1, world)]:
+    for dst, src in _peers(rank, world):
         works += [dist.isend(sent, group=group, group_dst=dst, tag=tag),
                   dist.irecv(out[src * n:(src + 1) * n], group=group, group_src=src, tag=tag)]
     out[rank * n:(rank + 1) * n].copy_(sent)
@@ -101,8 +105,7 @@ def point_to_point_reduce_scatter(sent: torch.Tensor, group: Optional[dist.Proce
         return Works([]), mine[0].clone
     first, out = (1 if rank == 0 else 0), sent.new_empty(n)
     terms, works = {rank: mine[rank]}, []
-    for k in range(1, world):
-        dst, src = (rank + k) % world, (rank - k) % world
+    for dst, src in _peers(rank, world):
         terms[src] = out if src == first else empty(n)
         works += [dist.isend(mine[dst], group=group, group_dst=dst, tag=tag),
                   dist.irecv(terms[src], group=group, group_src=src, tag=tag)]
