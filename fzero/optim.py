@@ -327,16 +327,30 @@ class Adam(Optimizer):
         return p + c["neg_step_size"] * (exp_avg / denom), new_moments
 
     def update_(self, param, grad, moments, hyper, step, found_inf=None) -> None:  # noqa: ANN001
-        """:meth:`update` in place, a no-op where ``found_inf``: torch's fused kernel (CPU hyperparameters: no sync)."""
-        kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+        """:meth:`update` in place, a no-op where ``found_inf`` is nonzero: torch's fused kernel, eagerly and traced
+        (:func:`_fused_adam`)."""
         # one tensor per row, as on a real rank: the kernel's vector blocks and scalar tail round differently
         rows = [list(t.unbind(0)) for t in (param, grad, *moments)]
-        h = {k: hyper[k].item() for k in ("lr", "beta1", "beta2", "weight_decay", "eps")}
-        # the kernel skips only where found_inf == 1.0; the contract is nonzero (2.0, NaN, inf)
         skip = None if found_inf is None else (found_inf != 0).to(param.device, torch.float32)
-        kernel(rows[0], rows[1], rows[2], rows[3], rows[4] if self.amsgrad else [],
-               [(step + 1).to(torch.float32)] * len(rows[0]), **h, amsgrad=self.amsgrad, maximize=self.maximize,
-               found_inf=skip)
+        torch.ops.fzero.fused_adam_(rows[0], rows[1], rows[2], rows[3], rows[4] if self.amsgrad else [],
+                                    torch.stack([hyper[k].to(torch.float64) for k in _FUSED_HYPER]),
+                                    (step + 1).to(torch.float32), skip, self.decoupled, self.amsgrad, self.maximize)
+
+
+_FUSED_HYPER = ("lr", "beta1", "beta2", "weight_decay", "eps")
+
+
+@torch.library.custom_op("fzero::fused_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"))
+def _fused_adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], hyper: torch.Tensor,
+                step: torch.Tensor, skip: Optional[torch.Tensor], decoupled: bool, amsgrad: bool,
+                maximize: bool) -> None:
+    """torch's fused Adam(W) kernel in place, skipped where ``skip == 1.0``; ``hyper``: ``_FUSED_HYPER``, float64, read
+    on the host. An operator, so a compiled step gathers from the updated shards (not from a copy of them)."""
+    lr, beta1, beta2, weight_decay, eps = hyper.tolist()
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, [step] * len(params), lr=lr, beta1=beta1,
+           beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize, found_inf=skip)
 
 
 def sgd(lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0, *,

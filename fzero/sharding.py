@@ -210,9 +210,9 @@ def shard_step(shard: ShardState, opt_state: OptState, grads: Sequence[torch.Ten
     out (its own step count, torch.optim's per-parameter ``step``, is ``step - missed``). Such parameters get their
     own step scalars in one pass over the shard (traced, unless ``OptState.all_stepped``).
 
-    ``donate``: update the shards and moments in place (consuming the inputs), else into new buffers; eagerly
-    both run the rule's in-place form (torch's fused Adam(W)) and give the same bits; traced, the written-out
-    update. ``comm``: the rows' ranks, and the collectives of a rule that needs them (:func:`fzero.muon`)."""
+    ``donate``: update the shards and moments in place (consuming the inputs), else copies of them; both run the
+    rule's in-place form (torch's fused Adam(W)), eagerly and traced, and give the same bits. ``comm``: the rows'
+    ranks, and the collectives of a rule that needs them (:func:`fzero.muon`)."""
     lay, opt = shard.layout, opt_state.optimizer
     if len(grads) != len(lay.groups):
         raise ValueError(f"shard_step: got {len(grads)} gradient shards for {len(lay.groups)} flat groups")
@@ -240,30 +240,24 @@ def shard_step(shard: ShardState, opt_state: OptState, grads: Sequence[torch.Ten
         skip = None if found_inf is None else found_inf.to(torch.bool)
         step = opt_state.step + 1 if skip is None else opt_state.step + (~skip).to(opt_state.step.dtype)
         grads = tuple(g.to(p.dtype) for g, p in zip(grads, shard.master))
-        if plain and not traced:  # the rule's in-place form (torch's fused kernel), on copies unless donating
+        if plain:  # the rule's in-place form (torch's fused kernel), on copies unless donating
             master = tuple(p if donate else p.clone() for p in shard.master)
             moments = tuple(tuple(m if donate else m.clone() for m in ms) for ms in opt_state.moments)
             for g, p, grad, ms in zip(lay.groups, master, grads, moments):
                 opt.update_(p, grad, ms, opt_state.hyper[g.opt_group], opt_state.step, found_inf)
             return replace(shard, master=master), replace(opt_state, step=step, moments=moments)
         applied = torch.ones((), dtype=torch.bool) if skip is None else ~skip
-        out_missed, all_stepped = opt_state.missed, opt_state.all_stepped
-        if not plain:
-            ranks, where = _rows_ranks(lay, shard.master, comm), trainable_index(lay)
-            flags = torch.ones(n, dtype=torch.bool, device=missed.device) if used is None else used.to(missed.device)
-            steps = opt_state.step.to(missed.device) - missed
-            out_missed = (missed + (~flags & applied.to(missed.device)).to(missed.dtype),)
-            all_stepped = False if traced else not bool(out_missed[0].any())
+        ranks, where = _rows_ranks(lay, shard.master, comm), trainable_index(lay)
+        flags = torch.ones(n, dtype=torch.bool, device=missed.device) if used is None else used.to(missed.device)
+        steps = opt_state.step.to(missed.device) - missed
+        out_missed = (missed + (~flags & applied.to(missed.device)).to(missed.dtype),)
+        all_stepped = False if traced else not bool(out_missed[0].any())
         new_master, new_moments = [], []
         for g, p, grad, moments in zip(lay.groups, shard.master, grads, opt_state.moments):
             hyper = opt_state.hyper[g.opt_group]
-            if not plain:
-                per_slot = torch.cat([opt.step_scalars(hyper, steps), flags.to(torch.float64).unsqueeze(1)], dim=1)
-                p2, m2 = _update_by_element(opt, lay, g, p, grad, moments, hyper, opt_state.step,
-                                            per_slot.to(p.device), applied.to(p.device), ranks, where, donate)
-            else:  # traced: written out; inductor fuses it with what made the gradient
-                new_p, new_m = opt.update(p, grad, moments, hyper, opt_state.step)
-                p2, m2 = _select(None if skip is None else applied, p, moments, new_p, new_m, donate)
+            per_slot = torch.cat([opt.step_scalars(hyper, steps), flags.to(torch.float64).unsqueeze(1)], dim=1)
+            p2, m2 = _update_by_element(opt, lay, g, p, grad, moments, hyper, opt_state.step,
+                                        per_slot.to(p.device), applied.to(p.device), ranks, where, donate)
             new_master.append(p2)
             new_moments.append(tuple(m2))
         return (replace(shard, master=tuple(new_master)),
@@ -291,20 +285,12 @@ def _update_by_element(opt: Optimizer, layout: Layout, group: FlatGroup, p: torc
     index = torch.stack(index)  # [R, n]: each element's row of the table
     spread = {name: table[index, j].to(p.dtype) for j, name in enumerate(names)}
     new_p, new_m = opt.update(p, grad, moments, hyper, step, spread)
-    return _select((table[index, len(names)] != 0) & take_all, p, moments, new_p, new_m, donate)
-
-
-def _select(take: Optional[torch.Tensor], p: torch.Tensor, moments: tuple[torch.Tensor, ...], new_p: torch.Tensor,
-            new_m: tuple[torch.Tensor, ...], donate: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """The update ``(new_p, new_m)`` where ``take`` holds (None: everywhere), the old values elsewhere; with
-    ``donate`` written back into ``p`` and ``moments`` in one read-modify-write pass, and those returned."""
-    if take is not None:
-        new_p = torch.where(take, new_p, p)
-        new_m = tuple(torch.where(take, b, a) for a, b in zip(moments, new_m))
+    take = (table[index, len(names)] != 0) & take_all
+    new = (torch.where(take, new_p, p), *(torch.where(take, b, a) for a, b in zip(moments, new_m)))
     if not donate:
-        return new_p, tuple(new_m)
-    for old, new in zip((p, *moments), (new_p, *new_m)):
-        old.copy_(new)
+        return new[0], new[1:]
+    for old, value in zip((p, *moments), new):  # written back in one read-modify-write pass
+        old.copy_(value)
     return p, moments
 
 

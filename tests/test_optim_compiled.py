@@ -2,11 +2,11 @@
 
 Which code runs where (``fzero/optim.py``, ``fzero/sharding.py::shard_step``):
 
-* eager, ``donate=False`` or ``True``: ``Optimizer.update_`` -> torch's fused
-  Adam(W) kernel, or the written-out SGD rule copied back;
-* compiled, ``donate=False``: ``Optimizer.update`` out of place (``Adam.update``
-  / ``SGD.update``) selected by ``torch.where``;
-* compiled, ``donate=True``: ``Optimizer.update_``'s written-out branch.
+* eager and compiled, ``donate=False`` (on clones) or ``True``:
+  ``Optimizer.update_`` -> torch's fused Adam(W) kernel (the ``fzero::fused_adam_``
+  operator), or the written-out SGD rule copied back;
+* parameters that sat out steps: ``Optimizer.update`` with per-element step
+  scalars, selected by ``torch.where``.
 
 One compiled function runs both shard_step forms, so each static flag set
 compiles once. The reference is ``torch.optim`` (single-tensor implementation)
