@@ -17,11 +17,9 @@ import torch
 
 from .pytree import pytree_dataclass, replace, static_field
 
-__all__ = [
-    "ParamGroup", "Optimizer", "SGD", "Adam", "OptState", "Update", "ShardRule", "check_compilable",
-    "hyper_scalars", "sgd", "adam", "adamw", "init_opt_state", "init_scalars", "init_vectors", "vector_dtype",
-    "vector_spans", "set_hyperparams", "no_weight_decay", "no_weight_decay_for",
-]
+__all__ = ["ParamGroup", "Optimizer", "SGD", "Adam", "OptState", "Update", "ShardRule", "check_compilable",
+           "hyper_scalars", "sgd", "adam", "adamw", "init_opt_state", "init_scalars", "init_vectors", "vector_dtype",
+           "vector_spans", "set_hyperparams", "no_weight_decay", "no_weight_decay_for"]
 
 Predicate = Callable[[str], bool]
 _NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.LocalResponseNorm,
@@ -327,8 +325,7 @@ class Adam(Optimizer):
         return p + c["neg_step_size"] * (exp_avg / denom), new_moments
 
     def update_(self, param, grad, moments, hyper, step, found_inf=None) -> None:  # noqa: ANN001
-        """:meth:`update` in place, a no-op where ``found_inf`` is nonzero: torch's fused kernel, eagerly and traced
-        (:func:`_fused_adam`)."""
+        """:meth:`update` in place, a no-op where ``found_inf`` is nonzero: ``fzero::fused_adam_`` (traced too)."""
         # one tensor per row, as on a real rank: the kernel's vector blocks and scalar tail round differently
         rows = [list(t.unbind(0)) for t in (param, grad, *moments)]
         skip = None if found_inf is None else (found_inf != 0).to(param.device, torch.float32)
@@ -338,19 +335,23 @@ class Adam(Optimizer):
 
 
 _FUSED_HYPER = ("lr", "beta1", "beta2", "weight_decay", "eps")
+# registered plainly: torch.library.custom_op's eager call imports the compiler stack (+75 MiB resident per rank)
+_LIB = torch.library.Library("fzero", "FRAGMENT")
+_LIB.define("fused_adam_(Tensor(a!)[] p, Tensor[] g, Tensor(b!)[] m, Tensor(c!)[] v, Tensor(d!)[] vmax, Tensor hyper, "
+            "Tensor step, Tensor? skip, bool decoupled, bool amsgrad, bool maximize) -> ()")
 
 
-@torch.library.custom_op("fzero::fused_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"))
-def _fused_adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-                exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], hyper: torch.Tensor,
-                step: torch.Tensor, skip: Optional[torch.Tensor], decoupled: bool, amsgrad: bool,
-                maximize: bool) -> None:
-    """torch's fused Adam(W) kernel in place, skipped where ``skip == 1.0``; ``hyper``: ``_FUSED_HYPER``, float64, read
-    on the host. An operator, so a compiled step gathers from the updated shards (not from a copy of them)."""
+def _fused_adam(p, g, m, v, vmax, hyper, step, skip, decoupled, amsgrad, maximize) -> None:  # noqa: ANN001
+    """``fzero::fused_adam_``: torch's fused Adam(W) kernel in place, skipped where ``skip == 1.0``; ``hyper``:
+    ``_FUSED_HYPER`` (float64, read on the host). An operator, so a compiled step gathers from the updated shards."""
     lr, beta1, beta2, weight_decay, eps = hyper.tolist()
-    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, [step] * len(params), lr=lr, beta1=beta1,
-           beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize, found_inf=skip)
+    (torch._fused_adamw_ if decoupled else torch._fused_adam_)(
+        p, g, m, v, vmax, [step] * len(p), lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+        amsgrad=amsgrad, maximize=maximize, found_inf=skip)
+
+
+_LIB.impl("fused_adam_", _fused_adam, "CompositeExplicitAutograd")
+_LIB.impl("fused_adam_", lambda *args: None, "Meta")
 
 
 def sgd(lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0, *,

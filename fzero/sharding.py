@@ -289,8 +289,7 @@ def _update_by_element(opt: Optimizer, layout: Layout, group: FlatGroup, p: torc
     new = (torch.where(take, new_p, p), *(torch.where(take, b, a) for a, b in zip(moments, new_m)))
     if not donate:
         return new[0], new[1:]
-    for old, value in zip((p, *moments), new):  # written back in one read-modify-write pass
-        old.copy_(value)
+    torch._foreach_copy_([p, *moments], list(new))  # written back in one read-modify-write pass
     return p, moments
 
 
