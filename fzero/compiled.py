@@ -3,7 +3,7 @@ compiles it with ``torch.compile(fullgraph=True)`` when asked. This is the one p
 decides eager or compiled: a compiled step is traced with ``comm.tracing()``, and every piece
 reads that (``comm.traced``) instead of asking whether dynamo is tracing.
 
-Imports: comm, grads, optim, rng, state.
+Imports: comm, grads, module, optim, rng, state.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 from .comm import Communicator
 from .grads import LossFn, Workspace
+from .module import ModuleLoss, check_trainable
 from .optim import OptState, check_compilable
 from .rng import rank_rng
 from .state import TrainState
@@ -106,6 +107,8 @@ def bind_step(step: ComposedStep, loss_fn: LossFn, comm: Communicator, *, accum_
     def run(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         if check is not None:
             check(state, batch)
+        if isinstance(loss_fn, ModuleLoss):
+            check_trainable(loss_fn.module, state.module)
         check_compilable(state.opt.optimizer)
         units = workspace.regather(comm) if state.stage == 3 else None
         compiled, patches = compiled_for(units is not None)
@@ -159,23 +162,16 @@ def _with_own_code(fn: StepFn) -> StepFn:
     return own
 
 
-class _RegatherWarningFilter(logging.Filter):
-    """Drops torch's warning that a checkpoint under compile with a ``context_fn`` must not
-    contain in-place ops: stage 3's regions (fzero.units.CompiledUnits) recompute only the
-    gather and views, never an in-place op of the unit's own."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
-
-
 @contextlib.contextmanager
 def _quiet_regather_warning(on: bool) -> Any:
-    if not on:
-        yield
-        return
-    log, quiet = logging.getLogger("torch._higher_order_ops.wrap"), _RegatherWarningFilter()
-    log.addFilter(quiet)
+    """Drops torch's warning that a checkpoint under compile with a ``context_fn`` must not contain in-place ops:
+    stage 3's regions (fzero.units.CompiledUnits) recompute only the gather and views, never an in-place op."""
+    log = logging.getLogger("torch._higher_order_ops.wrap")
+    quiet = (lambda record: "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()) if on else None
+    if quiet is not None:
+        log.addFilter(quiet)
     try:
         yield
     finally:
-        log.removeFilter(quiet)
+        if quiet is not None:
+            log.removeFilter(quiet)

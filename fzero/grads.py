@@ -1,15 +1,13 @@
 """One micro-batch's forward and backward: :func:`loss_grads`, and what it reuses (:class:`Workspace`).
 
-For every local rank: the forward of the step's loss, the loss scaled (``scaled``: the step's
-:func:`fzero.scale`), backward, and each bucket's gradient handed to ``on_ready`` (the step's
-:func:`fzero.reduce_scatter_grads`) as soon as backward completes it, which is where overlap
-comes from. Eagerly, stages 1-2 hook each parameter (:mod:`fzero.buckets`) and stage 3 goes unit
-by unit (:func:`fzero.units.unit_grads`); traced (hooks do not trace), the whole backward, then
-``on_ready`` of every flat group (stage 3 with a single backward regathers each unit in it:
+For every local rank: the forward of the step's loss, the loss scaled (``scaled``: the step's :func:`fzero.scale`),
+backward, and each bucket's gradient handed to ``on_ready`` (the step's :func:`fzero.reduce_scatter_grads`) as soon as
+backward completes it, which is where overlap comes from. Eagerly, stages 1-2 hook each parameter
+(:mod:`fzero.buckets`) and stage 3 goes unit by unit (:func:`fzero.units.unit_grads`); traced (hooks do not trace),
+the whole backward, then ``on_ready`` of every flat group (stage 3 with a single backward regathers each unit in it:
 :class:`fzero.units.CompiledUnits`).
 
-Imports: ``fzero.buckets``, ``fzero.comm``, ``fzero.layout``, ``fzero.module``, ``fzero.rng``,
-``fzero.sharding``, ``fzero.state``, ``fzero.units``.
+Imports: buckets, comm, layout, module, rng, sharding, state, units.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import torch.utils._pytree as tp
 from .buckets import BucketReduction, BucketWatcher, BufferPool, Runner, buckets_of
 from .comm import Communicator
 from .layout import FlatGrads, compute_dtype, flatten_one, group_views, stack_rows
-from .module import ModuleLoss, broadcast_buffers as broadcast_module_buffers, check_loss, row_of
+from .module import ModuleLoss, broadcast_buffers as broadcast_module_buffers, check_loss, check_trainable, row_of
 from .rng import rank_rng
 from .sharding import all_gather_params
 from .state import TrainState
@@ -119,6 +117,8 @@ def loss_grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicato
     else ``ValueError``): no collective, each rank's whole gradient. Stage 3 also gathers the units.
     ``broadcast_buffers`` (DDP's default): every rank's forward starts from rank 0's module buffers
     (one ``broadcast`` per buffer dtype); otherwise from its own."""
+    if isinstance(loss_fn, ModuleLoss) and not comm.traced:  # traced: checked on the host (fzero.compiled)
+        check_trainable(loss_fn.module, state.module)
     if broadcast_buffers and state.buffers:
         state = state.replace(buffers=broadcast_module_buffers(state.buffers, comm))
     # a graph's collectives are the graph's; eagerly, every one handed to the runner has run when it ends

@@ -1,20 +1,20 @@
 """Memory per rank, from the layout: :func:`memory_report`.
 
-First ZeRO's model of the training state (Rajbhandari et al., 2020) on the actual padded layout:
-compute-dtype parameters, the gradient the optimizer consumes, the fp32 master and the moments
-(with Adam and 16-bit compute and communication the paper's ``4Ψ + 12Ψ/N``, ``2Ψ + 14Ψ/N`` and
-``16Ψ/N`` bytes at stages 1-3), each kind split into what the state *holds* between steps and what
-lives only *inside* a step. Then ``step_buffers``: the eager step's own buffers at their peak, by
-the profiler scope they are allocated in (:mod:`fzero.scopes`), in a few terms of the layout:
+First ZeRO's model of the training state (Rajbhandari et al., 2020) on the actual padded layout: compute-dtype
+parameters, the gradient the optimizer consumes, the fp32 master and the moments (with Adam and 16-bit compute and
+communication the paper's ``4Ψ + 12Ψ/N``, ``2Ψ + 14Ψ/N`` and ``16Ψ/N`` bytes at stages 1-3), each kind split into what
+the state *holds* between steps and what lives only *inside* a step. Then ``step_buffers``: the eager step's own
+buffers at their peak, by the profiler scope they are allocated in (:mod:`fzero.scopes`), in a few terms of the
+layout:
 
-* ``fzero::grad_buckets`` (stages 1-2): the ``MAX_IN_FLIGHT + 1`` largest buckets in the compute
-  dtype, ``[R, padded]`` each (two reductions under way, one bucket filling);
-* ``fzero::grad_reduction``: the averaged gradient shards and, for the reductions under way, the
-  communicator's declared ``reduce_scatter_buffers``/``all_reduce_buffers`` times their input;
+* ``fzero::grad_buckets`` (stages 1-2): the ``MAX_IN_FLIGHT + 1`` largest buckets in the compute dtype, ``[R,
+  padded]`` each (two reductions under way, one bucket filling);
+* ``fzero::grad_reduction``: the averaged gradient shards and, for the reductions under way, the communicator's
+  declared ``reduce_scatter_buffers``/``all_reduce_buffers`` times their input;
 * ``fzero::gather`` (stage 3): the root and the three largest units gathered at once.
 
-Not counted: activations, a deferred accumulation's whole gradients. ``tests/test_memory_census.py``
-holds these within 10 % of what :class:`fzero.testing.Census` measures.
+Not counted: activations, a deferred accumulation's whole gradients. ``tests/test_memory_census.py`` holds these
+within 10 % of what :class:`fzero.testing.Census` measures.
 
 Imports: buckets, comm, layout, optim, precision, scopes, sharding.
 """
@@ -127,11 +127,9 @@ def _step_buffers(layout: Layout, precision: MixedPrecision, stage: int, rows: i
     # one reduction's own buffers (the communicator states them per element of one rank's input)
     factor = 0.0 if comm is None or world == 1 else comm.all_reduce_buffers if stage == 1 \
         else comm.reduce_scatter_buffers
-    # what one reduction call allocates beside its result: the communicator's share of its input,
-    # and the joined copy of several small groups travelling in one collective
+    # one reduction call's buffers beside its result: the communicator's share, the joined copy of small groups
     launches = buckets if stage < 3 else [buckets[0] + buckets[1], *buckets[2:]] if len(buckets) > 1 else buckets
-    # (and a cast of the input to the reduce dtype, where the compute dtype is another; joined
-    # groups are cast, then copied into one buffer)
+    # (and a cast of the input to another reduce dtype; joined groups are cast, then copied into one buffer)
     casts = any(_size(compute(g)) != _size(reduce(g)) for g in layout.groups)
     if comm is not None and precision.reduce_dtype in LOW_PRECISION and gradient_divide_factors(world)[0] > 1 \
             and not casts:

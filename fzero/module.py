@@ -21,8 +21,8 @@ from .comm import Communicator
 from .layout import FlatGroup, Layout, group_views
 
 __all__ = ["ModuleSpec", "module_spec", "init_buffers", "broadcast_buffers", "ModuleLoss", "module_loss",
-           "model_output", "check_loss", "row_of", "hand_over_parameters", "release_parameters", "restore_parameters",
-           "check_materialized", "UnitPolicy", "select_units", "default_units", "unit_buckets"]
+           "model_output", "check_loss", "check_trainable", "row_of", "hand_over_parameters", "release_parameters",
+           "restore_parameters", "check_materialized", "UnitPolicy", "select_units", "default_units", "unit_buckets"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 OUTPUTS = ("logits", "whole")  # what module_loss hands a criterion
@@ -32,13 +32,15 @@ OUTPUTS = ("logits", "whole")  # what module_loss hands a criterion
 class ModuleSpec:
     """Static facts about a module that its parameter layout does not hold: ``buffers`` (names, ``named_buffers``
     order) and whether each is ``persistent`` (in the ``state_dict``); ``aliases``, ``(alias, canonical)`` names of
-    tied parameters and buffers; ``state_dict_keys`` in order; ``units``, the stage-3 shard units' names."""
+    tied parameters and buffers; ``state_dict_keys`` in order; ``units``, the stage-3 shard units' names;
+    ``requires_grad``, each parameter's flag (``named_parameters`` order) when the state was built."""
 
     buffers: tuple[str, ...] = ()
     persistent: tuple[bool, ...] = ()
     aliases: tuple[tuple[str, str], ...] = ()
     state_dict_keys: tuple[str, ...] = ()
     units: tuple[str, ...] = ()
+    requires_grad: tuple[bool, ...] = ()
 
 
 def _canonical(module: torch.nn.Module) -> dict[int, str]:
@@ -63,7 +65,22 @@ def module_spec(module: torch.nn.Module) -> ModuleSpec:
                                                          *module.named_buffers(remove_duplicate=False)]
                if canonical.get(id(t), name) != name]
     return ModuleSpec(buffers=tuple(buffers), persistent=tuple(n not in skip for n in buffers), aliases=tuple(aliases),
-                      state_dict_keys=tuple(module.state_dict(keep_vars=True).keys()))
+                      state_dict_keys=tuple(module.state_dict(keep_vars=True).keys()),
+                      requires_grad=tuple(p.requires_grad for p in module.parameters()))
+
+
+def check_trainable(module: torch.nn.Module, spec: ModuleSpec) -> None:
+    """Raise ``ValueError`` naming the parameters whose ``requires_grad`` changed since the state was built
+    (``spec.requires_grad``): the trainable set is fixed then (layout, masters, moments); a change would be ignored."""
+    flags = tuple(p.requires_grad for p in module.parameters())
+    if flags == spec.requires_grad or len(flags) != len(spec.requires_grad):  # another module: the layout's checks
+        return
+    changed = [f"{n!r} ({'now' if p.requires_grad else 'no longer'} requires grad)"
+               for (n, p), was in zip(module.named_parameters(), spec.requires_grad) if p.requires_grad != was]
+    more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+    raise ValueError(f"parameters changed requires_grad after init_train_state: {', '.join(changed[:3])}{more}; a "
+                     "state trains the parameters it was built with: fzero.write_back(state, comm, model), set "
+                     "requires_grad, then a new state (fzero.init_train_state) and step (optimizer moments afresh)")
 
 
 def init_buffers(module: torch.nn.Module, spec: ModuleSpec, rows: int) -> tuple[torch.Tensor, ...]:

@@ -1,8 +1,7 @@
-"""Hyperparameter schedules: functions of the optimizer's step count (0-d int64: updates applied)
-to a 0-d float64 tensor, in tensor arithmetic and ``torch.where`` only, so a compiled step
-evaluates them in its graph and never recompiles. Skipped (overflow) steps do not advance the
-count, nor the schedules (as DeepSpeed). :func:`apply_schedules` sets an
-:class:`~fzero.optim.OptState`'s scheduled hyperparameters (the step calls it first).
+"""Hyperparameter schedules: functions of the optimizer's step count (0-d int64: updates applied) to a 0-d float64
+tensor, in tensor arithmetic and ``torch.where`` only, so a compiled step evaluates them in its graph and never
+recompiles. Skipped (overflow) steps do not advance the count, nor the schedules (as DeepSpeed).
+:func:`apply_schedules` sets an :class:`~fzero.optim.OptState`'s scheduled hyperparameters (the step calls it first).
 
 Imports: pytree.
 """

@@ -7,8 +7,7 @@ its forward and again for its backward, and reduces it once backward completes i
 gathered at once, and each forward runs once (stage 3 equals stage 2 bitwise). All ranks must call the same units in
 the same order (:class:`UnitCallError`). :class:`CompiledUnits` regathers by selective recomputation.
 
-Imports: ``fzero.buckets``, ``fzero.comm``, ``fzero.layout``, ``fzero.module``, ``fzero.rng``,
-``fzero.sharding``, ``fzero.state``.
+Imports: buckets, comm, layout, module, rng, sharding, state.
 """
 
 from __future__ import annotations

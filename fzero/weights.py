@@ -1,11 +1,10 @@
 """Pretrained weights as an init source: ``init_train_state(model, ..., init=fzero.pretrained(path))``.
 
-``path``: a ``save_pretrained`` directory, a ``.safetensors`` file or index ``.json``, or a ``torch.save``
-state dict, keyed by ``state_dict`` names (any one of a tied tensor's names fills it). Files are
-untrusted and the model may exceed one rank: ``torch.save`` files load with ``weights_only=True,
-mmap=True``; safetensors are opened by header and each rank reads only the rows it owns. Every key is
-checked before any data are read (:class:`WeightsFileError`). The shards equal, bit for bit, those
-of the full model after ``load_state_dict`` of the same file.
+``path``: a ``save_pretrained`` directory, a ``.safetensors`` file or index ``.json``, or a ``torch.save`` state dict,
+keyed by ``state_dict`` names (any one of a tied tensor's names fills it). Files are untrusted and the model may
+exceed one rank: ``torch.save`` files load with ``weights_only=True, mmap=True``; safetensors are opened by header and
+each rank reads only the rows it owns. Every key is checked before any data are read (:class:`WeightsFileError`). The
+shards equal, bit for bit, those of the full model after ``load_state_dict`` of the same file.
 
 Imports: comm, layout, materialize, module.
 """

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed
 
 CASES = ["dropout_gpt2", "bn_vs_ddp", "compiled_gpt2", "stage3_dropout_gpt2", "stage3_compiled_gpt2",
-         "stage3_vs_fsdp2_gpt2"]
+         "stage3_vs_fsdp2_gpt2", "stage3_lora_llama"]
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +21,9 @@ def w2():
     return run_torchrun(2, "user_models_worker.py", CASES, timeout=420)
 
 
-@pytest.mark.parametrize("case", ["dropout_gpt2", "stage3_dropout_gpt2"])
+@pytest.mark.parametrize("case", ["dropout_gpt2", "stage3_dropout_gpt2", "stage3_lora_llama"])
 def test_dropout_on_gloo_equals_simulated_world_bitwise(w2, case):
-    """GPT-2 with dropout at stage 2, and at stage 3 with its blocks as units."""
+    """GPT-2 with dropout at stage 2, and at stage 3 with its blocks as units; peft LoRA on a Llama at stage 3."""
     ranks = _case(w2, case)
     sim = ranks[0]["sim"]
     assert ranks[0]["losses"] == ranks[1]["losses"] == ranks[0]["sim_losses"]

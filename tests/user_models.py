@@ -66,6 +66,46 @@ def llama(seed: int = 0, checkpointing: bool = False) -> torch.nn.Module:
     return m
 
 
+LORA_TARGETS = {"llama": ["q_proj", "v_proj", "up_proj", "down_proj"], "gpt2": ["c_attn", "c_fc", "c_proj"]}
+
+
+def lora(kind: str, seed: int = 0) -> torch.nn.Module:
+    """``peft``'s LoRA (r=4) on a tiny Llama's or GPT-2's attention and MLP projections: the base model frozen
+    by peft. Each ``lora_B`` starts random (peft's zeros would leave every other weight's gradient zero at first)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = {"llama": llama, "gpt2": gpt2}[kind](seed=seed)
+    fan_in_fan_out = kind == "gpt2"  # GPT-2's Conv1D stores its weights transposed
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS[kind],
+                                             fan_in_fan_out=fan_in_fan_out))
+    torch.manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def new_head(seed: int = 0, labels: int = 3) -> torch.nn.Module:
+    """A GPT-2 with a new classification head (``GPT2ForSequenceClassification``'s ``score``), the model's own
+    ``requires_grad_(False)`` on everything else."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, num_labels=labels, pad_token_id=0,
+                     attn_implementation="eager")
+    m = GPT2ForSequenceClassification(cfg).train()
+    m.transformer.requires_grad_(False)
+    return m
+
+
+def classify_batches(n: int, batch: int, seed: int = 1, labels: int = 3) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(1, VOCAB, (batch, SEQ), generator=g),
+             "labels": torch.randint(0, labels, (batch,), generator=g)} for _ in range(n)]
+
+
 MIXTRAL_VOCAB = 96
 
 
@@ -208,10 +248,12 @@ def oracle_run(
             gens[r] = torch.get_rng_state()
             total += value.item()
             for n, p in rep.named_parameters():
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
-                grads[n] = g.clone() if n not in grads else grads[n] + g
+                if p.requires_grad:  # a frozen one gets no gradient, so torch.optim leaves it
+                    g = p.grad if p.grad is not None else torch.zeros_like(p)
+                    grads[n] = g.clone() if n not in grads else grads[n] + g
         for n, p in main.named_parameters():
-            p.grad = grads[n] / world
+            if p.requires_grad:
+                p.grad = grads[n] / world
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total / world)

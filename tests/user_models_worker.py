@@ -39,13 +39,14 @@ def _rows(state):
     }
 
 
-def _dropout_vs_simulated(comm, **kw):
-    """GPT-2 with dropout on gloo; rank 0 also runs the simulated world in the same process."""
+def _dropout_vs_simulated(comm, build=lambda: um.gpt2(dropout=0.1), **kw):
+    """GPT-2 with dropout (or ``build()``'s model) on gloo; rank 0 also runs the simulated world in the same
+    process."""
     data = um.token_batches(STEPS, comm.world_size * 2)
-    state, losses = _train(um.gpt2(dropout=0.1), comm, data, **kw)
+    state, losses = _train(build(), comm, data, **kw)
     out = {"gloo": _rows(state), "losses": losses}
     if comm.rank == 0:
-        sim_state, sim_losses = _train(um.gpt2(dropout=0.1), fzero.SimulatedWorld(comm.world_size), data, **kw)
+        sim_state, sim_losses = _train(build(), fzero.SimulatedWorld(comm.world_size), data, **kw)
         out["sim"] = _rows(sim_state)
         out["sim_losses"] = sim_losses
     return out
@@ -91,6 +92,11 @@ def _compiled_vs_eager(comm, **kw):
     eager, le = _train(um.gpt2(), comm, data, opt=opt, **kw)
     err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(compiled.shard.master, eager.shard.master))
     return {"graphs": graphs, "breaks": breaks, "recompiles": recompiles, "err": err, "lc": lc, "le": le}
+
+
+def case_stage3_lora_llama(comm):
+    """peft LoRA on a Llama at stage 3 (its decoder layers the units: base weights frozen inside them)."""
+    return _dropout_vs_simulated(comm, build=lambda: um.lora("llama"), stage=3)
 
 
 def case_compiled_gpt2(comm):

@@ -1,0 +1,158 @@
+"""Fine-tuning as users bring it: ``peft`` LoRA on a tiny Llama and GPT-2 (attention and MLP projections),
+and a GPT-2 whose own ``requires_grad_(False)`` leaves only a new head trainable, at stages 1-3, against the
+plain-torch W-rank oracle over the trainable parameters only (``torch.optim.AdamW``), in float64. And what a
+state does when a user changes ``requires_grad`` mid-run: a ``ValueError`` naming the parameter, the state
+kept, and the recipe the error gives (``write_back``, then a new state) equal to torch doing the same.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fzero
+import user_models as um
+from helpers import CHEAP_COMPILE, max_rel_err, run_steps
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+STEPS = 4
+LR, DECAY = 1e-2, 0.1
+
+
+def _fzero_adamw():
+    return fzero.adamw(lr=LR, weight_decay=DECAY)
+
+
+def _torch_adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=LR, weight_decay=DECAY)
+
+
+def _assert_equal_to(ref: torch.nn.Module, state, comm, tol: float) -> None:
+    full = fzero.full_params(state.shard, comm)
+    assert set(full) == {n for n, _ in ref.named_parameters()}
+    for name, p in ref.named_parameters():
+        for r in range(comm.local_ranks):
+            err = max_rel_err(full[name][r].double(), p.detach().double())
+            assert err <= tol, f"{name} (requires_grad={p.requires_grad}) rank {r}: relative error {err:.3g}"
+
+
+def _lora_run(kind, stage, world, *, compile=False, donate=False):
+    model = um.lora(kind).double()
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    data = um.token_batches(STEPS, world * 2)
+    ref, _, ref_losses = um.oracle_run(model, _torch_adamw, data, world, um.oracle_loss("lm"))
+    comm = fzero.SimulatedWorld(world)
+    state = fzero.init_train_state(model, _fzero_adamw(), comm, stage=stage)
+    step = fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), comm, compile=compile, donate=donate)
+    state, losses = run_steps(step, state, comm, data)
+    return ref, ref_losses, state, comm, losses, frozen
+
+
+# every (stage, W) pair once per model; W = 4 at every stage with one of the two
+LORA_CASES = [(kind, stage, world) for kind in ("llama", "gpt2") for stage in (1, 2, 3) for world in (1, 2, 3, 4)
+              if (stage + world + (kind == "gpt2")) % 2 == 0 or world == 4]
+
+
+@pytest.mark.parametrize("kind,stage,world", LORA_CASES)
+def test_lora_equals_torch_float64(kind, stage, world):
+    ref, ref_losses, state, comm, losses, frozen = _lora_run(kind, stage, world)
+    _assert_equal_to(ref, state, comm, 1e-10)
+    # the base model did not move, in the oracle (torch.optim skips it) nor in fzero
+    full = fzero.full_params(state.shard, comm)
+    assert frozen and all(torch.equal(full[n][r], v) for n, v in frozen.items() for r in range(comm.local_ranks))
+    assert losses == pytest.approx(ref_losses, rel=1e-6)  # the loss metric is fp32
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_compiled_equals_torch_float64(stage):
+    """One graph, no recompiles, the oracle's numbers (donating, as a user training at scale would)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    ref, _, state, comm, _, _ = _lora_run("llama", stage, 2, compile=CHEAP_COMPILE, donate=True)
+    _assert_equal_to(ref, state, comm, 1e-10)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters["stats"])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_new_head_only_equals_torch_float64(stage):
+    """GPT-2 for classification, the model's own loss from ``labels``, the transformer frozen by the user."""
+    model = um.new_head().double()
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == ["score.weight"]
+    world = 2
+    data = um.classify_batches(STEPS, world * 2)
+    ref, _, _ = um.oracle_run(model, _torch_adamw, data, world, lambda m, b: m(**b).loss)
+    comm = fzero.SimulatedWorld(world)
+    state = fzero.init_train_state(model, _fzero_adamw(), comm, stage=stage)
+    state, _ = run_steps(fzero.make_train_step(fzero.module_loss(model), comm), state, comm, data)
+    _assert_equal_to(ref, state, comm, 1e-10)
+    assert state.layout.num_params == model.score.weight.numel()
+
+
+def _unfreeze_top(model: torch.nn.Module, kind: str) -> list[str]:
+    """The last block's MLP input weight made trainable, as a user unfreezing the top of the model would."""
+    block = model.base_model.model.model.layers[-1].mlp.up_proj if kind == "llama" else \
+        model.base_model.model.transformer.h[-1].mlp.c_fc
+    weight = block.base_layer.weight
+    weight.requires_grad_(True)
+    return [n for n, p in model.named_parameters() if p is weight]
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("donate", [False, True])
+def test_unfreezing_mid_run_is_a_named_error_and_keeps_the_state(compile, donate):
+    model = um.lora("llama").double()
+    comm = fzero.SimulatedWorld(2)
+    data = um.token_batches(2, 4)
+    state = fzero.init_train_state(model, _fzero_adamw(), comm, stage=2)
+    step = fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), comm, donate=donate,
+                                 compile=CHEAP_COMPILE if compile else False)
+    state, _ = step(state, comm.split_batch(data[0]))
+    kept = [m.clone() for m in state.shard.master]
+    name, = _unfreeze_top(model, "llama")
+    with pytest.raises(ValueError, match=rf"'{name}' \(now requires grad\).*write_back.*init_train_state"):
+        step(state, comm.split_batch(data[1]))
+    # nothing was consumed or changed: the state still steps once the flag is put back
+    assert all(torch.equal(a, b) for a, b in zip(kept, state.shard.master))
+    model.get_parameter(name).requires_grad_(False)
+    state, _ = step(state, comm.split_batch(data[1]))
+
+
+def test_freezing_mid_run_is_a_named_error():
+    model = um.lora("gpt2").double()
+    comm = fzero.SimulatedWorld(2)
+    state = fzero.init_train_state(model, _fzero_adamw(), comm, stage=3)
+    step = fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), comm)
+    lora = [n for n, p in model.named_parameters() if p.requires_grad]
+    for n in lora[:5]:
+        model.get_parameter(n).requires_grad_(False)
+    with pytest.raises(ValueError, match=rf"'{lora[0]}' \(no longer requires grad\).* and 2 more"):
+        step(state, comm.split_batch(um.token_batches(1, 4)[0]))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_unfreezing_by_the_errors_recipe_equals_torch(kind, stage):
+    """LoRA for 2 steps, then the top MLP weight unfrozen: ``write_back``, a new state and step (fresh AdamW
+    moments), 2 more steps; torch does the same with a new ``AdamW`` over the new trainable set."""
+    world = 2
+    model = um.lora(kind).double()
+    data = um.token_batches(4, world * 2)
+    ref = copy.deepcopy(model)
+    ref, _, _ = um.oracle_run(ref, _torch_adamw, data[:2], world, um.oracle_loss("lm"))
+    _unfreeze_top(ref, kind)
+    ref, _, _ = um.oracle_run(ref, _torch_adamw, data[2:], world, um.oracle_loss("lm"))
+
+    comm = fzero.SimulatedWorld(world)
+    loss = fzero.module_loss(model, um.lm_criterion)
+    state = fzero.init_train_state(model, _fzero_adamw(), comm, stage=stage)
+    state, _ = run_steps(fzero.make_train_step(loss, comm), state, comm, data[:2])
+    _unfreeze_top(model, kind)
+    fzero.write_back(state, comm, model)
+    state = fzero.init_train_state(model, _fzero_adamw(), comm, stage=stage)
+    state, _ = run_steps(fzero.make_train_step(loss, comm), state, comm, data[2:])
+    _assert_equal_to(ref, state, comm, 1e-10)
