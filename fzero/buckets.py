@@ -230,15 +230,14 @@ class BucketReduction:
 
 
 class BucketWatcher:
-    """One local rank's (``row`` of ``rows``) gradients, written into its row of each bucket's
-    buffers (``buffers(bucket)``: ``[R, padded]`` per flat group; ``groups``: :func:`buckets_of`).
+    """One local rank's (``row`` of ``rows``) gradients, written into its row of each bucket's buffers
+    (``buffers(bucket)``: ``[R, padded]`` per flat group; ``groups``: :func:`buckets_of`).
 
-    A post-accumulate-grad hook on each trainable leaf copies the parameter's whole gradient into
-    its place and drops it; once a bucket has all its gradients, the padding is zeroed and
-    ``deliver(bucket, None)`` is called (:meth:`finish`: the incomplete ones, with zeros). A bucket
-    of one parameter filling its flat group (``rows == 1``) is delivered as autograd's gradient
-    itself: ``deliver(bucket, (grad,))``. :meth:`close` removes the hooks (also after an error):
-    left in place, they would keep every leaf in a reference cycle."""
+    A post-accumulate-grad hook on each trainable leaf copies the parameter's whole gradient into its place and drops
+    it; once a bucket has all its gradients, the padding is zeroed and ``deliver(bucket, None)`` is called
+    (:meth:`finish`: the incomplete ones, with zeros). A bucket of one parameter filling its flat group (``rows == 1``)
+    is delivered as autograd's gradient itself: ``deliver(bucket, (grad,))``. :meth:`close` removes the hooks (also
+    after an error): left in place, they would keep every leaf in a reference cycle."""
 
     def __init__(self, layout: Layout, groups: Sequence[Sequence[FlatGroup]], row: int,
                  buffers: Callable[[int], tuple[torch.Tensor, ...]],

@@ -152,11 +152,10 @@ def no_missed_steps(opt: OptState) -> bool:
 
 
 def _with_own_code(fn: StepFn) -> StepFn:
-    """``fn`` with a code object of its own. Dynamo keeps compiled graphs on the code object,
-    and every step ``make_train_step`` builds shares one: without a copy, each new step (another
-    model, stage or option in the same process) adds a guarded entry there, a later one
-    recompiles inside its first steps, and the ninth hits dynamo's recompile limit, which
-    ``fullgraph=True`` makes a hard error."""
+    """``fn`` with a code object of its own. Dynamo keeps compiled graphs on the code object, and every step
+    ``make_train_step`` builds shares one: without a copy, each new step (another model, stage or option in the same
+    process) adds a guarded entry there, a later one recompiles inside its first steps, and the ninth hits dynamo's
+    recompile limit, which ``fullgraph=True`` makes a hard error."""
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     own.__kwdefaults__, own.__qualname__, own.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
     return own

@@ -37,12 +37,11 @@ OnReady = Callable[[FlatGrads], Sequence[torch.Tensor]]
 class Grads(NamedTuple):
     """One micro-batch's gradients, losses and what the forward left, per local rank.
 
-    ``grads``: what ``on_ready`` gave (each rank's averaged shards ``[R, shard_numel]``, one per
-    flat group), or without ``on_ready`` each rank's whole gradient (a
-    :class:`~fzero.layout.FlatGrads` of every flat group). ``losses``: ``[R]`` fp32, unscaled.
-    ``buffers``: the module buffers the forward left; ``rng``: the generator states it left.
-    ``used``: ``[R, T]`` float64, 1 where the rank's loss reached trainable parameter ``t``;
-    ``every``: all of ``used`` is 1 (known in Python; traced: when tracing)."""
+    ``grads``: what ``on_ready`` gave (each rank's averaged shards ``[R, shard_numel]``, one per flat group), or without
+    ``on_ready`` each rank's whole gradient (a :class:`~fzero.layout.FlatGrads` of every flat group). ``losses``:
+    ``[R]`` fp32, unscaled. ``buffers``: the module buffers the forward left; ``rng``: the generator states it left.
+    ``used``: ``[R, T]`` float64, 1 where the rank's loss reached trainable parameter ``t``; ``every``: all of ``used``
+    is 1 (known in Python; traced: when tracing)."""
 
     grads: tuple[torch.Tensor, ...]
     losses: torch.Tensor
@@ -53,10 +52,9 @@ class Grads(NamedTuple):
 
 
 class Workspace:
-    """What one step function reuses from call to call: the bucket buffers of eager stages 1-2
-    (emptied by :meth:`clear` between steps), the :class:`~fzero.buckets.Runner` its collectives
-    go through, and for a compiled stage-3 step with one backward (one local rank, one
-    micro-batch) the unit forwards that regather in backward."""
+    """What one step function reuses from call to call: the bucket buffers of eager stages 1-2 (emptied by :meth:`clear`
+    between steps), the :class:`~fzero.buckets.Runner` its collectives go through, and for a compiled stage-3 step with
+    one backward (one local rank, one micro-batch) the unit forwards that regather in backward."""
 
     def __init__(self, loss_fn: Optional[LossFn] = None, micro_batches: int = 1):
         self.pool = BufferPool()
@@ -82,11 +80,10 @@ def micro_batch(batch: Any, k: int, accum_steps: int) -> Any:
 
 
 def accumulate(total: Optional[Union[Grads, FlatGrads]], new: Union[Grads, FlatGrads]) -> Union[Grads, FlatGrads]:
-    """``total + new`` over micro-batches, in at least fp32. Of two :class:`Grads`: gradients, losses
-    and used flags summed; buffers and generators ``new``'s. Of whole gradients
-    (:class:`~fzero.layout.FlatGrads`): each of ``new``'s flat groups plus ``total``'s. ``total``
-    None: ``new``. Reduced shards after whole gradients (a deferred accumulation's last micro-batch,
-    whose ``on_ready`` added the earlier ones) are the total."""
+    """``total + new`` over micro-batches, in at least fp32. Of two :class:`Grads`: gradients, losses and used flags
+    summed; buffers and generators ``new``'s. Of whole gradients (:class:`~fzero.layout.FlatGrads`): each of ``new``'s
+    flat groups plus ``total``'s. ``total`` None: ``new``. Reduced shards after whole gradients (a deferred
+    accumulation's last micro-batch, whose ``on_ready`` added the earlier ones) are the total."""
     if total is None:
         return new
     if isinstance(new, FlatGrads):
@@ -106,17 +103,16 @@ def _sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def loss_grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicator, workspace: Workspace, *,
                scaled: Callable[[torch.Tensor], torch.Tensor], on_ready: Optional[OnReady] = None,
                broadcast_buffers: bool = True) -> Grads:
-    """Each local rank's gradient of ``scaled(loss)`` on its part of ``batch``, handed to
-    ``on_ready`` bucket by bucket as backward completes it.
+    """Each local rank's gradient of ``scaled(loss)`` on its part of ``batch``, handed to ``on_ready`` bucket by bucket
+    as backward completes it.
 
-    ``loss_fn(params, batch_r)``: a 0-d loss for one rank's micro-batch, ``params`` in the
-    structure given to :func:`~fzero.state.init_train_state` (stage 3: a :func:`fzero.module_loss`).
-    ``batch``: leaves ``[R, ...]``. The forward runs under each rank's generator state on fresh
-    copies of the module buffers. ``on_ready(FlatGrads) -> shards``: the step's reduction of one
-    bucket (stages 1-2) or unit (stage 3), through ``workspace.runner``; ``None`` (stages 1-2 only,
-    else ``ValueError``): no collective, each rank's whole gradient. Stage 3 also gathers the units.
-    ``broadcast_buffers`` (DDP's default): every rank's forward starts from rank 0's module buffers
-    (one ``broadcast`` per buffer dtype); otherwise from its own."""
+    ``loss_fn(params, batch_r)``: a 0-d loss for one rank's micro-batch, ``params`` in the structure given to
+    :func:`~fzero.state.init_train_state` (stage 3: a :func:`fzero.module_loss`). ``batch``: leaves ``[R, ...]``. The
+    forward runs under each rank's generator state on fresh copies of the module buffers. ``on_ready(FlatGrads) ->
+    shards``: the step's reduction of one bucket (stages 1-2) or unit (stage 3), through ``workspace.runner``; ``None``
+    (stages 1-2 only, else ``ValueError``): no collective, each rank's whole gradient. Stage 3 also gathers the units.
+    ``broadcast_buffers`` (DDP's default): every rank's forward starts from rank 0's module buffers (one ``broadcast``
+    per buffer dtype); otherwise from its own."""
     if isinstance(loss_fn, ModuleLoss) and not comm.traced:  # traced: checked on the host (fzero.compiled)
         check_trainable(loss_fn.module, state.module)
     if broadcast_buffers and state.buffers:

@@ -64,9 +64,8 @@ def pin_mmap_threshold(nbytes: int = DEFAULT_MMAP_THRESHOLD,
 
 
 def tune_host_allocator() -> str:
-    """Pin the default thresholds unless the environment chose; log it and :func:`large_pages` (logger
-    ``fzero``, INFO). Call once, at a CPU training program's start. Returns ``"pinned"``,
-    ``"environment"`` or ``"unsupported"``."""
+    """Pin the default thresholds unless the environment chose; log it and :func:`large_pages` (logger ``fzero``, INFO).
+    Call once, at a CPU training program's start. Returns ``"pinned"``, ``"environment"`` or ``"unsupported"``."""
     decided = "environment" if _environment_chose() else "pinned" if pin_mmap_threshold() else "unsupported"
     if decided == "pinned":
         _log.info("fzero: pinned glibc's mmap threshold at %d bytes (fzero.host_malloc)", DEFAULT_MMAP_THRESHOLD)
@@ -87,10 +86,9 @@ def _kernel_thp_mode(path: str = _THP_MODE) -> Optional[str]:
 
 
 def large_pages(env: Optional[Mapping[str, str]] = None, mode: Optional[str] = "read") -> tuple[bool, str]:
-    """Whether large CPU tensors of this process get transparent huge pages, and why. ``env``: the
-    launch's environment (default ``os.environ``); ``mode``: the kernel's THP mode (default: read).
-    ``always``: yes; ``madvise``: when the launch asked (:data:`THP_ENV` ``=1`` or glibc's
-    ``hugetlb`` tunable); ``never`` or no THP: no."""
+    """Whether large CPU tensors of this process get transparent huge pages, and why. ``env``: the launch's environment
+    (default ``os.environ``); ``mode``: the kernel's THP mode (default: read). ``always``: yes; ``madvise``: when the
+    launch asked (:data:`THP_ENV` ``=1`` or glibc's ``hugetlb`` tunable); ``never`` or no THP: no."""
     env = os.environ if env is None else env
     mode = _kernel_thp_mode() if mode == "read" else mode
     settled = {None: (False, "the kernel has no transparent huge pages (or does not say: no " + _THP_MODE + ")"),

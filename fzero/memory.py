@@ -36,7 +36,7 @@ from .sharding import JOIN_NUMEL
 
 __all__ = ["MemoryReport", "memory_report", "zero_paper_bytes", "format_memory_table"]
 
-KINDS = ("params", "grads", "master", "moments")
+KINDS = ("params", "grads", "master", "moments", "frozen")
 
 # the units a stage-3 step holds gathered at once besides the root (module doc)
 UNITS_HELD = 2
@@ -46,7 +46,7 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
     """Bytes per rank. ``by_kind``: params, grads, master, moments (the paper's model on the
-    padded layout); ``held`` and ``transient``: the part of each kind the state keeps between
+    padded layout) and the frozen parameters; ``held`` and ``transient``: the part of each kind the state keeps between
     steps and the part that lives only inside one (``held + transient == by_kind``);
     ``padding``: the part of the total that is padding, averaged over ranks; ``step_buffers``:
     the eager step's own buffers at their peak by profiler scope; ``step_peak``: those together."""
@@ -83,10 +83,9 @@ def _size(dtype: torch.dtype) -> int:
 def memory_report(layout: Layout, optimizer: Optimizer, *, stage: int, precision: MixedPrecision = MixedPrecision(),
                   world_size: Optional[int] = None, local_ranks: int = 1,
                   comm: Optional[Communicator] = None) -> MemoryReport:
-    """Bytes per rank for ``layout``'s parameters at ``stage`` (module doc). ``world_size``:
-    the parameters laid out for that many ranks instead (default: the layout's own).
-    ``local_ranks``: ranks this process simulates; ``comm``: the communicator the step runs on
-    (its ``local_ranks`` and ``buffer_factor`` then apply). No collective."""
+    """Bytes per rank for ``layout``'s parameters at ``stage`` (module doc). ``world_size``: the parameters laid out for
+    that many ranks instead (default: the layout's own). ``local_ranks``: ranks this process simulates; ``comm``: the
+    communicator the step runs on (its ``local_ranks`` and ``buffer_factor`` then apply). No collective."""
     if stage not in (1, 2, 3):
         raise ValueError(f"memory_report: stage must be 1, 2 or 3, got {stage!r}")
     if comm is not None:
@@ -104,8 +103,9 @@ def memory_report(layout: Layout, optimizer: Optimizer, *, stage: int, precision
         for kind, (itemsize, sharded) in rows.items():
             by_kind[kind] += itemsize * (g.shard_numel if sharded else g.padded_numel)
             padding += itemsize * (g.padding / n if sharded else g.padding)
-    held = {kind: by_kind[kind] if kind in ("master", "moments") or (kind == "params" and stage < 3) else 0.0
-            for kind in KINDS}
+    by_kind["frozen"] = float(sum(s.numel * _size(precision.frozen_storage(s)) for s in layout.frozen_slots))
+    held = {kind: by_kind[kind] if kind in ("master", "moments", "frozen") or (kind == "params" and stage < 3)
+            else 0.0 for kind in KINDS}
     transient = {kind: by_kind[kind] - held[kind] for kind in KINDS}
     buffers, peak = _step_buffers(layout, precision, stage, local_ranks, comm)
     return MemoryReport(stage, n, layout.num_params, by_kind, padding, held, transient, buffers, peak)

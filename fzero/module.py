@@ -21,7 +21,8 @@ from .comm import Communicator
 from .layout import FlatGroup, Layout, group_views
 
 __all__ = ["ModuleSpec", "module_spec", "init_buffers", "broadcast_buffers", "ModuleLoss", "module_loss",
-           "model_output", "check_loss", "check_trainable", "row_of", "hand_over_parameters", "release_parameters",
+           "model_output", "check_loss", "check_trainable", "row_of", "hand_over_parameters", "hand_over_frozen",
+           "release_parameters",
            "restore_parameters", "check_materialized", "UnitPolicy", "select_units", "default_units", "unit_buckets"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -244,12 +245,11 @@ _RELEASED = "_fzero_released"
 
 def hand_over_parameters(module: torch.nn.Module, layout: Layout, gathered: Sequence[torch.Tensor],
                          groups: Optional[Sequence[FlatGroup]] = None) -> set[str]:
-    """Make the state own the module's trainable parameters at stages 1-2 (one copy in memory): each
-    parameter whose dtype is its compute dtype becomes a view of row 0 of the gathered buffers (a
-    donating step gathers into them, so the module follows the training); ``groups``: only these
-    flat groups, ``gathered`` holding their buffers in order. (Stage 3: :func:`release_parameters`.)
-    Returns the names of the parameters that now view the state. ``ValueError`` if a parameter's
-    shape or dtype is not its view's. No collective."""
+    """Make the state own the module's trainable parameters at stages 1-2 (one copy in memory): each parameter whose
+    dtype is its compute dtype becomes a view of row 0 of the gathered buffers (a donating step gathers into them, so
+    the module follows the training); ``groups``: only these flat groups, ``gathered`` holding their buffers in order.
+    (Stage 3: :func:`release_parameters`.) Returns the names of the parameters that now view the state. ``ValueError``
+    if a parameter's shape or dtype is not its view's. No collective."""
     named = dict(module.named_parameters())
     adopted = set()
     with torch.no_grad():
@@ -265,6 +265,19 @@ def hand_over_parameters(module: torch.nn.Module, layout: Layout, gathered: Sequ
                 p.data, p.grad = view, None  # its own storage is freed: it reads the state's buffers
                 adopted.add(s.path)
     return adopted
+
+
+def hand_over_frozen(module: Any, layout: Layout, frozen: list[torch.Tensor],
+                     dtype_of: Callable[[Any], torch.dtype]) -> tuple[torch.Tensor, ...]:
+    """The frozen parameters ``frozen`` (layout order; the list is emptied) each cast to ``dtype_of(slot)``, and a
+    module's (not a pytree's) made to hold the cast copy, one at a time: the original is freed as it is cast."""
+    named = dict(module.named_parameters()) if isinstance(module, torch.nn.Module) else {}  # a pytree's: copies
+    out = []
+    for s in layout.frozen_slots:
+        out.append(frozen.pop(0).detach().to(dtype_of(s)))
+        if s.path in named and not named[s.path].is_meta:
+            named[s.path].data = out[-1]
+    return tuple(out)
 
 
 def release_parameters(module: torch.nn.Module, names: Sequence[str]) -> None:

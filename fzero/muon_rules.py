@@ -221,11 +221,10 @@ def muon(lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95, *,
          ns_coefficients: tuple[float, float, float] = _NS_COEFFICIENTS, eps: float = torch_muon.EPS,
          ns_steps: int = torch_muon.DEFAULT_NS_STEPS, adjust_lr_fn: Optional[str] = None,
          groups: Sequence[GroupSpec] = ()) -> Muon:
-    """``torch.optim.Muon(lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)``
-    on the parameters ``matrices`` picks (2-D: :func:`hidden_matrices`), ``torch.optim.AdamW(**adamw)`` (``lr``,
-    ``betas``, ``eps``, ``weight_decay``) on the others. Groups: 0 Muon's, 1 AdamW's, ``groups`` (as for
-    :func:`fzero.adamw`) further Muon groups. Eager only; a Muon parameter not 2-D raises at the first step.
-    """
+    """``torch.optim.Muon(lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)`` on the
+    parameters ``matrices`` picks (2-D: :func:`hidden_matrices`), ``torch.optim.AdamW(**adamw)`` (``lr``, ``betas``,
+    ``eps``, ``weight_decay``) on the others. Groups: 0 Muon's, 1 AdamW's, ``groups`` (as for :func:`fzero.adamw`)
+    further Muon groups. Eager only; a Muon parameter not 2-D raises at the first step."""
     if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
         raise ValueError(f"muon: adjust_lr_fn {adjust_lr_fn!r} is not one of None, 'original', 'match_rms_adamw'")
     if len(ns_coefficients) != 3 or ns_steps >= 100:

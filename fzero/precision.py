@@ -26,19 +26,22 @@ _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 @dataclasses.dataclass(frozen=True)
 class MixedPrecision:
-    """``param_dtype``: compute dtype of gathered parameters (None: each parameter's own).
-    ``reduce_dtype``: gradient communication dtype (None: the master dtype; fp16/bf16 use FSDP's
-    pre/post-divide factors). ``keep_dtype``: ``nn.Module`` classes whose own parameters (not
-    their submodules') compute in their own dtype when ``param_dtype`` is set (default every
-    ``_BatchNorm``; ``()``: none); their gradients are reduced in ``reduce_dtype`` as any other.
-    ``TypeError`` for a non-floating dtype or a ``keep_dtype`` that is not a tuple of classes."""
+    """``param_dtype``: compute dtype of gathered parameters (None: each parameter's own). ``reduce_dtype``: gradient
+    communication dtype (None: the master dtype; fp16/bf16 use FSDP's pre/post-divide factors). ``keep_dtype``:
+    ``nn.Module`` classes whose own parameters (not their submodules') compute in their own dtype when ``param_dtype``
+    is set (default every ``_BatchNorm``; ``()``: none); their gradients are reduced in ``reduce_dtype`` as any other.
+    ``frozen_dtype``: the dtype frozen parameters are held in (None: their own; ``keep_dtype`` ones keep theirs),
+    rounded to it once at init; a module's frozen parameters then hold the state's copy. Equal to ``param_dtype``, they
+    are held once as they compute, with no cast per step (bf16: half fp32's bytes, as QLoRA-style fine-tuning holds its
+    base model). ``TypeError`` for a non-floating dtype or a ``keep_dtype`` that is not a tuple of classes."""
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     keep_dtype: tuple[type[torch.nn.Module], ...] = (_BatchNorm,)
+    frozen_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "frozen_dtype"):
             v = getattr(self, name)
             if v is not None and v not in _FLOATING:
                 raise TypeError(f"MixedPrecision.{name} must be a floating dtype or None, got {v}")
@@ -58,28 +61,33 @@ class MixedPrecision:
             return self.param_dtype or of
         return compute_dtype(of, self.param_dtype)
 
+    def frozen_storage(self, slot: Any) -> torch.dtype:
+        """The dtype a frozen parameter (a layout's ``ParamSlot``) is held in."""
+        return slot.dtype if self.frozen_dtype is None or slot.keep_dtype else self.frozen_dtype
+
     def keeps(self, params: object) -> Optional[Callable[[str], bool]]:
         """Which parameters of ``params`` keep their own dtype, by ``named_parameters`` path: those of
         a ``keep_dtype`` module whose dtype differs from ``param_dtype``. ``None`` when none is (no
         ``param_dtype``, a pytree, no such module). ``ValueError`` for a BatchNorm left out of
         ``keep_dtype`` whose running statistics are not in ``param_dtype`` (``batch_norm`` rejects it)."""
-        if self.param_dtype is None or not isinstance(params, torch.nn.Module):
+        dtype = self.param_dtype or self.frozen_dtype  # the dtype a parameter would change to
+        if dtype is None or not isinstance(params, torch.nn.Module):
             return None
         kept = set()
         for name, m in params.named_modules(remove_duplicate=False):
             own = list(m.named_parameters(recurse=False))
             if isinstance(m, self.keep_dtype):
-                kept.update(f"{name}.{n}" if name else n for n, p in own if p.dtype != self.param_dtype)
-            elif isinstance(m, _BatchNorm) and any(p.dtype != self.param_dtype for _, p in own):
+                kept.update(f"{name}.{n}" if name else n for n, p in own if p.dtype != dtype)
+            elif isinstance(m, _BatchNorm) and any(p.dtype != dtype for _, p in own):
                 stats = [b for b in (m.running_mean, m.running_var) if b is not None]
-                if any(b.dtype != self.param_dtype for b in stats):
+                if any(b.dtype != dtype for b in stats):
                     raise ValueError(
-                        f"MixedPrecision(param_dtype={self.param_dtype}): {name or 'the model'} is a "
+                        f"MixedPrecision({dtype}): {name or 'the model'} is a "
                         f"{type(m).__name__} whose running statistics are {stats[0].dtype}; torch's batch_norm "
-                        f"rejects {self.param_dtype} weights with {stats[0].dtype} statistics (\"expected scalar "
+                        f"rejects {dtype} weights with {stats[0].dtype} statistics (\"expected scalar "
                         "type\"). Keep BatchNorm in its own dtype: MixedPrecision(..., keep_dtype=(torch.nn."
                         "modules.batchnorm._BatchNorm,)), the default, or convert its buffers to "
-                        f"{self.param_dtype} yourself")
+                        f"{dtype} yourself")
         return kept.__contains__ if kept else None
 
 

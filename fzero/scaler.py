@@ -27,10 +27,9 @@ __all__ = ["ScalerState", "init_scaler", "static_scaler", "scale", "unscale_and_
 
 @pytree_dataclass
 class ScalerState:
-    """Loss-scale state. Leaves (0-d, identical on every rank): ``scale`` (float32),
-    ``growth_tracker`` (int32, clean steps since the last growth or overflow) and
-    ``hysteresis_left`` (int32, overflows still tolerated; 1 without hysteresis). Static: the
-    rule's configuration; ``dynamic=False``: the scale never changes (bf16/fp32, or a fixed
+    """Loss-scale state. Leaves (0-d, identical on every rank): ``scale`` (float32), ``growth_tracker`` (int32, clean
+    steps since the last growth or overflow) and ``hysteresis_left`` (int32, overflows still tolerated; 1 without
+    hysteresis). Static: the rule's configuration; ``dynamic=False``: the scale never changes (bf16/fp32, or a fixed
     fp16 scale), but non-finite gradients still skip the step."""
 
     scale: torch.Tensor
@@ -102,11 +101,10 @@ def local_sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 class Checked(tuple):
-    """What :func:`unscale_and_check` gives: it unpacks as ``(grads, found_inf)`` (the unscaled
-    gradients, and a 0-d fp32 1.0 if any rank's gradient is not finite), and carries what the
-    step's agreement adds: ``grad_norm`` (0-d float64, unscaled, before clipping), ``loss``
-    (0-d fp32, the mean of every rank's loss), ``used`` (``[T]`` bool, some rank had a gradient)
-    and ``riders`` (``[k]`` float64, summed over ranks); None where not asked for."""
+    """What :func:`unscale_and_check` gives: it unpacks as ``(grads, found_inf)`` (the unscaled gradients, and a 0-d
+    fp32 1.0 if any rank's gradient is not finite), and carries what the step's agreement adds: ``grad_norm`` (0-d
+    float64, unscaled, before clipping), ``loss`` (0-d fp32, the mean of every rank's loss), ``used`` (``[T]`` bool,
+    some rank had a gradient) and ``riders`` (``[k]`` float64, summed over ranks); None where not asked for."""
 
     grad_norm: Optional[torch.Tensor]
     loss: Optional[torch.Tensor]
@@ -132,18 +130,17 @@ class Checked(tuple):
 def unscale_and_check(scaler: ScalerState, grads: Any, comm: Communicator, *, clip_norm: Optional[float] = None,
                       losses: Optional[torch.Tensor] = None, used: Optional[torch.Tensor] = None,
                       riders: Optional[torch.Tensor] = None, in_place: bool = False) -> Checked:
-    """Unscale gradients (a tree of floating ``[R, ...]`` tensors) and agree across ranks on whether
-    the step must be skipped. Each is multiplied by ``1/scale`` (float64 reciprocal rounded to
-    float32, as ``torch.amp``) in float32 (float64 for fp64) and rounded back to its dtype.
+    """Unscale gradients (a tree of floating ``[R, ...]`` tensors) and agree across ranks on whether the step must be
+    skipped. Each is multiplied by ``1/scale`` (float64 reciprocal rounded to float32, as ``torch.amp``) in float32
+    (float64 for fp64) and rounded back to its dtype.
 
-    Alone it is ``GradScaler``'s check: per-element ``found_inf`` agreed by one ``all_reduce(max)``
-    of ``R`` flags. The step's form (any of ``clip_norm``, ``losses`` ``[R]``, ``used`` ``[R, T]``,
-    ``riders`` ``[R, k]``; ``grads`` this rank's disjoint shards): one ``all_reduce(sum)`` of
-    ``[R, 2 + T + k]`` float64 (:func:`local_sq_norm`, loss, used flags, riders); ``found_inf``
-    when the agreed norm is not finite; then one pass multiplies by ``1/scale`` times
-    ``clip_grad_norm_``'s ``min(1, clip_norm / (norm + 1e-6))`` of the unscaled norm. ``in_place``:
-    the caller owns the gradients, scaled in place eagerly. ``ValueError`` for an empty tree or a
-    missing local-rank axis, ``TypeError`` for a non-floating leaf."""
+    Alone it is ``GradScaler``'s check: per-element ``found_inf`` agreed by one ``all_reduce(max)`` of ``R`` flags. The
+    step's form (any of ``clip_norm``, ``losses`` ``[R]``, ``used`` ``[R, T]``, ``riders`` ``[R, k]``; ``grads`` this
+    rank's disjoint shards): one ``all_reduce(sum)`` of ``[R, 2 + T + k]`` float64 (:func:`local_sq_norm`, loss, used
+    flags, riders); ``found_inf`` when the agreed norm is not finite; then one pass multiplies by ``1/scale`` times
+    ``clip_grad_norm_``'s ``min(1, clip_norm / (norm + 1e-6))`` of the unscaled norm. ``in_place``: the caller owns the
+    gradients, scaled in place eagerly. ``ValueError`` for an empty tree or a missing local-rank axis, ``TypeError`` for
+    a non-floating leaf."""
     leaves_with_path, spec = tp.tree_flatten_with_path(grads)
     if not leaves_with_path:
         raise ValueError("unscale_and_check: the gradient tree has no tensors")

@@ -19,8 +19,8 @@ import torch.utils._pytree as tp
 from .buckets import size_buckets
 from .comm import Communicator
 from .materialize import Init, check_init, materialize
-from .module import (ModuleSpec, UnitPolicy, check_materialized, default_units, hand_over_parameters, init_buffers,
-                     module_spec, release_parameters, select_units, unit_buckets)
+from .module import (ModuleSpec, UnitPolicy, check_materialized, default_units, hand_over_frozen, hand_over_parameters,
+                     init_buffers, module_spec, release_parameters, select_units, unit_buckets)
 from .optim import OptState, Optimizer, init_opt_state
 from .precision import MixedPrecision
 from .pytree import pytree_dataclass, replace, static_field
@@ -35,12 +35,11 @@ __all__ = ["TrainState", "init_train_state", "ensure_live", "consume"]
 class TrainState:
     """Everything a training step carries from one step to the next.
 
-    ``params``: the gathered compute-dtype flat buffers ``[R, padded_numel]``, one per flat group
-    (``()`` at stage 3). ``buffers``: the module's buffers, ``[R, *shape]`` each in its own dtype, in
-    ``ModuleSpec.buffers`` order. ``rng``: ``()`` or one ``[R, n]`` uint8 tensor (:mod:`fzero.rng`).
-    ``calls``: ``()`` or one 0-d int64 CPU tensor, the step calls seen, skipped ones included (the
-    host-side schedules count from it, so a resumed run keeps them; on the CPU: read without a
-    device sync). Static: the ZeRO ``stage`` (1, 2 or 3; the one place that says it), the
+    ``params``: the gathered compute-dtype flat buffers ``[R, padded_numel]``, one per flat group (``()`` at stage 3).
+    ``buffers``: the module's buffers, ``[R, *shape]`` each in its own dtype, in ``ModuleSpec.buffers`` order. ``rng``:
+    ``()`` or one ``[R, n]`` uint8 tensor (:mod:`fzero.rng`). ``calls``: ``()`` or one 0-d int64 CPU tensor, the step
+    calls seen, skipped ones included (the host-side schedules count from it, so a resumed run keeps them; on the CPU:
+    read without a device sync). Static: the ZeRO ``stage`` (1, 2 or 3; the one place that says it), the
     :class:`MixedPrecision` policy and the :class:`ModuleSpec`."""
 
     shard: ShardState
@@ -64,21 +63,19 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
                      precision: MixedPrecision = MixedPrecision(), scaler: Optional[ScalerState] = None,
                      trainable: Optional[Callable[[str], bool]] = None, alignment: int = 16,
                      seed: Optional[int] = 0, init: Optional[Init] = None) -> TrainState:
-    """The initial state for ``params`` (an ``nn.Module`` or a pytree of tensors); each local rank
-    builds only its own shards. Stages 1-2 keep the gathered compute-dtype parameters, stage 3 none.
+    """The initial state for ``params`` (an ``nn.Module`` or a pytree of tensors); each local rank builds only its own
+    shards. Stages 1-2 keep the gathered compute-dtype parameters, stage 3 none.
 
-    ``units``: the wrap policy choosing an ``nn.Module``'s shard units (module classes or a
-    predicate ``(name, module) -> bool``; allowed at stages 1-2 too): one bucket per unit, the rest
-    and tied parameters to the root. Stage 3 without it: the blocks a ``transformers`` model names
-    in ``_no_split_modules`` (:func:`fzero.module.default_units`). ``bucket_numel`` (stages 1-2
-    without ``units``; default :data:`fzero.buckets.DEFAULT_BUCKET_NUMEL`): gradients are reduced
-    in buckets of about this many elements as backward completes them (DDP's ``bucket_cap_mb``),
-    each a flat group. ``scaler``: default dynamic in fp16, a static 1 otherwise. ``precision``:
-    ``keep_dtype`` parameters get flat groups of their own (:meth:`MixedPrecision.keeps`). A
-    module's buffers become ``state.buffers``, one copy per rank. ``seed``: rank ``r``'s generator
-    starts from ``rank_seed(seed, r)``; ``None``: the step draws from the caller's generator.
-    ``ValueError``/``TypeError`` for a bad stage, units or bucket_numel. Collectives:
-    ``comm.check_layout``; stages 1-2 one ``all_gather`` per flat group."""
+    ``units``: the wrap policy choosing an ``nn.Module``'s shard units (module classes or a predicate ``(name, module)
+    -> bool``; allowed at stages 1-2 too): one bucket per unit, the rest and tied parameters to the root. Stage 3
+    without it: the blocks a ``transformers`` model names in ``_no_split_modules`` (:func:`fzero.module.default_units`).
+    ``bucket_numel`` (stages 1-2 without ``units``; default :data:`fzero.buckets.DEFAULT_BUCKET_NUMEL`): gradients are
+    reduced in buckets of about this many elements as backward completes them (DDP's ``bucket_cap_mb``), each a flat
+    group. ``scaler``: default dynamic in fp16, a static 1 otherwise. ``precision``: ``keep_dtype`` parameters get flat
+    groups of their own (:meth:`MixedPrecision.keeps`). A module's buffers become ``state.buffers``, one copy per rank.
+    ``seed``: rank ``r``'s generator starts from ``rank_seed(seed, r)``; ``None``: the step draws from the caller's
+    generator. ``ValueError``/``TypeError`` for a bad stage, units or bucket_numel. Collectives: ``comm.check_layout``;
+    stages 1-2 one ``all_gather`` per flat group."""
     if stage not in (1, 2, 3):
         raise ValueError(f"init_train_state: stage must be 1, 2 or 3, got {stage!r}")
     is_module = isinstance(params, torch.nn.Module)
@@ -112,8 +109,12 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
     if init is not None:
         made = materialize(params, layout, comm, init, unit_names)
         shard, made_buffers = ShardState(made.master, made.frozen, layout), made.buffers
+        del made
     else:
         shard = init_shard(params, comm, layout=layout)
+    if precision.frozen_dtype is not None:  # rounded once; a module's frozen parameters hold the copy
+        frozen, shard = list(shard.frozen), replace(shard, frozen=())
+        shard = replace(shard, frozen=hand_over_frozen(params, layout, frozen, precision.frozen_storage))
     # 3. the state
     opt = init_opt_state(optimizer, shard.master, len(layout.trainable_slots),
                          [s.shape for s in layout.trainable_slots])

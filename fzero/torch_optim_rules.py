@@ -64,9 +64,8 @@ class TorchOptimRule(ShardRule):
     """A ``torch.optim`` class run on each parameter's piece of the shards (built by :func:`from_torch_optim`).
 
     ``static``: the other constructor arguments, sorted; ``tuples``: tuple hyperparameters ``(name, length)``
-    (:func:`tuple_names`); ``state``: ``(key, "element" | "scalar" | "step")`` as probed; ``scalar_dtype``:
-    the dtype of 0-d state tensors (``None``: Python numbers).
-    """
+    (:func:`tuple_names`); ``state``: ``(key, "element" | "scalar" | "step")`` as probed; ``scalar_dtype``: the dtype of
+    0-d state tensors (``None``: Python numbers)."""
 
     torch_cls: Optional[type] = None
     static: tuple[tuple[str, Any], ...] = ()
@@ -236,13 +235,12 @@ def probe_state(cls: type, kwargs: Mapping[str, Any]) -> tuple[tuple[tuple[str, 
 
 
 def from_torch_optim(optimizer_class: type, *, groups: Sequence[GroupSpec] = (), **kwargs: Any) -> Optimizer:
-    """An fzero rule running ``optimizer_class`` (an elementwise ``torch.optim.Optimizer`` subclass: Adam,
-    NAdam, RMSprop, Adagrad, SGD...) on the shards, ``kwargs`` its constructor arguments. Float arguments (and
-    tuples of them: ``betas`` -> ``beta1``/``beta2``) are hyperparameters, schedulable and per group (``groups``
-    as for :func:`fzero.adamw`). ``TypeError`` for a non-optimizer; ``ValueError`` naming the class when it
-    cannot run on shards (LBFGS's closure, SparseAdam, state neither per-element nor 0-d).
-    ``torch.optim.Adafactor`` gives :func:`fzero.adafactor`.
-    """
+    """An fzero rule running ``optimizer_class`` (an elementwise ``torch.optim.Optimizer`` subclass: Adam, NAdam,
+    RMSprop, Adagrad, SGD...) on the shards, ``kwargs`` its constructor arguments. Float arguments (and tuples of them:
+    ``betas`` -> ``beta1``/``beta2``) are hyperparameters, schedulable and per group (``groups`` as for
+    :func:`fzero.adamw`). ``TypeError`` for a non-optimizer; ``ValueError`` naming the class when it cannot run on
+    shards (LBFGS's closure, SparseAdam, state neither per-element nor 0-d). ``torch.optim.Adafactor`` gives
+    :func:`fzero.adafactor`."""
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"from_torch_optim: {optimizer_class!r} is not a torch.optim.Optimizer subclass")
     if optimizer_class is getattr(torch.optim, "Adafactor", None):  # factored and norm-based: fzero's own rule

@@ -379,14 +379,15 @@ class _RankRun:
         self.ahead.clear()
 
 
-def check_module_matches(module: torch.nn.Module, layout: Layout) -> None:
+def check_module_matches(module: torch.nn.Module, layout: Layout, frozen: Sequence[torch.Tensor] = ()) -> None:
     """Raise ``ValueError`` if ``module``'s parameters are no longer those the state was built from (names,
-    shapes, dtypes): a layer replaced or resized after ``init_train_state``."""
+    shapes, dtypes; a frozen one's as held in ``frozen``): a layer replaced or resized after ``init_train_state``."""
     have = {n: (tuple(p.shape), p.dtype) for n, p in module.named_parameters()}
+    held = {s.path: f.dtype for s, f in zip(layout.frozen_slots, frozen)}
     for s in layout.slots:
-        got = have.pop(s.path, None)
-        if got != (s.shape, s.dtype):
-            raise ValueError(f"stage 3: parameter {s.path!r} of the state is {s.shape} {s.dtype}, but the module "
+        got, want = have.pop(s.path, None), (s.shape, held.get(s.path, s.dtype))
+        if got != want:
+            raise ValueError(f"stage 3: parameter {s.path!r} of the state is {want[0]} {want[1]}, but the module "
                              + (f"now has {got[0]} {got[1]}" if got else "has no such parameter")
                              + ": the module changed after init_train_state; build the state again")
     if have:
@@ -404,7 +405,7 @@ def unit_grads(loss_fn: ModuleLoss, state: TrainState, comm: Communicator, batch
     :class:`UnitCallError` if the ranks called different units, ``ValueError`` if the module changed since."""
     module, lay = loss_fn.module, state.layout
     units, dtype = state.module.units, state.precision.param_dtype
-    check_module_matches(module, lay)
+    check_module_matches(module, lay, state.shard.frozen)
     plan = _Plan.of(lay, units, loss_fn)
     device = state.shard.master[0].device
     released = {}  # each unit parameter's placeholder: one element expanded to its shape (no memory)

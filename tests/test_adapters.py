@@ -156,3 +156,106 @@ def test_unfreezing_by_the_errors_recipe_equals_torch(kind, stage):
     state = fzero.init_train_state(model, _fzero_adamw(), comm, stage=stage)
     state, _ = run_steps(fzero.make_train_step(loss, comm), state, comm, data[2:])
     _assert_equal_to(ref, state, comm, 1e-10)
+
+
+def test_tied_weights_with_the_head_trained_and_the_embedding_frozen():
+    """peft ``modules_to_save=["lm_head"]`` on GPT-2 (tied embeddings): the head becomes a trainable copy while the
+    embedding it was tied to stays frozen; LoRA on the attention beside it."""
+    from peft import LoraConfig, get_peft_model
+
+    def build():
+        return get_peft_model(um.gpt2().double(), LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True,
+                                                             modules_to_save=["lm_head"]))
+
+    model = build()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any("lm_head" in n for n in trainable) and not any("wte" in n for n in trainable)
+    data = um.token_batches(STEPS, 4)
+    ref, _, _ = um.oracle_run(model, _torch_adamw, data, 2, um.oracle_loss("lm"))
+    for stage in (1, 2, 3):
+        model, comm = build(), fzero.SimulatedWorld(2)
+        state = fzero.init_train_state(model, _fzero_adamw(), comm, stage=stage)
+        state, _ = run_steps(fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), comm), state, comm, data)
+        _assert_equal_to(ref, state, comm, 1e-10)
+
+
+def _frozen_bytes(state) -> int:
+    return sum(f.numel() * f.element_size() for f in state.shard.frozen)
+
+
+@pytest.mark.parametrize("stage,compile", [(1, False), (2, False), (3, False), (2, True), (3, True)])
+def test_frozen_dtype_holds_the_base_once_in_the_compute_dtype(stage, compile):
+    """``MixedPrecision(param_dtype=bf16, frozen_dtype=bf16)``: the frozen base held once, in bf16 (half the bytes,
+    the module's frozen parameters the state's copy), and the same bits as casting it in every step."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    runs = {}
+    for frozen_dtype in (None, torch.bfloat16):
+        model, comm = um.lora("llama"), fzero.SimulatedWorld(2)
+        precision = fzero.MixedPrecision(param_dtype=torch.bfloat16, frozen_dtype=frozen_dtype)
+        state = fzero.init_train_state(model, _fzero_adamw(), comm, stage=stage, precision=precision)
+        report = fzero.memory_report(state.layout, state.opt.optimizer, stage=stage, precision=precision, comm=comm)
+        assert report.held["frozen"] == report.by_kind["frozen"] == _frozen_bytes(state)
+        held = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+        frozen = dict(zip([s.path for s in state.layout.frozen_slots], state.shard.frozen))
+        assert held.keys() == frozen.keys()
+        for n, p in held.items():
+            assert p.dtype == frozen[n].dtype == (frozen_dtype or torch.float32), n
+            assert p.data_ptr() == frozen[n].data_ptr(), f"{n}: the module and the state hold one copy"
+        step = fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), comm,
+                                     compile=CHEAP_COMPILE if compile else False)
+        state, losses = run_steps(step, state, comm, um.token_batches(STEPS, 4))
+        runs[frozen_dtype] = (state, losses)
+    if compile:  # one graph per step function, none recompiled
+        assert counters["stats"]["unique_graphs"] == 2 and not counters["recompiles"], dict(counters["stats"])
+    (plain, plain_losses), (held_once, losses) = runs[None], runs[torch.bfloat16]
+    assert 2 * _frozen_bytes(held_once) == _frozen_bytes(plain)
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(held_once.shard.master, plain.shard.master))
+
+
+def test_frozen_dtype_equals_torch_on_the_rounded_base():
+    """float64 compute, the frozen base held in float32: torch training the model whose frozen weights were rounded
+    to float32 (``frozen_dtype`` rounds once, then computes in float64)."""
+    model = um.lora("gpt2").double()
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            if not p.requires_grad:
+                p.copy_(p.float().double())
+    data = um.token_batches(STEPS, 4)
+    ref, _, _ = um.oracle_run(rounded, _torch_adamw, data, 2, um.oracle_loss("lm"))
+    comm = fzero.SimulatedWorld(2)
+    state = fzero.init_train_state(model, _fzero_adamw(), comm, stage=3,
+                                   precision=fzero.MixedPrecision(frozen_dtype=torch.float32))
+    assert {f.dtype for f in state.shard.frozen} == {torch.float32}
+    state, _ = run_steps(fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), comm), state, comm, data)
+    _assert_equal_to(ref, state, comm, 1e-10)
+
+
+def test_frozen_dtype_resumes_from_a_checkpoint_bitwise(tmp_path):
+    precision = fzero.MixedPrecision(param_dtype=torch.bfloat16, frozen_dtype=torch.bfloat16)
+    data = um.token_batches(4, 4)
+    comm = fzero.SimulatedWorld(2)
+
+    def fresh():
+        model = um.lora("llama")
+        state = fzero.init_train_state(model, _fzero_adamw(), comm, stage=3, precision=precision)
+        return state, fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), comm)
+
+    state, step = fresh()
+    state, _ = run_steps(step, state, comm, data[:2])
+    fzero.save_checkpoint(state, tmp_path, comm)
+    whole, _ = run_steps(step, state, comm, data[2:])
+    template, step = fresh()
+    resumed, _ = fzero.load_checkpoint(tmp_path, template, comm)
+    assert [f.dtype for f in resumed.shard.frozen] == [torch.bfloat16] * len(resumed.shard.frozen)
+    resumed, _ = run_steps(step, resumed, comm, data[2:])
+    assert all(torch.equal(a, b) for a, b in zip(whole.shard.master, resumed.shard.master))
+    assert all(torch.equal(a, b) for a, b in zip(whole.shard.frozen, resumed.shard.frozen))
+
+
+def test_frozen_dtype_must_be_floating():
+    with pytest.raises(TypeError, match=r"frozen_dtype"):
+        fzero.MixedPrecision(frozen_dtype=torch.int8)

@@ -111,10 +111,9 @@ def _manifest_difference(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> O
 
 
 def resolve_checkpoint(path: PathLike) -> Path:
-    """The checkpoint directory ``path`` designates: ``path/LATEST``'s target when ``path`` is a root, else
-    ``path`` itself. Raises :class:`IncompleteCheckpointError` when it has no DCP ``.metadata`` (written
-    last: the save did not finish) and :class:`CheckpointNotFoundError` (also a ``FileNotFoundError``) when
-    ``path`` does not exist."""
+    """The checkpoint directory ``path`` designates: ``path/LATEST``'s target when ``path`` is a root, else ``path``
+    itself. Raises :class:`IncompleteCheckpointError` when it has no DCP ``.metadata`` (written last: the save did not
+    finish) and :class:`CheckpointNotFoundError` (also a ``FileNotFoundError``) when ``path`` does not exist."""
     return _resolve(path)[0]
 
 
@@ -151,10 +150,9 @@ def _check_data_files(d: Path, metadata: Metadata) -> None:
 
 
 def read_manifest(path: PathLike) -> dict[str, Any]:
-    """The manifest of the checkpoint at ``path`` (a root or a checkpoint directory), read in this process
-    (no collective). Raises :class:`IncompleteCheckpointError` for an incomplete checkpoint,
-    :class:`CheckpointCorruptError` for a damaged one and :class:`CheckpointMismatchError` for a DCP
-    checkpoint that fzero did not write."""
+    """The manifest of the checkpoint at ``path`` (a root or a checkpoint directory), read in this process (no
+    collective). Raises :class:`IncompleteCheckpointError` for an incomplete checkpoint, :class:`CheckpointCorruptError`
+    for a damaged one and :class:`CheckpointMismatchError` for a DCP checkpoint that fzero did not write."""
     return _read_manifest(checked_metadata(path))
 
 

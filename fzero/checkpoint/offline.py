@@ -60,10 +60,9 @@ def _step_and_hyper(checked: CheckedDir, names: list[list[str]]) -> tuple[int, l
 
 
 def checkpoint_info(path: PathLike) -> dict[str, Any]:
-    """What the checkpoint at ``path`` holds: directory, saved world size and stage, step, parameters (count,
-    elements, per-parameter path/shape/dtype/group), optimizer and hyperparameters, bytes per kind of entry
-    and per file, whether it has checksums, the caller's ``extra`` keys. Reads the metadata, the manifest and
-    a few scalars."""
+    """What the checkpoint at ``path`` holds: directory, saved world size and stage, step, parameters (count, elements,
+    per-parameter path/shape/dtype/group), optimizer and hyperparameters, bytes per kind of entry and per file, whether
+    it has checksums, the caller's ``extra`` keys. Reads the metadata, the manifest and a few scalars."""
     checked, man = _open(path)
     d, metadata = checked.dir, checked.metadata
     opt = man["optimizer"]

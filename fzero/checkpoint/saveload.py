@@ -151,16 +151,14 @@ def save_checkpoint(state: TrainState, root: PathLike, comm: Communicator, *, na
                     extra: Optional[Mapping[str, Any]] = None) -> Path:
     """Save ``state`` (and ``extra``) as ``root/name`` and point ``root/LATEST`` at it; returns the directory.
 
-    Every rank calls it. Each rank writes only what its shards hold of each parameter's master and moments
-    (never padding), and its generator state; replicated tensors and ``extra`` are written once; nothing is
-    gathered. ``name`` defaults to ``step-{opt.step:08d}``. ``extra``: a nested dict (string keys without
-    ``/``) of tensors, python scalars, strings, None and lists/tuples/dicts of them, taken as replicated.
-    Every record gets a CRC-32 (:mod:`.checksums`). Atomic: written to ``root/.tmp-{name}``, renamed once
-    every rank has finished, then ``LATEST`` replaced. Saving over the checkpoint ``LATEST`` names raises
-    ``FileExistsError``.
-    Collectives (on a process group): DCP's save (a gather and scatter of plans, a gather of write results),
-    one barrier, two ``broadcast_object_list`` of the coordinator's outcome.
-    """
+    Every rank calls it. Each rank writes only what its shards hold of each parameter's master and moments (never
+    padding), and its generator state; replicated tensors and ``extra`` are written once; nothing is gathered. ``name``
+    defaults to ``step-{opt.step:08d}``. ``extra``: a nested dict (string keys without ``/``) of tensors, python
+    scalars, strings, None and lists/tuples/dicts of them, taken as replicated. Every record gets a CRC-32
+    (:mod:`.checksums`). Atomic: written to ``root/.tmp-{name}``, renamed once every rank has finished, then ``LATEST``
+    replaced. Saving over the checkpoint ``LATEST`` names raises ``FileExistsError``. Collectives (on a process group):
+    DCP's save (a gather and scatter of plans, a gather of write results), one barrier, two ``broadcast_object_list`` of
+    the coordinator's outcome."""
     ensure_live(state)
     check_world(state.shard, comm)
     pg = _process_group(comm)
@@ -192,29 +190,27 @@ def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *,
                     donate: bool = False) -> tuple[TrainState, dict[str, Any]]:
     """Load a checkpoint into a state shaped like ``template``; returns ``(state, extra)``.
 
-    ``path``: a root written by :func:`save_checkpoint` (its ``LATEST`` is loaded) or one checkpoint
-    directory. ``template``: built for *this* world by :func:`fzero.init_train_state` (same model, optimizer,
-    scaler configuration and precision; any world size and alignment). Each rank reads only the slices its
-    new shards own; padding is zero. ``params`` is regathered (one ``all_gather`` per flat group), or kept
-    empty if the template's is (stage 3).
+    ``path``: a root written by :func:`save_checkpoint` (its ``LATEST`` is loaded) or one checkpoint directory.
+    ``template``: built for *this* world by :func:`fzero.init_train_state` (same model, optimizer, scaler configuration
+    and precision; any world size and alignment). Each rank reads only the slices its new shards own; padding is zero.
+    ``params`` is regathered (one ``all_gather`` per flat group), or kept empty if the template's is (stage 3).
 
     ``hyperparams``: ``"checkpoint"`` (default, as ``torch.optim``'s ``load_state_dict``) restores the saved
-    hyperparameters; ``"template"`` keeps the template's (e.g. a new learning rate to fine-tune).
-    ``donate``: False leaves the template untouched (the peak holds two states); True loads into the
-    template's own master, moment and parameter buffers (peak: one state plus one saved chunk) and consumes
-    the template (fzero functions given it raise ``ValueError``).
+    hyperparameters; ``"template"`` keeps the template's (e.g. a new learning rate to fine-tune). ``donate``: False
+    leaves the template untouched (the peak holds two states); True loads into the template's own master, moment and
+    parameter buffers (peak: one state plus one saved chunk) and consumes the template (fzero functions given it raise
+    ``ValueError``).
 
-    Generators: rank ``r`` continues from the state rank ``r`` saved, so a resumed run draws what the
-    uninterrupted one would have. A rank the saved run did not have, or every rank for a checkpoint saved
-    without generators, keeps the template's; a template with ``seed=None`` keeps none.
+    Generators: rank ``r`` continues from the state rank ``r`` saved, so a resumed run draws what the uninterrupted one
+    would have. A rank the saved run did not have, or every rank for a checkpoint saved without generators, keeps the
+    template's; a template with ``seed=None`` keeps none.
 
     Nothing in the checkpoint runs (:mod:`.metadata`). Raises, checked first on every rank alike:
-    :class:`CheckpointCorruptError` for damaged metadata or checksums (or ``LATEST`` naming another
-    checkpoint's files), :class:`IncompleteCheckpointError` for a missing or truncated file,
-    :class:`CheckpointMismatchError` naming the first difference of model/optimizer/scaler/precision; while
-    reading, :class:`CheckpointCorruptError` naming the entry and data file of a record failing its checksum;
-    all are :class:`CheckpointError`. Collectives: DCP's load (plans scatter, a final gather), then the gathers.
-    """
+    :class:`CheckpointCorruptError` for damaged metadata or checksums (or ``LATEST`` naming another checkpoint's files),
+    :class:`IncompleteCheckpointError` for a missing or truncated file, :class:`CheckpointMismatchError` naming the
+    first difference of model/optimizer/scaler/precision; while reading, :class:`CheckpointCorruptError` naming the
+    entry and data file of a record failing its checksum; all are :class:`CheckpointError`. Collectives: DCP's load
+    (plans scatter, a final gather), then the gathers."""
     if hyperparams not in HYPERPARAMS:
         raise ValueError(f"load_checkpoint: hyperparams must be one of {HYPERPARAMS}, got {hyperparams!r}")
     ensure_live(template)
