@@ -494,7 +494,9 @@ def make_fzero_runner(stage: int, compiled: bool, donate: bool, ctx: dict, bucke
     else:
         opt = fzero.adamw(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     units = (type(model.blocks[0]),) if stage == 3 else None  # as FSDP2: one unit per block
-    holder = {"state": fzero.init_train_state(model, opt, comm, stage=stage, units=units, bucket_numel=bucket_numel)}
+    precision = fzero.MixedPrecision(param_dtype=ctx.get("param_dtype"), frozen_dtype=ctx.get("frozen_dtype"))
+    holder = {"state": fzero.init_train_state(model, opt, comm, stage=stage, units=units, bucket_numel=bucket_numel,
+                                              precision=precision)}
     step_fn = fzero.make_train_step(
         fzero.module_loss(model, make_criterion(cfg.vocab)), comm, donate=donate, compile=compiled
     )
@@ -502,9 +504,11 @@ def make_fzero_runner(stage: int, compiled: bool, donate: bool, ctx: dict, bucke
     r = Runner()
     r.note = f"stage {stage}" + (", units: blocks" if units else "") + (", fullgraph" if compiled else "") \
         + (", donating" if donate else "") \
-        + (f", {len({g.bucket for g in holder['state'].layout.groups})} buckets" if stage < 3 else "")
+        + (f", {len({g.bucket for g in holder['state'].layout.groups})} buckets" if stage < 3 else "") \
+        + (f", compute in {precision.param_dtype}" if precision.param_dtype else "") \
+        + (f", frozen in {precision.frozen_dtype}" if precision.frozen_dtype else "")
     # the report states an eager step's buffers (a compiled graph's are inductor's)
-    report = fzero.memory_report(holder["state"].layout, opt, stage=stage, comm=comm)
+    report = fzero.memory_report(holder["state"].layout, opt, stage=stage, comm=comm, precision=precision)
     r.step_buffers, r.step_peak = ({}, None) if compiled else (report.step_buffers, report.step_peak)
 
     def step(i: int) -> None:

@@ -106,7 +106,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from models import GPTConfig, build, random_batch  # noqa: E402
+from models import LORA_RANK, LORA_TARGETS, GPTConfig, build, random_batch  # noqa: E402
 from fzero.testing.census import malloc_in_use  # noqa: E402
 
 WORLD = 2
@@ -154,7 +154,11 @@ def reset_peak_rss() -> bool:
 # ----------------------------------------------------------------------------- arguments
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", choices=["tiny", "hf-gpt2"])
+    p.add_argument("--model", default="tiny", choices=["tiny", "tiny-lora", "hf-gpt2"])
+    p.add_argument("--frozen-dtype", choices=["bfloat16", "float16"],
+                   help="fzero systems: MixedPrecision(frozen_dtype=...), the frozen parameters held in it")
+    p.add_argument("--param-dtype", choices=["bfloat16", "float16"],
+                   help="fzero systems: MixedPrecision(param_dtype=...), the compute dtype")
     p.add_argument("--systems", default=",".join(ALL_KEYS), help="comma-separated, from: " + ", ".join(ALL_KEYS))
     p.add_argument("--steps", type=int, default=4, help="timed steps after the warm-up")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (compiled variants compile here)")
@@ -191,7 +195,9 @@ def model_args(args: argparse.Namespace) -> list[str]:
     return ["--model", args.model, "--vocab", str(args.vocab), "--d-model", str(args.d_model),
             "--layers", str(args.layers), "--heads", str(args.heads), "--seq", str(args.seq),
             "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--long", str(args.long), "--seed", str(args.seed)]
+            "--long", str(args.long), "--seed", str(args.seed)] + \
+        (["--frozen-dtype", args.frozen_dtype] if args.frozen_dtype else []) + \
+        (["--param-dtype", args.param_dtype] if args.param_dtype else [])
 
 
 # ----------------------------------------------------------------------------- worker
@@ -224,7 +230,9 @@ def make_ctx(cfg: GPTConfig, args: argparse.Namespace, total: int, rank: int) ->
     global_batches = [distinct[i % len(distinct)] for i in range(total)]
     b = cfg.global_batch // WORLD
     micro = [(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]) for x, y in global_batches]
-    return {"cfg": cfg, "seed": args.seed, "global_batches": global_batches, "micro": micro, "model": args.model}
+    return {"cfg": cfg, "seed": args.seed, "global_batches": global_batches, "micro": micro, "model": args.model,
+            "frozen_dtype": getattr(torch, args.frozen_dtype) if args.frozen_dtype else None,
+            "param_dtype": getattr(torch, args.param_dtype) if args.param_dtype else None}
 
 
 def preimport(key: str, model: str) -> None:
@@ -248,6 +256,8 @@ def preimport(key: str, model: str) -> None:
         mods += ["deepspeed"]
     if model == "hf-gpt2":
         mods += ["transformers.models.gpt2.modeling_gpt2"]
+    if model == "tiny-lora":
+        mods += ["peft"]
     for m in mods:
         importlib.import_module(m)
 
@@ -478,8 +488,12 @@ def format_long(args: argparse.Namespace, results: dict[str, dict]) -> str:
 
 def header(args: argparse.Namespace, n_params: Optional[int]) -> str:
     cfg = config_of(args)
-    name = "TinyGPT" if args.model == "tiny" else "transformers GPT-2 (tied)"
+    name = {"tiny": "TinyGPT", "tiny-lora": f"TinyGPT with LoRA r={LORA_RANK} on {', '.join(LORA_TARGETS)}, the rest "
+            "frozen"}.get(args.model, "transformers GPT-2 (tied)")
     size = f"{n_params:,} parameters ({n_params * 4 / MIB:.1f} MiB fp32)" if n_params else "parameters: ?"
+    if n_params and args.model == "tiny-lora":
+        trainable = sum(p.numel() for p in build(args.model, cfg, args.seed).parameters() if p.requires_grad)
+        size += f", {trainable:,} trainable"
     run = f"{args.long} steps after {args.warmup} warm-up" if args.long else \
         f"{args.warmup} warm-up + {args.steps} timed steps + 1 census step"
     return (f"model: {name} vocab={cfg.vocab} d_model={cfg.d_model} layers={cfg.n_layers} heads={cfg.n_heads} "

@@ -177,13 +177,36 @@ class HFGPT2(nn.Module):
         return self.hf(input_ids=tokens).logits
 
 
+LORA_RANK = 8
+LORA_TARGETS = ["attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"]  # every attention and MLP projection
+
+
+def lora_model(cfg: "GPTConfig", seed: int = 0, rank: int = LORA_RANK) -> nn.Module:
+    """:func:`build_model` with ``peft`` LoRA (rank ``rank``, alpha ``2 * rank``) injected in place into every
+    attention and MLP projection (``inject_adapter_in_model``: the model keeps its type and ``blocks``), everything
+    else frozen: a fine-tuning job. The adapters start as peft starts them (``lora_A`` random from ``seed``,
+    ``lora_B`` zeros), the same on every rank and system."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    model = build_model(cfg, seed)
+    torch.manual_seed(seed)
+    model = inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                               target_modules=LORA_TARGETS), model)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return model
+
+
 def build(kind: str, cfg: "GPTConfig", seed: int = 0) -> nn.Module:
-    """``kind="tiny"``: :func:`build_model`; ``"hf-gpt2"``: :class:`HFGPT2` of the same size."""
+    """``kind="tiny"``: :func:`build_model`; ``"tiny-lora"``: :func:`lora_model`; ``"hf-gpt2"``: :class:`HFGPT2` of
+    the same size."""
     if kind == "tiny":
         return build_model(cfg, seed)
+    if kind == "tiny-lora":
+        return lora_model(cfg, seed)
     if kind == "hf-gpt2":
         return HFGPT2(cfg, seed)
-    raise ValueError(f"unknown model {kind!r}: tiny or hf-gpt2")
+    raise ValueError(f"unknown model {kind!r}: tiny, tiny-lora or hf-gpt2")
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -31,9 +31,9 @@ class MixedPrecision:
     ``nn.Module`` classes whose own parameters (not their submodules') compute in their own dtype when ``param_dtype``
     is set (default every ``_BatchNorm``; ``()``: none); their gradients are reduced in ``reduce_dtype`` as any other.
     ``frozen_dtype``: the dtype frozen parameters are held in (None: their own; ``keep_dtype`` ones keep theirs),
-    rounded to it once at init; a module's frozen parameters then hold the state's copy. Equal to ``param_dtype``, they
-    are held once as they compute, with no cast per step (bf16: half fp32's bytes, as QLoRA-style fine-tuning holds its
-    base model). ``TypeError`` for a non-floating dtype or a ``keep_dtype`` that is not a tuple of classes."""
+    rounded to it once at init; a module's frozen parameters then hold the state's copy. Meant equal to ``param_dtype``:
+    held once as they compute, no cast per step (bf16: half fp32's bytes, as QLoRA-style fine-tuning holds its base);
+    with another compute dtype each step casts them all at its start. ``TypeError`` for a non-floating dtype or a ``keep_dtype`` that is not a tuple of classes."""
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None

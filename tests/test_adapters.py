@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fzero
+import fzero.checkpoint
 import user_models as um
 from helpers import CHEAP_COMPILE, max_rel_err, run_steps
 
@@ -259,3 +260,28 @@ def test_frozen_dtype_resumes_from_a_checkpoint_bitwise(tmp_path):
 def test_frozen_dtype_must_be_floating():
     with pytest.raises(TypeError, match=r"frozen_dtype"):
         fzero.MixedPrecision(frozen_dtype=torch.int8)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_exported_model_and_adapters_load_in_peft(stage):
+    """``export_model_state_dict`` gives the whole peft model (``load_state_dict(strict=True)``), and the adapters
+    alone, as peft saves them (``get_peft_model_state_dict``), load into a fresh peft model
+    (``set_peft_model_state_dict``) with the trained values."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    model = um.lora("llama").double()
+    data = um.token_batches(STEPS, 4)
+    ref, _, _ = um.oracle_run(model, _torch_adamw, data, 2, um.oracle_loss("lm"))
+    comm = fzero.SimulatedWorld(2)
+    state = fzero.init_train_state(model, _fzero_adamw(), comm, stage=stage)
+    state, _ = run_steps(fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), comm), state, comm, data)
+    exported = fzero.checkpoint.export_model_state_dict(state, comm)
+    whole = um.lora("llama").double()
+    whole.load_state_dict(exported, strict=True)
+    adapters = get_peft_model_state_dict(whole)
+    assert adapters and all("lora_" in k for k in adapters)
+    fresh = um.lora("llama").double()
+    set_peft_model_state_dict(fresh, adapters)
+    for name, p in ref.named_parameters():
+        got = dict(fresh.named_parameters())[name]
+        assert max_rel_err(got.double(), p.detach().double()) <= 1e-10, name
