@@ -1,11 +1,10 @@
-"""Adafactor on flat shards: ``torch.optim.Adafactor``, its statistics taken from each parameter's whole,
-fully reduced gradient with two small ``all_reduce``\\ s per step; no matrix is gathered.
-
-Per parameter, torch's single-tensor step: ``rho = min(lr, 1/sqrt(t))``, ``alpha = max(eps2, ||p|| /
-sqrt(numel)) * rho``, decoupled weight decay; for two dimensions or more the factored second moment
-``row_var``/``col_var`` of the last two, else the elementwise ``variance``; the update ``rsqrt(max(var,
-eps1^2)) * grad`` clipped by ``max(1, ||update|| / (sqrt(numel) * d))``. ``variance`` is a sharded moment;
-``row_var``/``col_var`` (``R + C`` per ``R x C`` matrix) are replicated vector state (``OptState.vectors``).
+"""Adafactor on flat shards: ``torch.optim.Adafactor``, its statistics taken from each parameter's whole, fully
+reduced gradient with two small ``all_reduce``\\ s per step; no matrix is gathered. Per parameter, torch's
+single-tensor step: ``rho = min(lr, 1/sqrt(t))``, ``alpha = max(eps2, ||p|| / sqrt(numel)) * rho``, decoupled weight
+decay; for two dimensions or more the factored second moment ``row_var``/``col_var`` of the last two, else the
+elementwise ``variance``; the update ``rsqrt(max(var, eps1^2)) * grad`` clipped by ``max(1, ||update|| / (sqrt(numel)
+* d))``. ``variance`` is a sharded moment; ``row_var``/``col_var`` (``R + C`` per ``R x C`` matrix) are replicated
+vector state (``OptState.vectors``).
 
 Imports: optim, layout, comm.
 """

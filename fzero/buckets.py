@@ -1,13 +1,11 @@
-"""Gradient buckets: each reduced by the step's own piece as soon as backward completes it.
+"""Gradient buckets, each reduced by the step's own piece as soon as backward completes it. A *bucket* is a set of
+parameters whose gradients are reduced together: of about ``bucket_numel`` elements at stages 1-2 (:func:`size_buckets`,
+as DDP's ``bucket_cap_mb``), a shard unit at stage 3. Eagerly, :class:`BucketWatcher` hands a bucket over once autograd
+has all its gradients and :class:`BucketReduction` calls the step's ``on_ready`` (:func:`fzero.reduce_scatter_grads`)
+on it through a :class:`Runner`, on a thread of its own when the communicator ``overlaps``: the last layers' reduction
+runs while backward goes on, as in DDP. Launch order is the same on every rank.
 
-A *bucket* is a set of parameters whose gradients are reduced together: of about ``bucket_numel``
-elements at stages 1-2 (:func:`size_buckets`, as DDP's ``bucket_cap_mb``), a shard unit at stage 3.
-Eagerly, :class:`BucketWatcher` hands a bucket over once autograd has all its gradients and
-:class:`BucketReduction` calls the step's ``on_ready`` (:func:`fzero.reduce_scatter_grads`) on it
-through a :class:`Runner`, on a thread of its own when the communicator ``overlaps``: the last
-layers' reduction runs while backward goes on, as in DDP. Launch order is the same on every rank.
-
-Imports: ``fzero.layout``, ``fzero.scopes``.
+Imports: layout, scopes.
 """
 
 from __future__ import annotations

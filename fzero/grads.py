@@ -1,10 +1,9 @@
-"""One micro-batch's forward and backward: :func:`loss_grads`, and what it reuses (:class:`Workspace`).
-
-For every local rank: the forward of the step's loss, the loss scaled (``scaled``: the step's :func:`fzero.scale`),
-backward, and each bucket's gradient handed to ``on_ready`` (the step's :func:`fzero.reduce_scatter_grads`) as soon as
-backward completes it, which is where overlap comes from. Eagerly, stages 1-2 hook each parameter
-(:mod:`fzero.buckets`) and stage 3 goes unit by unit (:func:`fzero.units.unit_grads`); traced (hooks do not trace),
-the whole backward, then ``on_ready`` of every flat group (stage 3 with a single backward regathers each unit in it:
+"""One micro-batch's forward and backward: :func:`loss_grads`, and what it reuses (:class:`Workspace`). For every
+local rank: the forward of the step's loss, the loss scaled (``scaled``: the step's :func:`fzero.scale`), backward, and
+each bucket's gradient handed to ``on_ready`` (the step's :func:`fzero.reduce_scatter_grads`) as soon as backward
+completes it, which is where overlap comes from. Eagerly, stages 1-2 hook each parameter (:mod:`fzero.buckets`) and
+stage 3 goes unit by unit (:func:`fzero.units.unit_grads`); traced (hooks do not trace), the whole backward, then
+``on_ready`` of every flat group (stage 3 with a single backward regathers each unit in it:
 :class:`fzero.units.CompiledUnits`).
 
 Imports: buckets, comm, layout, module, rng, sharding, state, units.

@@ -1,11 +1,9 @@
-"""Memory per rank, from the layout: :func:`memory_report`.
-
-First ZeRO's model of the training state (Rajbhandari et al., 2020) on the actual padded layout: compute-dtype
-parameters, the gradient the optimizer consumes, the fp32 master and the moments (with Adam and 16-bit compute and
-communication the paper's ``4Ψ + 12Ψ/N``, ``2Ψ + 14Ψ/N`` and ``16Ψ/N`` bytes at stages 1-3), each kind split into what
-the state *holds* between steps and what lives only *inside* a step. Then ``step_buffers``: the eager step's own
-buffers at their peak, by the profiler scope they are allocated in (:mod:`fzero.scopes`), in a few terms of the
-layout:
+"""Memory per rank, from the layout: :func:`memory_report`. First ZeRO's model of the training state (Rajbhandari et
+al., 2020) on the actual padded layout: compute-dtype parameters, the gradient the optimizer consumes, the fp32 master
+and the moments (with Adam and 16-bit compute and communication the paper's ``4Ψ + 12Ψ/N``, ``2Ψ + 14Ψ/N`` and
+``16Ψ/N`` bytes at stages 1-3), and the frozen parameters, each kind split into what the state *holds* between steps
+and what lives only *inside* a step. Then ``step_buffers``: the eager step's own buffers at their peak, by the
+profiler scope they are allocated in (:mod:`fzero.scopes`), in a few terms of the layout:
 
 * ``fzero::grad_buckets`` (stages 1-2): the ``MAX_IN_FLIGHT + 1`` largest buckets in the compute dtype, ``[R,
   padded]`` each (two reductions under way, one bucket filling);
@@ -13,8 +11,8 @@ layout:
   declared ``reduce_scatter_buffers``/``all_reduce_buffers`` times their input;
 * ``fzero::gather`` (stage 3): the root and the three largest units gathered at once.
 
-Not counted: activations, a deferred accumulation's whole gradients. ``tests/test_memory_census.py`` holds these
-within 10 % of what :class:`fzero.testing.Census` measures.
+Not counted: activations, a deferred accumulation's whole gradients. ``tests/test_memory_census.py`` holds these within
+10 % of what :class:`fzero.testing.Census` measures.
 
 Imports: buckets, comm, layout, optim, precision, scopes, sharding.
 """

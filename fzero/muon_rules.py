@@ -1,12 +1,10 @@
 """Muon on flat shards: ``torch.optim.Muon`` for the matrices, ``torch.optim.AdamW`` for the rest, each matrix
-orthogonalized once in the world.
-
-Group 0 is Muon's (the matrices the ``matrices`` predicate picks), group 1 AdamW's, further groups the user's
-Muon groups. Momentum (and AdamW's moments) are sharded moments updated piece by piece. A matrix's Newton-Schulz
-input needs the whole matrix: an ``all_gather`` of the Muon shards in bfloat16 (exact: torch's iteration rounds
-its input to bfloat16), each matrix's owner (:func:`muon_owners`) orthogonalizes it, a ``reduce_scatter(sum)``
-of a buffer only owners wrote brings each rank its shard of every result, and each rank applies torch's
-decoupled weight decay and ``-adjusted_lr * O`` to its pieces. Eager only.
+orthogonalized once in the world. Group 0 is Muon's (the matrices the ``matrices`` predicate picks), group 1 AdamW's,
+further groups the user's Muon groups. Momentum (and AdamW's moments) are sharded moments updated piece by piece. A
+matrix's Newton-Schulz input needs the whole matrix: an ``all_gather`` of the Muon shards in bfloat16 (exact: torch's
+iteration rounds its input to bfloat16), each matrix's owner (:func:`muon_owners`) orthogonalizes it, a
+``reduce_scatter(sum)`` of a buffer only owners wrote brings each rank its shard of every result, and each rank
+applies torch's decoupled weight decay and ``-adjusted_lr * O`` to its pieces. Eager only.
 
 Imports: optim, torch_optim_rules, layout, comm.
 """
@@ -43,8 +41,7 @@ def newton_schulz(matrix: torch.Tensor, coefficients: tuple[float, float, float]
     return torch_muon._zeropower_via_newtonschulz(matrix, coefficients, steps, eps)
 
 
-def hidden_matrices(module: torch.nn.Module, exclude: Sequence[str] = ("embed", "lm_head", "wte", "wpe")
-                    ) -> Predicate:
+def hidden_matrices(module: torch.nn.Module, exclude: Sequence[str] = ("embed", "lm_head", "wte", "wpe")) -> Predicate:
     """Path predicate of Muon's usual parameters: ``module``'s 2-D parameters whose path contains none of
     ``exclude`` (embeddings and the head go to AdamW; the defaults are transformers' Llama and GPT-2 names)."""
     names = frozenset(n for n, p in module.named_parameters()

@@ -1,10 +1,8 @@
-"""The mixed-precision policy (after FSDP2's ``MixedPrecisionPolicy``).
-
-Three dtypes meet in a step: the *master* copy the optimizer updates (float32; float64 for float64
-parameters), the *compute* dtype parameters are gathered and run in (``param_dtype``), and the
-dtype gradients are reduced in (``reduce_dtype``). Parameters of ``keep_dtype`` module classes
-(BatchNorm by default) compute in their own dtype, as FSDP1 and autocast keep BatchNorm in float32:
-torch's ``batch_norm`` rejects 16-bit weights with float32 running statistics.
+"""The mixed-precision policy (after FSDP2's ``MixedPrecisionPolicy``). Three dtypes meet in a step: the *master* copy
+the optimizer updates (float32; float64 for float64 parameters), the *compute* dtype parameters are gathered and run in
+(``param_dtype``), and the dtype gradients are reduced in (``reduce_dtype``); frozen parameters are held in
+``frozen_dtype``. Parameters of ``keep_dtype`` module classes (BatchNorm by default) compute in their own dtype, as
+FSDP1 and autocast keep BatchNorm in float32: torch's ``batch_norm`` rejects 16-bit weights with float32 statistics.
 
 Imports: layout.
 """
@@ -33,7 +31,8 @@ class MixedPrecision:
     ``frozen_dtype``: the dtype frozen parameters are held in (None: their own; ``keep_dtype`` ones keep theirs),
     rounded to it once at init; a module's frozen parameters then hold the state's copy. Meant equal to ``param_dtype``:
     held once as they compute, no cast per step (bf16: half fp32's bytes, as QLoRA-style fine-tuning holds its base);
-    with another compute dtype each step casts them all at its start. ``TypeError`` for a non-floating dtype or a ``keep_dtype`` that is not a tuple of classes."""
+    another compute dtype casts them all at each step's start. ``TypeError``: a non-floating dtype, or ``keep_dtype``
+    not a tuple of classes."""
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None

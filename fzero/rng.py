@@ -1,12 +1,11 @@
-"""Randomness as state: one generator state per rank, derived from one user seed.
-
-``init_train_state(..., seed=s)`` gives rank ``r`` the state of ``torch.Generator().manual_seed(rank_seed(s, r))`` on
-the parameters' device, carried in ``TrainState.rng`` as ``[R, n]`` uint8. Eagerly the step installs rank ``r``'s
-state in the device's default generator for that rank's forward and backward (dropout, checkpointing's recompute),
-keeps the state it leaves and restores the caller's: a rank's masks depend only on ``(s, r)`` and the draws before
-them, in a simulated world, on real ranks and in plain torch seeded with ``rank_seed(s, r)``. Dynamo cannot trace
-``set_rng_state``, so a compiled step installs row 0's state around the compiled call: exact on a real rank (inductor
-draws its own masks from it); in a compiled simulated world every rank draws from that one stream (fzero warns).
+"""Randomness as state: one generator state per rank, derived from one user seed. ``init_train_state(..., seed=s)``
+gives rank ``r`` the state of ``torch.Generator().manual_seed(rank_seed(s, r))`` on the parameters' device, carried in
+``TrainState.rng`` as ``[R, n]`` uint8. Eagerly the step installs rank ``r``'s state in the device's default generator
+for that rank's forward and backward (dropout, checkpointing's recompute), keeps the state it leaves and restores the
+caller's: a rank's masks depend only on ``(s, r)`` and the draws before them, in a simulated world, on real ranks and
+in plain torch seeded with ``rank_seed(s, r)``. Dynamo cannot trace ``set_rng_state``, so a compiled step installs row
+0's state around the compiled call: exact on a real rank (inductor draws its own masks from it); in a compiled
+simulated world every rank draws from that one stream (fzero warns).
 
 Imports: none of fzero.
 """

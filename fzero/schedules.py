@@ -78,8 +78,7 @@ def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
     return schedule
 
 
-def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, final: float = 0.0,
-                  start: float = 0.0) -> Schedule:
+def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, final: float = 0.0, start: float = 0.0) -> Schedule:
     """Linear warm-up to ``peak`` over ``warmup_steps``, then cosine decay to ``final`` at ``total_steps``."""
     if not 0 <= warmup_steps < total_steps:
         raise ValueError(f"warmup_cosine: need 0 <= warmup_steps < total_steps, got {warmup_steps}, {total_steps}")

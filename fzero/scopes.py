@@ -1,16 +1,11 @@
-"""Profiler scopes that name the buffers a step allocates for itself.
-
-An eager step allocates its transient buffers inside ``torch.profiler.record_function`` scopes named here, so a memory
-census (:class:`fzero.testing.census.Census`, or any profiler trace with ``profile_memory=True``) tells them from
-activations and autograd's gradients, and checks :func:`fzero.memory.memory_report`'s prediction of them:
-
-``fzero::grad_buckets``: stages 1-2, the bucket buffers gradients are copied into during backward.
-``fzero::grad_reduction``: the gradient collectives' buffers (averaged shards, receive buffers, stacked rows).
-``fzero::gather``: stage 3, the parameters gathered for a unit's forward and backward (what is sent, received and
-copied into each flat group's buffer, prefetches included).
-``fzero::update``: after backward, norm, unscale and clip, the optimizer step and stages 1-2's parameter all-gather.
-
-A traced step enters none (a compiled graph's allocations are its own).
+"""Profiler scopes that name the buffers a step allocates for itself: an eager step allocates its transient buffers
+inside ``torch.profiler.record_function`` scopes named here, so a memory census (:class:`fzero.testing.census.Census`,
+or any trace with ``profile_memory=True``) tells them from activations and autograd's gradients and checks
+:func:`fzero.memory.memory_report`'s prediction. ``fzero::grad_buckets`` (stages 1-2): the buckets gradients are
+copied into in backward; ``fzero::grad_reduction``: the gradient collectives' buffers (averaged shards, receive
+buffers, stacked rows); ``fzero::gather`` (stage 3): what is sent, received and copied to gather a unit's parameters
+for its forward and backward, prefetches included; ``fzero::update``: norm, unscale, clip, the optimizer step and
+stages 1-2's parameter all-gather. A traced step enters none (a compiled graph's allocations are its own).
 
 Imports: none of fzero.
 """

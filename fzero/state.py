@@ -1,10 +1,8 @@
-"""The training state and how it is built: :class:`TrainState`, :func:`init_train_state`.
-
-A :class:`TrainState` is everything a step carries to the next: this process's shards and master
-copy, the optimizer state, the loss scale, the gathered parameters (stages 1-2), the module's
-buffers and each local rank's generator state. Building it hands the module's parameters to the
-state (:func:`fzero.module.hand_over_parameters`); a donating step consumes the state it is given
-(:func:`consume`, :func:`ensure_live`). :mod:`fzero.step` imports this module, never the reverse.
+"""The training state and how it is built: :class:`TrainState`, :func:`init_train_state`. A :class:`TrainState` is
+everything a step carries to the next: this process's shards and master copy, the optimizer state, the loss scale, the
+gathered parameters (stages 1-2), the module's buffers and each local rank's generator state. Building it hands the
+module's parameters to the state (:func:`fzero.module.hand_over_parameters`); a donating step consumes the state it is
+given (:func:`consume`, :func:`ensure_live`). :mod:`fzero.step` imports this module, never the reverse.
 
 Imports: buckets, comm, materialize, module, optim, precision, pytree, rng, scaler, sharding.
 """

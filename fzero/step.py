@@ -1,10 +1,9 @@
-"""The training step: :func:`make_train_step`, fzero's public pieces composed, and its wrappers.
-
-:func:`train_step` is the composition, as ``examples/compose_by_hand.py`` writes it out: per micro-batch
-:func:`fzero.loss_grads` (the loss :func:`fzero.scale`-d, each bucket handed to
-:func:`fzero.reduce_scatter_grads` as backward completes it), then :func:`fzero.unscale_and_check`,
-:func:`fzero.shard_step`, :func:`fzero.all_gather_params`, :func:`fzero.update_scale`. Its wrappers change
-no numbers: :func:`fzero.compiled.bind_step`, :func:`checking_replicas`, :func:`donating`, :func:`naming_step`.
+"""The training step: :func:`make_train_step`, fzero's public pieces composed, and its wrappers. :func:`train_step` is
+the composition, as ``examples/compose_by_hand.py`` writes it out: per micro-batch :func:`fzero.loss_grads` (the loss
+:func:`fzero.scale`-d, each bucket handed to :func:`fzero.reduce_scatter_grads` as backward completes it), then
+:func:`fzero.unscale_and_check`, :func:`fzero.shard_step`, :func:`fzero.all_gather_params`,
+:func:`fzero.update_scale`. Its wrappers change no numbers: :func:`fzero.compiled.bind_step`,
+:func:`checking_replicas`, :func:`donating`, :func:`naming_step`.
 
 Imports: comm, compiled, grads, module, replicas, scaler, schedules, sharding, state.
 """

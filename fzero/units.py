@@ -1,11 +1,10 @@
-"""ZeRO stage 3 for any ``nn.Module``: shard units chosen by a wrap policy, no recomputed forward.
-
-A wrap policy (module classes, a predicate on ``(name, module)``, or :func:`default_units`) picks submodules as shard
-units, as FSDP2 applies ``fully_shard`` per block: unit ``i`` is bucket ``i + 1``; the root (bucket 0) holds every
-parameter no unit claims and every tied one. Units may not nest. :func:`unit_grads` gathers a unit (prefetched) for
-its forward and again for its backward, and reduces it once backward completes it: at most the root and two units are
-gathered at once, and each forward runs once (stage 3 equals stage 2 bitwise). All ranks must call the same units in
-the same order (:class:`UnitCallError`). :class:`CompiledUnits` regathers by selective recomputation.
+"""ZeRO stage 3 for any ``nn.Module``: shard units chosen by a wrap policy, no recomputed forward. A wrap policy
+(module classes, a predicate on ``(name, module)``, or :func:`default_units`) picks submodules as shard units, as FSDP2
+applies ``fully_shard`` per block: unit ``i`` is bucket ``i + 1``; the root (bucket 0) holds every parameter no unit
+claims and every tied one. Units may not nest. :func:`unit_grads` gathers a unit (prefetched) for its forward and
+again for its backward, and reduces it once backward completes it: at most the root and two units are gathered at
+once, and each forward runs once (stage 3 equals stage 2 bitwise). All ranks must call the same units in the same
+order (:class:`UnitCallError`). :class:`CompiledUnits` regathers by selective recomputation.
 
 Imports: buckets, comm, layout, module, rng, sharding, state.
 """
@@ -531,8 +530,7 @@ class CompiledUnits:
             run = self.run
             if run is None:  # not inside the step (a forward of the module by the user)
                 return own(*args, **kwargs)
-            return checkpoint(run.unit, bucket, own, *args, use_reentrant=False,
-                              context_fn=_regather_context, **kwargs)
+            return checkpoint(run.unit, bucket, own, *args, use_reentrant=False, context_fn=_regather_context, **kwargs)
         return forward
 
     @contextlib.contextmanager

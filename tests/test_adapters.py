@@ -285,3 +285,38 @@ def test_exported_model_and_adapters_load_in_peft(stage):
     for name, p in ref.named_parameters():
         got = dict(fresh.named_parameters())[name]
         assert max_rel_err(got.double(), p.detach().double()) <= 1e-10, name
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_without_the_frozen_base_resumes_bitwise_from_the_pretrained_source(tmp_path, stage):
+    """``save_checkpoint(frozen=False)`` writes the adapters' state and only a CRC-32 of each frozen parameter;
+    a template built again from the pretrained model resumes bitwise; one built from other weights is refused,
+    naming the parameter; consolidating such a checkpoint says why it cannot."""
+    data = um.token_batches(4, 4)
+    comm = fzero.SimulatedWorld(2)
+
+    def fresh(seed=0):
+        model = um.lora("llama", seed=seed)
+        return (fzero.init_train_state(model, _fzero_adamw(), comm, stage=stage),
+                fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), comm))
+
+    state, step = fresh()
+    state, _ = run_steps(step, state, comm, data[:2])
+    whole_dir = fzero.save_checkpoint(state, tmp_path / "whole", comm)
+    lean_dir = fzero.save_checkpoint(state, tmp_path / "lean", comm, frozen=False)
+    size = lambda d: sum(f.stat().st_size for f in d.iterdir())  # noqa: E731
+    assert size(whole_dir) - size(lean_dir) >= 0.9 * _frozen_bytes(state)  # the base's bytes are not written
+    whole, _ = run_steps(step, state, comm, data[2:])
+
+    template, step = fresh()
+    resumed, _ = fzero.load_checkpoint(tmp_path / "lean", template, comm)
+    resumed, _ = run_steps(step, resumed, comm, data[2:])
+    assert all(torch.equal(a, b) for a, b in zip(whole.shard.master, resumed.shard.master))
+    assert all(torch.equal(a, b) for a, b in zip(whole.shard.frozen, resumed.shard.frozen))
+
+    other, _ = fresh(seed=1)  # another base: its frozen values differ
+    with pytest.raises(fzero.checkpoint.CheckpointMismatchError, match=r"frozen parameter '.*', left out of the "
+                                                                         r"checkpoint.*template's"):
+        fzero.load_checkpoint(tmp_path / "lean", other, comm)
+    with pytest.raises(fzero.checkpoint.CheckpointError, match=r"left its frozen parameters out"):
+        fzero.checkpoint.consolidate_model_state_dict(tmp_path / "lean")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -28,8 +29,10 @@ from .planners import _Pieces, dcp_load
 from .publish import LATEST, _read_latest
 
 FORMAT = "fzero-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the frozen parameters may be left out (FROZEN_LEFT_OUT)
 MANIFEST_KEY = "fzero/manifest"
+FROZEN_PREFIX = "fzero/frozen/"
+FROZEN_LEFT_OUT = "frozen_left_out"  # the manifest's {path: "dtype:crc32"} of frozen parameters not saved
 
 PathLike = Union[str, os.PathLike]
 
@@ -40,7 +43,7 @@ def _manifest(state: TrainState, comm: Communicator) -> dict[str, Any]:
     lay, opt, sc, prec = state.layout, state.opt.optimizer, state.scaler, state.precision
     manifest = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": 1,  # VERSION only where the frozen parameters are left out (save_checkpoint)
         "params": [[s.path, list(s.shape), str(s.dtype), lay.groups[s.group].opt_group if s.group >= 0 else -1]
                    for s in lay.slots],
         "optimizer": {
@@ -65,6 +68,12 @@ def _manifest(state: TrainState, comm: Communicator) -> dict[str, Any]:
         "saved_stage": "3" if not len(state.params) else "1 or 2",
     }
     return json.loads(json.dumps(manifest))  # tuples become lists, as they are read back
+
+
+def frozen_crcs(state: TrainState) -> dict[str, str]:
+    """``{path: "dtype:crc32"}`` of each frozen parameter's bytes: what a checkpoint that leaves them out keeps."""
+    return {s.path: f"{f.dtype}:{zlib.crc32(f.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()):08x}"
+            for s, f in zip(state.layout.frozen_slots, state.shard.frozen)}
 
 
 def persistent_buffers(state: TrainState) -> list[tuple[str, torch.Tensor]]:

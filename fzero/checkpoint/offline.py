@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..module import ModuleSpec
 from ..optim import vector_spans
 from .checksums import CHECKSUMS_FILE, CheckedDir, verify_checkpoint_dir
-from .errors import IncompleteCheckpointError, corrupt
-from .manifest import PathLike, _read_manifest, checked_metadata
+from .errors import CheckpointError, IncompleteCheckpointError, corrupt
+from .manifest import FROZEN_LEFT_OUT, PathLike, _read_manifest, checked_metadata
 from .metadata import DTYPES
 from .planners import dcp_load
 from .saveload import _HYPER_PREFIX, BUFFER_PREFIX, EXTRA_PREFIX, MISSED_KEY, SCALAR_PREFIX, VECTOR_PREFIX
@@ -111,6 +111,9 @@ def consolidate_model_state_dict(path: PathLike) -> dict[str, torch.Tensor]:
 
 
 def _model(checked: CheckedDir, man: dict[str, Any]) -> dict[str, torch.Tensor]:
+    if FROZEN_LEFT_OUT in man:
+        raise CheckpointError(f"checkpoint {checked.dir} left its frozen parameters out (save_checkpoint(frozen="
+                              "False)): no whole model; load it into a state built from its weights, and export that")
     params = man["params"]
     module = man.get("module", {})
     buffers = module.get("buffers", [])
@@ -170,8 +173,7 @@ def _optim(checked: CheckedDir, man: dict[str, Any]) -> dict[str, Any]:
             for i, (a, b) in zip(trainable, span):
                 if b > a:
                     per_slot_vectors.setdefault(i, {})[name] = read[f"{VECTOR_PREFIX}{name}"][a:b]
-    return torch_optim_dict(rule, order, step, hyper, moments, own, scalars, shapes=shapes,
-                            vectors=per_slot_vectors)
+    return torch_optim_dict(rule, order, step, hyper, moments, own, scalars, shapes=shapes, vectors=per_slot_vectors)
 
 
 def consolidate_checkpoint(path: PathLike, out: PathLike, *, optim: Optional[PathLike] = None) -> Path:

@@ -1,11 +1,10 @@
-"""DCP planners for fzero's flat state dicts, and the calls into DCP.
-
-DTensor describes only even shards and ``ShardedTensor`` needs a process group, so each parameter goes to
-DCP as a :class:`_Pieces` (``(offset, 1-D view)`` pieces of one global tensor in DCP's checkpointable
-protocol); DCP's planning, validation and resharding reads do the rest. The files are the same on a process group and
-on the simulated world (``no_dist=True``). :func:`dcp_save` and :func:`dcp_load` convert every failure (DCP's
-``CheckpointException`` is a ``BaseException``) but ``KeyboardInterrupt``/``SystemExit`` to a
-:class:`CheckpointError` naming the directory (reading: the entry and data file); fzero's own pass through.
+"""DCP planners for fzero's flat state dicts, and the calls into DCP. DTensor describes only even shards and
+``ShardedTensor`` needs a process group, so each parameter goes to DCP as a :class:`_Pieces` (``(offset, 1-D view)``
+pieces of one global tensor in DCP's checkpointable protocol); DCP's planning, validation and resharding reads do the
+rest. The files are the same on a process group and on the simulated world (``no_dist=True``). :func:`dcp_save` and
+:func:`dcp_load` convert every failure (DCP's ``CheckpointException`` is a ``BaseException``) but
+``KeyboardInterrupt``/``SystemExit`` to a :class:`CheckpointError` naming the directory (reading: the entry and data
+file); fzero's own pass through.
 
 Imports: layout, checksums, errors, metadata.
 """

@@ -25,7 +25,8 @@ from ..sharding import all_gather_params, check_world
 from ..state import TrainState, consume, ensure_live
 from .checksums import CheckedDir
 from .errors import CheckpointMismatchError
-from .manifest import MANIFEST_KEY, PathLike, _check_entries, _manifest, _manifest_difference, _read_manifest, \
+from .manifest import FROZEN_LEFT_OUT, FROZEN_PREFIX, MANIFEST_KEY, PathLike, _check_entries, _manifest, \
+    _manifest_difference, _read_manifest, frozen_crcs, VERSION, \
     checked_metadata, persistent_buffers
 from .planners import _param_pieces, _Pieces, dcp_load, dcp_save
 from .publish import _TMP_PREFIX, LATEST, _check_name, _on_coordinator, _prepare_tmp, _process_group, _publish, \
@@ -141,14 +142,14 @@ def _replicated(state: TrainState) -> dict[str, torch.Tensor]:
     sd.update({"fzero/scaler/scale": sc.scale, "fzero/scaler/growth_tracker": sc.growth_tracker,
                "fzero/scaler/hysteresis_left": sc.hysteresis_left})
     for s, f in zip(state.layout.frozen_slots, state.shard.frozen):
-        sd[f"fzero/frozen/{s.path}"] = f
+        sd[f"{FROZEN_PREFIX}{s.path}"] = f
     for name, b in persistent_buffers(state):
         sd[f"{BUFFER_PREFIX}{name}"] = b[0]  # rank 0's (DCP writes a replicated key once)
     return sd
 
 
 def save_checkpoint(state: TrainState, root: PathLike, comm: Communicator, *, name: Optional[str] = None,
-                    extra: Optional[Mapping[str, Any]] = None) -> Path:
+                    extra: Optional[Mapping[str, Any]] = None, frozen: bool = True) -> Path:
     """Save ``state`` (and ``extra``) as ``root/name`` and point ``root/LATEST`` at it; returns the directory.
 
     Every rank calls it. Each rank writes only what its shards hold of each parameter's master and moments (never
@@ -156,7 +157,9 @@ def save_checkpoint(state: TrainState, root: PathLike, comm: Communicator, *, na
     defaults to ``step-{opt.step:08d}``. ``extra``: a nested dict (string keys without ``/``) of tensors, python
     scalars, strings, None and lists/tuples/dicts of them, taken as replicated. Every record gets a CRC-32
     (:mod:`.checksums`). Atomic: written to ``root/.tmp-{name}``, renamed once every rank has finished, then ``LATEST``
-    replaced. Saving over the checkpoint ``LATEST`` names raises ``FileExistsError``. Collectives (on a process group):
+    replaced. Saving over the checkpoint ``LATEST`` names raises ``FileExistsError``. ``frozen=False``: the frozen
+    parameters are left out (the user keeps them, e.g. as pretrained weights), only their CRC-32s written; loading
+    then takes them from the template and checks them against those. Collectives (on a process group):
     DCP's save (a gather and scatter of plans, a gather of write results), one barrier, two ``broadcast_object_list`` of
     the coordinator's outcome."""
     ensure_live(state)
@@ -171,9 +174,12 @@ def save_checkpoint(state: TrainState, root: PathLike, comm: Communicator, *, na
         raise FileExistsError(f"{root / name} is the latest checkpoint ({root / LATEST}); saving over it would leave "
                               "no complete checkpoint while it is rewritten: choose another name")
     tmp = root / f"{_TMP_PREFIX}{name}"
-    state_dict: dict[str, Any] = {MANIFEST_KEY: json.dumps(_manifest(state, comm), sort_keys=True)}
+    manifest = _manifest(state, comm)
+    if not frozen:
+        manifest.update({"version": VERSION, FROZEN_LEFT_OUT: frozen_crcs(state)})
+    state_dict: dict[str, Any] = {MANIFEST_KEY: json.dumps(manifest, sort_keys=True)}
     state_dict.update(_sharded(state, comm, state.shard.master, state.opt.moments))
-    state_dict.update(_replicated(state))
+    state_dict.update({k: v for k, v in _replicated(state).items() if frozen or not k.startswith(FROZEN_PREFIX)})
     if state.rng:
         state_dict.update({f"{RNG_PREFIX}{r}": state.rng[0][i] for i, r in enumerate(comm.ranks)})
     if extra:
@@ -216,10 +222,11 @@ def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *,
     ensure_live(template)
     check_world(template.shard, comm)
     pg = _process_group(comm)
-    checked = _validated(path, template, comm)
+    checked, left_out = _validated(path, template, comm)
     d, metadata = checked.dir, checked.metadata
     saved = metadata.state_dict_metadata
-    replicated = {k: torch.empty_like(v) for k, v in _replicated(template).items()}
+    replicated = {k: torch.empty_like(v) for k, v in _replicated(template).items()
+                  if left_out is None or not k.startswith(FROZEN_PREFIX)}
     if hyperparams == "template":
         replicated = {k: v for k, v in replicated.items() if not k.startswith(_HYPER_PREFIX)}
     no_missed: dict[str, torch.Tensor] = {}
@@ -228,8 +235,7 @@ def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *,
     no_calls = CALLS_KEY in replicated and CALLS_KEY not in saved  # saved before the state counted its calls
     if no_calls:
         replicated.pop(CALLS_KEY)
-    _check_entries(d, metadata, {**_sharded(template, comm, template.shard.master, template.opt.moments),
-                                 **replicated})
+    _check_entries(d, metadata, {**_sharded(template, comm, template.shard.master, template.opt.moments), **replicated})
     # zeros: the padding the new layout adds must be zero (update rules keep it so)
     masters = tuple(m.zero_() if donate else torch.zeros_like(m) for m in template.shard.master)
     moments = tuple(tuple(m.zero_() if donate else torch.zeros_like(m) for m in ms) for ms in template.opt.moments)
@@ -241,6 +247,8 @@ def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *,
     if hyperparams == "template":
         replicated.update({k: v.clone() for k, v in _replicated(template).items() if k.startswith(_HYPER_PREFIX)})
     replicated.update(no_missed)
+    if left_out is not None:  # the template's own, checked against the saved CRC-32s in _validated
+        replicated.update(zip([FROZEN_PREFIX + s.path for s in template.layout.frozen_slots], template.shard.frozen))
     if no_calls:  # the applied steps are the best count known
         replicated[CALLS_KEY] = replicated["fzero/step"].to("cpu", torch.int64).clone()
     # donating, the parameters are regathered into the template's own buffers: nothing of their size allocated
@@ -253,14 +261,22 @@ def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *,
     return state, _unflatten_extra({k: sd[k] for k in extra})
 
 
-def _validated(path: PathLike, template: TrainState, comm: Communicator) -> CheckedDir:
-    """The checked checkpoint directory, once complete and matching ``template``."""
+def _validated(path: PathLike, template: TrainState, comm: Communicator) -> tuple[CheckedDir, Optional[dict]]:
+    """The checked checkpoint directory, once complete and matching ``template``, and the CRC-32s of the frozen
+    parameters it left out (None: it holds them), which the template's match."""
     checked = checked_metadata(path)
-    diff = _manifest_difference(_read_manifest(checked), _manifest(template, comm))
+    saved = _read_manifest(checked)
+    diff = _manifest_difference(saved, _manifest(template, comm))
+    left_out = saved.get(FROZEN_LEFT_OUT)
+    if diff is None and left_out is not None:
+        mine = frozen_crcs(template)
+        diff = next((f"frozen parameter {p!r}, left out of the checkpoint: {crc} vs the template's {mine.get(p)}; "
+                     "build the template from the weights it was saved with" for p, crc in left_out.items()
+                     if mine.get(p) != crc), None)
     if diff is not None:
         raise CheckpointMismatchError(f"checkpoint {checked.dir} does not match this training state: {diff} "
                                       "(checkpoint vs this state)")
-    return checked
+    return checked, left_out
 
 
 def _assemble(template: TrainState, comm: Communicator, masters: tuple[torch.Tensor, ...],

@@ -112,8 +112,7 @@ class Census:
                     self._baseline.append(b)
         self._at_entry = {}
         from torch.profiler import ProfilerActivity, profile
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
-                             record_shapes=self.categories)
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=self.categories)
         self._prof.__enter__()
         self.start_ns = time.time_ns()
         return self
