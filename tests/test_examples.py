@@ -31,6 +31,13 @@ def test_train_example_fp16_dynamic_scaling():
     assert out["last_loss"] < 0.5 * out["first_loss"], out
 
 
+def test_finetune_lora_example_learns_and_resumes_without_the_base():
+    pytest.importorskip("peft")
+    out = _load("finetune_lora").main(["--comm", "sim", "--steps", "30"])
+    assert out["last_loss"] < 0.2 * out["first_loss"], out
+    assert out["resumed_bitwise"] and out["adapters"] > 0, out
+
+
 def test_compose_by_hand_example_learns():
     losses = _load("compose_by_hand").main(steps=40)
     assert losses[-1] < 0.2 * losses[0]
@@ -42,3 +49,12 @@ def test_train_example_under_torchrun_gloo():
     m = re.search(r"done: loss ([\d.]+) -> ([\d.]+)", text)
     assert m, text[-2000:]
     assert float(m.group(2)) < 0.5 * float(m.group(1)), text[-2000:]
+
+
+@pytest.mark.distributed
+def test_finetune_lora_example_under_torchrun_gloo():
+    pytest.importorskip("peft")
+    text = run_torchrun_script(2, str(EXAMPLES / "finetune_lora.py"), ["--comm", "torch", "--steps", "30"], timeout=240)
+    assert "bitwise equal to going on: True" in text, text[-2000:]
+    losses = [float(x) for x in re.findall(r"step +\d+ +loss ([\d.]+)", text)]
+    assert len(losses) >= 2 and losses[-1] < 0.2 * losses[0], text[-2000:]
