@@ -18,7 +18,7 @@ import torch
 
 from .comm import Communicator
 from .grads import LossFn, Workspace
-from .module import ModuleLoss, check_trainable
+from .module import ModuleLoss
 from .optim import OptState, check_compilable
 from .rng import rank_rng
 from .state import TrainState
@@ -108,7 +108,7 @@ def bind_step(step: ComposedStep, loss_fn: LossFn, comm: Communicator, *, accum_
         if check is not None:
             check(state, batch)
         if isinstance(loss_fn, ModuleLoss):
-            check_trainable(loss_fn.module, state.module)
+            loss_fn.check_trainable(state.module)
         check_compilable(state.opt.optimizer)
         units = workspace.regather(comm) if state.stage == 3 else None
         compiled, patches = compiled_for(units is not None)

@@ -21,7 +21,7 @@ import torch.utils._pytree as tp
 from .buckets import BucketReduction, BucketWatcher, BufferPool, Runner, buckets_of
 from .comm import Communicator
 from .layout import FlatGrads, compute_dtype, flatten_one, group_views, stack_rows
-from .module import ModuleLoss, broadcast_buffers as broadcast_module_buffers, check_loss, check_trainable, row_of
+from .module import ModuleLoss, broadcast_buffers as broadcast_module_buffers, check_loss, row_of
 from .rng import rank_rng
 from .sharding import all_gather_params
 from .state import TrainState
@@ -113,7 +113,7 @@ def loss_grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicato
     ``broadcast_buffers`` (DDP's default): every rank's forward starts from rank 0's module buffers (one ``broadcast``
     per buffer dtype); otherwise from its own."""
     if isinstance(loss_fn, ModuleLoss) and not comm.traced:  # traced: checked on the host (fzero.compiled)
-        check_trainable(loss_fn.module, state.module)
+        loss_fn.check_trainable(state.module)
     if broadcast_buffers and state.buffers:
         state = state.replace(buffers=broadcast_module_buffers(state.buffers, comm))
     # a graph's collectives are the graph's; eagerly, every one handed to the runner has run when it ends

@@ -21,8 +21,7 @@ from .comm import Communicator
 from .layout import FlatGroup, Layout, group_views
 
 __all__ = ["ModuleSpec", "module_spec", "init_buffers", "broadcast_buffers", "ModuleLoss", "module_loss",
-           "model_output", "check_loss", "check_trainable", "row_of", "hand_over_parameters", "hand_over_frozen",
-           "release_parameters",
+           "model_output", "check_loss", "row_of", "hand_over_parameters", "hand_over_frozen", "release_parameters",
            "restore_parameters", "check_materialized", "UnitPolicy", "select_units", "default_units", "unit_buckets"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -68,20 +67,6 @@ def module_spec(module: torch.nn.Module) -> ModuleSpec:
     return ModuleSpec(buffers=tuple(buffers), persistent=tuple(n not in skip for n in buffers), aliases=tuple(aliases),
                       state_dict_keys=tuple(module.state_dict(keep_vars=True).keys()),
                       requires_grad=tuple(p.requires_grad for p in module.parameters()))
-
-
-def check_trainable(module: torch.nn.Module, spec: ModuleSpec) -> None:
-    """Raise ``ValueError`` naming the parameters whose ``requires_grad`` changed since the state was built
-    (``spec.requires_grad``): the trainable set is fixed then (layout, masters, moments); a change would be ignored."""
-    flags = tuple(p.requires_grad for p in module.parameters())
-    if flags == spec.requires_grad or len(flags) != len(spec.requires_grad):  # another module: the layout's checks
-        return
-    changed = [f"{n!r} ({'now' if p.requires_grad else 'no longer'} requires grad)"
-               for (n, p), was in zip(module.named_parameters(), spec.requires_grad) if p.requires_grad != was]
-    more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
-    raise ValueError(f"parameters changed requires_grad after init_train_state: {', '.join(changed[:3])}{more}; a "
-                     "state trains the parameters it was built with: fzero.write_back(state, comm, model), set "
-                     "requires_grad, then a new state (fzero.init_train_state) and step (optimizer moments afresh)")
 
 
 def init_buffers(module: torch.nn.Module, spec: ModuleSpec, rows: int) -> tuple[torch.Tensor, ...]:
@@ -151,12 +136,26 @@ class ModuleLoss:
                              "(criterion(output, target)), or leave output='logits' for the model's own loss")
         self.module, self.criterion, self.output = module, criterion, output
         self._param_names = [n for n, _ in module.named_parameters()]
+        self._params = tuple(module.parameters())  # fzero swaps their contents, never the objects
         forward = inspect.signature(module.forward).parameters.values()  # _accepted: its keywords (None: **kwargs)
         self._accepted = (None if any(p.kind == p.VAR_KEYWORD for p in forward)
                           else {p.name for p in forward if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)})
         canonical = _canonical(module)  # _slots: (table, attribute, canonical name) of every registration
         self._slots = tuple((table, attr, canonical[id(t)]) for _, m in module.named_modules(remove_duplicate=False)
                             for table in (m._parameters, m._buffers) for attr, t in table.items() if t is not None)
+
+    def check_trainable(self, spec: ModuleSpec) -> None:
+        """Raise ``ValueError`` naming the parameters whose ``requires_grad`` changed since the state was built (the
+        trainable set is fixed then: layout, masters, moments); a flag read each, no module walk (every micro-batch)."""
+        flags = tuple(p.requires_grad for p in self._params)
+        if flags == spec.requires_grad or len(flags) != len(spec.requires_grad):  # another module: the layout's checks
+            return
+        changed = [f"{n!r} ({'now' if now else 'no longer'} requires grad)"
+                   for n, now, was in zip(self._param_names, flags, spec.requires_grad) if now != was]
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        raise ValueError(f"parameters changed requires_grad after init_train_state: {', '.join(changed[:3])}{more}; "
+                         "a state trains the parameters it was built with: fzero.write_back(state, comm, model), set "
+                         "requires_grad, then a new state (fzero.init_train_state) and step (optimizer moments afresh)")
 
     def bound(self, tensors: Mapping[str, torch.Tensor], traced: bool = False) -> Any:
         """A context in which the module's parameters and buffers are ``tensors`` (tied names follow the canonical
@@ -269,12 +268,13 @@ def hand_over_parameters(module: torch.nn.Module, layout: Layout, gathered: Sequ
 
 def hand_over_frozen(module: Any, layout: Layout, frozen: list[torch.Tensor],
                      dtype_of: Callable[[Any], torch.dtype]) -> tuple[torch.Tensor, ...]:
-    """The frozen parameters ``frozen`` (layout order; the list is emptied) each cast to ``dtype_of(slot)``, and a
-    module's (not a pytree's) made to hold the cast copy, one at a time: the original is freed as it is cast."""
+    """The frozen parameters ``frozen`` (layout order) each cast to ``dtype_of(slot)``, and a module's (not a pytree's)
+    made to hold the cast copy, one at a time: each entry is dropped, so the original is freed as it is cast."""
     named = dict(module.named_parameters()) if isinstance(module, torch.nn.Module) else {}  # a pytree's: copies
     out = []
-    for s in layout.frozen_slots:
-        out.append(frozen.pop(0).detach().to(dtype_of(s)))
+    for i, s in enumerate(layout.frozen_slots):
+        out.append(frozen[i].detach().to(dtype_of(s)))
+        frozen[i] = out[-1]  # the original freed as it is cast (once the module holds the copy too)
         if s.path in named and not named[s.path].is_meta:
             named[s.path].data = out[-1]
     return tuple(out)
