@@ -23,7 +23,7 @@ from .comm import Communicator
 from .layout import FlatGrads, compute_dtype, flatten_one, group_views, stack_rows
 from .module import ModuleLoss, broadcast_buffers as broadcast_module_buffers, check_loss, row_of
 from .rng import rank_rng
-from .sharding import all_gather_params
+from .sharding import all_gather_params, frozen_params
 from .state import TrainState
 from .units import CompiledUnits, compiled_unit_grads, unit_grads
 
@@ -165,7 +165,7 @@ def _rank_grads(loss_fn: LossFn, state: TrainState, params: Sequence[torch.Tenso
     lay, traced, dtype, device = state.layout, comm.traced, state.precision.param_dtype, params[0].device
     names, train_slots = state.module.buffers, lay.trainable_slots
     swap_rng = bool(state.rng) and not traced
-    frozen = {s.path: f.to(compute_dtype(s, dtype)) for s, f in zip(lay.frozen_slots, state.shard.frozen)}
+    frozen = {s.path: f.to(compute_dtype(s, dtype)) for s, f in zip(lay.frozen_slots, frozen_params(state.shard, comm))}
     flat: list[list[torch.Tensor]] = [[] for _ in lay.groups]
     losses, new_rng, used = [], [], []
     new_buffers: list[list[torch.Tensor]] = [[] for _ in names]

@@ -1,6 +1,7 @@
 """The flat parameter layout: trainable parameters packed, in tree order, into one flat buffer per *flat group*
 (parameters sharing a bucket, optimizer group, dtype and ``keep_dtype``), zero-padded to split into ``world_size``
-equal shards (rank ``r`` owns the ``r``-th), each a multiple of ``alignment`` long; frozen parameters stay out.
+equal shards (rank ``r`` owns the ``r``-th), each a multiple of ``alignment`` long; frozen parameters stay whole, or
+(stage 3: ``shard_frozen``) are packed alike into *frozen groups*, per bucket, dtype and ``keep_dtype``.
 The layout is static: hashable, kept as pytree metadata of the state.
 
 Imports: none of fzero.
@@ -59,8 +60,8 @@ def named_leaves(tree: Any) -> tuple[list[tuple[str, Any]], tp.TreeSpec]:
 
 @dataclasses.dataclass(frozen=True)
 class ParamSlot:
-    """One parameter: where it lives (``group == -1``: frozen). ``bucket``: its shard unit (0: the root).
-    ``keep_dtype``: computed in its own ``dtype`` whatever the policy's ``param_dtype``."""
+    """One parameter: where it lives (``group == -1``: frozen; ``frozen_group >= 0``: a sharded frozen one's group,
+    ``offset`` in it). ``bucket``: its shard unit (0: the root). ``keep_dtype``: computed in its own ``dtype``."""
 
     path: str
     shape: tuple[int, ...]
@@ -70,12 +71,13 @@ class ParamSlot:
     numel: int
     bucket: int = 0
     keep_dtype: bool = False
+    frozen_group: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
 class FlatGroup:
     """One flat buffer: ``numel`` parameter elements, ``padded_numel = world_size * shard_numel`` with padding;
-    ``slots``: indices into :attr:`Layout.slots`, in buffer order."""
+    ``slots``: indices into :attr:`Layout.slots`, in buffer order. ``opt_group == -1``: a frozen group."""
 
     index: int
     opt_group: int
@@ -100,13 +102,15 @@ class FlatGroup:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Layout:
     """Where every parameter of a tree lives, for one world size: ``slots`` (every leaf in tree order), ``groups``
-    (the flat buffers), ``spec`` (the tree's structure). Equality and hash use :attr:`fingerprint`."""
+    (the flat buffers), ``spec`` (the tree's structure), ``frozen_groups`` (stage 3's sharded frozen parameters).
+    Equality and hash use :attr:`fingerprint`."""
 
     slots: tuple[ParamSlot, ...]
     groups: tuple[FlatGroup, ...]
     spec: tp.TreeSpec
     world_size: int
     alignment: int
+    frozen_groups: tuple[FlatGroup, ...] = ()
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -134,7 +138,8 @@ class Layout:
         """Rows ``(path, shape, dtype, keep_dtype, flat group, optimizer group, bucket)`` after a header row
         ``(world size, alignment, tree structure)``: what the fingerprint hashes."""
         head = ("world_size", self.world_size, "alignment", self.alignment, str(self.spec))
-        return (head,) + tuple((s.path, s.shape, str(s.dtype), s.keep_dtype, s.group,
+        return (head,) + tuple((s.path, s.shape, str(s.dtype), s.keep_dtype,
+                                s.group if s.frozen_group < 0 else f"frozen {s.frozen_group}",
                                 self.groups[s.group].opt_group if s.group >= 0 else -1, s.bucket) for s in self.slots)
 
     @property
@@ -156,11 +161,13 @@ class Layout:
         """A sentence naming the first thing that differs from ``other``, or None."""
         return first_difference(self.describe(), other.describe())
 
-    def with_world_size(self, world_size: int) -> "Layout":
-        """The same parameters laid out for another world size (for resharding)."""
-        unpacked = [dataclasses.replace(s, group=self.groups[s.group].opt_group if s.group >= 0 else -1)
-                    for s in self.slots]
-        return _pack(unpacked, self.spec, world_size, self.alignment)
+    def with_world_size(self, world_size: int, shard_frozen: Optional[bool] = None) -> "Layout":
+        """The same parameters laid out for another world size (for resharding); ``shard_frozen``: in frozen groups
+        (default: as here)."""
+        unpacked = [dataclasses.replace(s, group=self.groups[s.group].opt_group if s.group >= 0 else -1,
+                                        frozen_group=-1) for s in self.slots]
+        shard_frozen = bool(self.frozen_groups) if shard_frozen is None else shard_frozen
+        return _pack(unpacked, self.spec, world_size, self.alignment, shard_frozen)
 
 
 def first_difference(mine: Sequence[tuple[Any, ...]], theirs: Sequence[tuple[Any, ...]]) -> Optional[str]:
@@ -182,33 +189,39 @@ def first_difference(mine: Sequence[tuple[Any, ...]], theirs: Sequence[tuple[Any
     return "the parameter tree structure differs (same paths, other container types)" if a[4] != b[4] else None
 
 
-def _pack(slots: Iterable[ParamSlot], spec: tp.TreeSpec, world_size: int, alignment: int) -> Layout:
-    """Assign flat groups and offsets to slots whose ``group`` is an opt-group index (-1: frozen)."""
+def _pack(slots: Iterable[ParamSlot], spec: tp.TreeSpec, world_size: int, alignment: int,
+          shard_frozen: bool = False) -> Layout:
+    """Assign flat groups and offsets to slots whose ``group`` is an opt-group index (-1: frozen; ``shard_frozen``:
+    frozen ones get frozen groups)."""
     slots = list(slots)
     keys: dict[tuple[int, int, torch.dtype, bool], list[int]] = {}
     for i, s in enumerate(slots):
-        if s.group >= 0:
+        if s.group >= 0 or shard_frozen:
             keys.setdefault((s.bucket, s.group, s.dtype, s.keep_dtype), []).append(i)
-    groups = []
-    for gi, ((bucket, opt_group, dtype, keep), members) in enumerate(sorted(keys.items(), key=lambda kv: kv[0][0])):
-        offset = 0
+    groups: tuple[list[FlatGroup], list[FlatGroup]] = ([], [])
+    for (bucket, opt_group, dtype, keep), members in sorted(keys.items(), key=lambda kv: kv[0][0]):
+        out, offset = groups[opt_group < 0], 0
         for i in members:
-            slots[i] = dataclasses.replace(slots[i], group=gi, offset=offset)
+            where = {"group": len(out)} if opt_group >= 0 else {"frozen_group": len(out)}
+            slots[i] = dataclasses.replace(slots[i], offset=offset, **where)
             offset += slots[i].numel
         # ceil(offset / world_size) rounded up to a multiple of alignment (one alignment at least)
         shard = max(-(-offset // (world_size * alignment)) * alignment, alignment)
-        groups.append(FlatGroup(gi, opt_group, dtype, tuple(members), offset, shard * world_size, shard, bucket, keep))
-    return Layout(tuple(slots), tuple(groups), spec, world_size, alignment)
+        out.append(FlatGroup(len(out), opt_group, dtype, tuple(members), offset, shard * world_size, shard, bucket,
+                             keep))
+    return Layout(tuple(slots), tuple(groups[0]), spec, world_size, alignment, tuple(groups[1]))
 
 
 def build_layout(params: Any, world_size: int, *, trainable: Optional[Callable[[str], bool]] = None,
                  group_of: Optional[Callable[[str], int]] = None, bucket_of: Optional[Callable[[str], int]] = None,
-                 keep_dtype: Optional[Callable[[str], bool]] = None, alignment: int = 16) -> Layout:
+                 keep_dtype: Optional[Callable[[str], bool]] = None, alignment: int = 16,
+                 shard_frozen: bool = False) -> Layout:
     """Lay out ``params`` (an ``nn.Module`` or a pytree of tensors) for ``world_size`` ranks. ``trainable(path)``:
     which leaves the optimizer updates (default: every pytree leaf, a module's ``requires_grad`` parameters);
     ``group_of(path)``: a trainable leaf's optimizer group (default 0); ``bucket_of(path)``: its shard unit (default 0,
-    the root); ``keep_dtype(path)``: whether it keeps its own dtype for compute (default: none). ``TypeError`` names a
-    non-tensor, sparse or non-floating leaf; ``ValueError`` when nothing is trainable."""
+    the root); ``keep_dtype(path)``: whether it keeps its own dtype for compute (default: none); ``shard_frozen``:
+    frozen leaves in frozen groups (stage 3). ``TypeError`` names a non-tensor, sparse or non-floating leaf;
+    ``ValueError`` when nothing is trainable."""
     for name, value in (("world_size", world_size), ("alignment", alignment)):
         if not (isinstance(value, int) and value >= 1):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -225,7 +238,7 @@ def build_layout(params: Any, world_size: int, *, trainable: Optional[Callable[[
     if not any(s.group >= 0 for s in slots):
         raise ValueError("no trainable parameters: every parameter is frozen (requires_grad=False or excluded by "
                          "`trainable`)" if slots else "no trainable parameters: the parameter tree is empty")
-    return _pack(slots, spec, world_size, alignment)
+    return _pack(slots, spec, world_size, alignment, shard_frozen)
 
 
 def compute_dtype(x: "ParamSlot | FlatGroup", param_dtype: Optional[torch.dtype]) -> torch.dtype:

@@ -32,7 +32,8 @@ RESET = "reset_parameters"
 @dataclasses.dataclass(frozen=True)
 class Materialized:
     """``master``: per flat group ``[R, shard_numel]`` in its master dtype (zero padding); ``frozen``: the frozen
-    parameters whole, in layout order; ``buffers``: every buffer ``[R, *shape]``, in ``named_buffers`` order."""
+    parameters whole, in layout order (stage 3: per frozen group ``[R, shard_numel]``);
+    ``buffers``: every buffer ``[R, *shape]``, in ``named_buffers`` order."""
 
     master: tuple[torch.Tensor, ...]
     frozen: tuple[torch.Tensor, ...]
@@ -124,21 +125,24 @@ def agree(comm: Communicator, failure: Optional[Exception], digest: Optional[lis
 
 class ShardRows:
     """This process's master rows, filled one parameter at a time: ``rows[g]``, ``[R, shard_numel]`` in the group's
-    master dtype, zero padded; :meth:`write` copies as :func:`fzero.layout.flat_shard` does (the same bits)."""
+    master dtype, zero padded (``frozen``: stage 3's frozen group rows, in their dtype); :meth:`write` copies as
+    :func:`fzero.layout.flat_shard` does (the same bits)."""
 
     def __init__(self, layout: Layout, ranks: Sequence[int]):
         self.layout = layout
         self.ranks = tuple(ranks)
         self.rows = tuple(torch.zeros(len(self.ranks), g.shard_numel, dtype=g.master_dtype) for g in layout.groups)
+        self.frozen = tuple(torch.zeros(len(self.ranks), g.shard_numel, dtype=g.dtype) for g in layout.frozen_groups)
 
     def write(self, i: int, read: Callable[[int, int], torch.Tensor]) -> None:
         """Slot ``i``'s owned parts; ``read(start, stop)``: its flat elements ``[start, stop)`` (1-D, any float)."""
         s = self.layout.slots[i]
-        n = self.layout.groups[s.group].shard_numel
+        rows, g = (self.rows, s.group) if s.group >= 0 else (self.frozen, s.frozen_group)
+        n = rows[g].shape[1]
         for row, r in enumerate(self.ranks):
             a, b = max(r * n, s.offset), min((r + 1) * n, s.offset + s.numel)
             if a < b:
-                self.rows[s.group][row, a - r * n : b - r * n].copy_(read(a - s.offset, b - s.offset))
+                rows[g][row, a - r * n : b - r * n].copy_(read(a - s.offset, b - s.offset))
 
 
 @dataclasses.dataclass(eq=False)
@@ -322,14 +326,14 @@ def _random_init(module: torch.nn.Module, layout: Layout, ranks: Sequence[int], 
             buffers[e.name] = value.unsqueeze(0).repeat(len(rows.ranks), *([1] * value.dim()))
             return
         i = slot_of[e.name]
-        if layout.slots[i].group >= 0:
+        if layout.slots[i].group >= 0 or layout.slots[i].frozen_group >= 0:
             flat = value.reshape(-1)
             rows.write(i, lambda start, stop: flat[start:stop])
         else:  # kept whole; a tensor the init put in place of ours may be the caller's: copied
             frozen[i] = value if value.data_ptr() == e.installed.data_ptr() else value.clone()
 
     _walk(module, fn, init_name(init), units, cut, torch.device("cpu"))
-    return Materialized(rows.rows, tuple(frozen[i] for i, s in enumerate(layout.slots) if s.group < 0),
+    return Materialized(rows.rows, rows.frozen or tuple(frozen[i] for i, s in enumerate(layout.slots) if s.group < 0),
                         tuple(buffers[n] for n, _ in module.named_buffers()))
 
 

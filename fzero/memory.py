@@ -88,8 +88,9 @@ def memory_report(layout: Layout, optimizer: Optimizer, *, stage: int, precision
         raise ValueError(f"memory_report: stage must be 1, 2 or 3, got {stage!r}")
     if comm is not None:
         local_ranks = comm.local_ranks
-    if world_size is not None and world_size != layout.world_size:
-        layout = layout.with_world_size(world_size)
+    shard_frozen = stage == 3 and bool(layout.frozen_slots)  # whatever the layout was built for
+    if (world_size or layout.world_size) != layout.world_size or shard_frozen != bool(layout.frozen_groups):
+        layout = layout.with_world_size(world_size or layout.world_size, shard_frozen)
     n, k = layout.world_size, len(optimizer.moment_names)
     by_kind = dict.fromkeys(KINDS, 0.0)
     padding = 0.0
@@ -101,7 +102,11 @@ def memory_report(layout: Layout, optimizer: Optimizer, *, stage: int, precision
         for kind, (itemsize, sharded) in rows.items():
             by_kind[kind] += itemsize * (g.shard_numel if sharded else g.padded_numel)
             padding += itemsize * (g.padding / n if sharded else g.padding)
-    by_kind["frozen"] = float(sum(s.numel * _size(precision.frozen_storage(s)) for s in layout.frozen_slots))
+    for g in layout.frozen_groups:  # stage 3: sharded like the master
+        by_kind["frozen"] += _size(precision.frozen_storage(g)) * g.shard_numel
+        padding += _size(precision.frozen_storage(g)) * g.padding / n
+    by_kind["frozen"] += sum(s.numel * _size(precision.frozen_storage(s)) for s in layout.frozen_slots
+                             if s.frozen_group < 0)
     held = {kind: by_kind[kind] if kind in ("master", "moments", "frozen") or (kind == "params" and stage < 3)
             else 0.0 for kind in KINDS}
     transient = {kind: by_kind[kind] - held[kind] for kind in KINDS}
@@ -167,7 +172,9 @@ def _step_buffers(layout: Layout, precision: MixedPrecision, stage: int, rows: i
     else:
         if world == 1 and all(_size(compute(g)) == _size(reduce(g)) == _size(g.master_dtype) for g in layout.groups):
             reduction = shards = 0  # one rank's reduce-scatter is its input: autograd's own gradient
-        by = {b[0].bucket: _bytes(b, compute) for b in buckets}
+        by: dict[int, int] = {}  # per bucket, its flat and frozen groups gathered
+        for g in (*layout.groups, *layout.frozen_groups):
+            by[g.bucket] = by.get(g.bucket, 0) + _size(compute(g)) * g.padded_numel
         units = sorted((v for k, v in by.items() if k > 0), reverse=True)
         # each local rank's run gathers every row ([W, padded]) in the simulated world, one run at a time
         rank_rows = world if rows > 1 else 1
@@ -183,7 +190,7 @@ def _step_buffers(layout: Layout, precision: MixedPrecision, stage: int, rows: i
         cost_of = dict(zip([b[0].bucket for b in launches], cost))
         done, peak = 0.0, gathered
         for k in sorted((u for u in by if u > 0), reverse=True):
-            done += shard_of[k] if shards else 0
+            done += shard_of.get(k, 0) if shards else 0
             held = by.get(0, 0) + by.get(k - 1, 0) * (k > 1) + by.get(k - 2, 0) * (k > 2)
             peak = max(peak, rank_rows * held + done + cost_of.get(k, 0))
         peak = max(peak, rank_rows * by.get(0, 0) + shards + cost[0])

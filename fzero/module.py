@@ -268,14 +268,15 @@ def hand_over_parameters(module: torch.nn.Module, layout: Layout, gathered: Sequ
 
 def hand_over_frozen(module: Any, layout: Layout, frozen: list[torch.Tensor],
                      dtype_of: Callable[[Any], torch.dtype]) -> tuple[torch.Tensor, ...]:
-    """The frozen parameters ``frozen`` (layout order) each cast to ``dtype_of(slot)``, and a module's (not a pytree's)
-    made to hold the cast copy, one at a time: each entry is dropped, so the original is freed as it is cast."""
+    """``ShardState.frozen`` (``frozen``: each frozen parameter, or stage 3's frozen group rows) cast to ``dtype_of``
+    (of the slot or group), and a module's (not a pytree's) whole frozen parameters made to hold the cast copy, one at
+    a time: each entry is dropped, so the original is freed as it is cast."""
     named = dict(module.named_parameters()) if isinstance(module, torch.nn.Module) else {}  # a pytree's: copies
     out = []
-    for i, s in enumerate(layout.frozen_slots):
+    for i, s in enumerate(layout.frozen_groups or layout.frozen_slots):
         out.append(frozen[i].detach().to(dtype_of(s)))
         frozen[i] = out[-1]  # the original freed as it is cast (once the module holds the copy too)
-        if s.path in named and not named[s.path].is_meta:
+        if getattr(s, "path", None) in named and not named[s.path].is_meta:
             named[s.path].data = out[-1]
     return tuple(out)
 

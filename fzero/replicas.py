@@ -123,7 +123,8 @@ def replica_items(state: Any, *, buffers: Policy = "local", rng: Policy = "local
         items.append((what, p, True))
     paths = ([s.path for s in layout.slots if s.group < 0] if layout is not None
              else [str(i) for i in range(len(state.shard.frozen))])
-    items += [(f"frozen[{path!r}]", t, False) for path, t in zip(paths, state.shard.frozen)]
+    if not getattr(layout, "frozen_groups", ()):  # stage 3's are shards, each rank's its own
+        items += [(f"frozen[{path!r}]", t, False) for path, t in zip(paths, state.shard.frozen)]
     for field, policy in (("buffers", buffers), ("rng", rng)):
         if policy == "broadcast":
             items += [(name, t, True) for name, t in _named(state, field)]

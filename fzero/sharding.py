@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .comm import Communicator, gradient_divide_factors
-from .layout import (FlatGrads, FlatGroup, Layout, build_layout, compute_dtype, flat_grads, flat_shard, named_leaves,
-                     param_tree, shard_pieces, stack_rows, trainable_index)
+from .layout import (FlatGrads, FlatGroup, Layout, build_layout, compute_dtype, flat_grads, flat_shard, group_views,
+                     named_leaves, param_tree, shard_pieces, stack_rows, trainable_index)
 from .optim import OptState, Optimizer, Update, check_compilable, init_scalars, init_vectors, vector_dtype
 from .pytree import pytree_dataclass, replace, static_field
 from .scaler import local_sq_norm
@@ -31,7 +31,8 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 class ShardState:
     """This process's shards of the flat layout. Leaves: ``master``, one ``[R, shard_numel]`` tensor per flat
     group in its master dtype (float32; float64 for float64 parameters); ``frozen``, the frozen parameters in full
-    (replicated, no rank axis). Static: the :class:`~fzero.layout.Layout`."""
+    (replicated, no rank axis), or at stage 3 (``layout.frozen_groups``) one ``[R, shard_numel]`` per frozen group,
+    in the dtype they are held in. Static: the :class:`~fzero.layout.Layout`."""
 
     master: tuple[torch.Tensor, ...]
     frozen: tuple[torch.Tensor, ...]
@@ -40,12 +41,12 @@ class ShardState:
 
 def shard_layout(params: Any, comm: Communicator, *, trainable: Optional[Any] = None,
                  optimizer: Optional[Optimizer] = None, bucket_of: Optional[Any] = None,
-                 keep_dtype: Optional[Any] = None, alignment: int = 16) -> Layout:
+                 keep_dtype: Optional[Any] = None, alignment: int = 16, shard_frozen: bool = False) -> Layout:
     """The layout of ``params`` for ``comm``'s world (shapes only: a meta module is laid out as it is), checked
     across ranks (``comm.check_layout``: one ``all_gather_object``)."""
     layout = build_layout(params, comm.world_size, trainable=trainable,
-                          group_of=optimizer.group_of if optimizer is not None else None,
-                          bucket_of=bucket_of, keep_dtype=keep_dtype, alignment=alignment)
+                          group_of=optimizer.group_of if optimizer is not None else None, bucket_of=bucket_of,
+                          keep_dtype=keep_dtype, alignment=alignment, shard_frozen=shard_frozen)
     comm.check_layout(layout)
     return layout
 
@@ -56,17 +57,41 @@ def init_shard(params: Any, comm: Communicator, *, layout: Optional[Layout] = No
     (``trainable``, ``optimizer``, ``bucket_of``, ``keep_dtype``, ``alignment``)."""
     layout = layout if layout is not None else shard_layout(params, comm, **layout_kw)
     leaves = [x for _, x in named_leaves(params)[0]]
-    master = []
-    for g in layout.groups:
-        # each row written in place: no stacked second copy, a tensor of its own (not a view)
-        out = torch.zeros(comm.local_ranks, g.shard_numel, dtype=g.master_dtype, device=leaves[g.slots[0]].device)
-        for row, r in enumerate(comm.ranks):
-            flat_shard(layout, g, leaves, r, out=out[row])
-        master.append(out)
+    master = tuple(shard_rows(layout, g, leaves, comm.ranks, g.master_dtype) for g in layout.groups)
     # a module's frozen parameters are shared with it (never written); a pytree's are copied
     own = (lambda t: t.detach()) if isinstance(params, torch.nn.Module) else (lambda t: t.detach().clone())
-    frozen = tuple(own(leaves[i]) for i, s in enumerate(layout.slots) if s.group < 0)
-    return ShardState(tuple(master), frozen, layout)
+    return ShardState(master, frozen_rows(layout, leaves, comm.ranks, own), layout)
+
+
+def shard_rows(layout: Layout, group: FlatGroup, leaves: Sequence[torch.Tensor], ranks: Sequence[int],
+               dtype: torch.dtype) -> torch.Tensor:
+    """The rows ``[len(ranks), shard_numel]`` in ``dtype`` of ``group`` for ``ranks``, from whole ``leaves`` (layout
+    order): each row written in place, no stacked second copy, a tensor of its own (not a view)."""
+    out = torch.zeros(len(ranks), group.shard_numel, dtype=dtype, device=leaves[group.slots[0]].device)
+    for row, r in enumerate(ranks):
+        flat_shard(layout, group, leaves, r, out=out[row])
+    return out
+
+
+def frozen_rows(layout: Layout, leaves: Sequence[Optional[torch.Tensor]], ranks: Sequence[int],
+                whole: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach) -> tuple[torch.Tensor, ...]:
+    """:attr:`ShardState.frozen` from whole ``leaves`` (layout order; frozen ones read): ``whole(leaf)`` per frozen
+    parameter, or at stage 3 each frozen group's rows in its dtype."""
+    if layout.frozen_groups:
+        return tuple(shard_rows(layout, g, leaves, ranks, g.dtype) for g in layout.frozen_groups)
+    return tuple(whole(leaves[i]) for i, s in enumerate(layout.slots) if s.group < 0)
+
+
+def frozen_params(shard: ShardState, comm: Communicator) -> list[torch.Tensor]:
+    """Every frozen parameter whole (``[*shape]``, the dtype it is held in), in layout order: at stage 3 gathered,
+    one ``all_gather`` per frozen group."""
+    lay = shard.layout
+    if not lay.frozen_groups:
+        return list(shard.frozen)
+    whole = {}
+    for g, f in zip(lay.frozen_groups, shard.frozen):
+        whole.update(zip(g.slots, group_views(lay, g, all_gather_params(shard, comm, f.dtype, groups=(g,))[0][0])))
+    return [whole[i] for i, s in enumerate(lay.slots) if s.group < 0]
 
 
 def check_world(shard: ShardState, comm: Communicator) -> None:
@@ -154,7 +179,7 @@ def all_gather_params(shard: ShardState, comm: Communicator, dtype: Optional[tor
                       groups: Optional[Sequence[FlatGroup]] = None, into: Optional[Sequence[torch.Tensor]] = None
                       ) -> tuple[torch.Tensor, ...]:
     """The gathered flat parameter buffers ``[R, padded_numel]`` of every flat group (or of ``groups``: a
-    stage-3 unit's), in the compute dtype ``dtype`` (a group that keeps its own dtype gets it,
+    stage-3 unit's, frozen groups too), in the compute dtype ``dtype`` (a group that keeps its own dtype gets it,
     :func:`fzero.layout.compute_dtype`): what a stage 1-2 state keeps in ``params`` and a stage-3 unit computes
     with. ``into``: write them into these buffers (a donated state's, which the module's parameters view).
 
@@ -163,7 +188,8 @@ def all_gather_params(shard: ShardState, comm: Communicator, dtype: Optional[tor
     check_world(shard, comm)
     groups = shard.layout.groups if groups is None else groups
     with step_scope(GATHER, comm.traced):
-        xs = [shard.master[g.index].to(compute_dtype(g, dtype)) for g in groups]
+        xs = [(shard.master if g.opt_group >= 0 else shard.frozen)[g.index].to(compute_dtype(g, dtype))
+              for g in groups]
         if into is not None:
             comm.all_gather_into(xs, into)
             return tuple(into)
@@ -179,7 +205,7 @@ def full_params(shard: ShardState, comm: Communicator, dtype: Optional[torch.dty
     """Every parameter in the model's structure, each leaf ``[R, *shape]`` in ``dtype`` (:func:`all_gather_params`'
     buffers viewed per parameter; frozen ones broadcast views of their replicated copy). For exports, tests and
     evaluation."""
-    return param_tree(shard.layout, all_gather_params(shard, comm, dtype), shard.frozen, dtype)
+    return param_tree(shard.layout, all_gather_params(shard, comm, dtype), frozen_params(shard, comm), dtype)
 
 
 def global_norm(grads: Sequence[torch.Tensor], comm: Communicator) -> torch.Tensor:

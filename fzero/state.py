@@ -100,7 +100,7 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
     if bucket_of is None and stage < 3:
         bucket_of = size_buckets(params, bucket_numel, trainable).__getitem__
     layout = shard_layout(params, comm, trainable=trainable, optimizer=optimizer, alignment=alignment,
-                          bucket_of=bucket_of, keep_dtype=keep_dtype)
+                          bucket_of=bucket_of, keep_dtype=keep_dtype, shard_frozen=stage == 3)
     # 2. the shards: filled by init on a meta model, else cut from the values params hold
     check_init(params, init)
     made_buffers = None
@@ -128,7 +128,7 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
         spec = replace(module_spec(params), units=unit_names)
         buffers = init_buffers(params, spec, comm.local_ranks) if made_buffers is None else made_buffers
         if stage == 3:  # the state holds the only copy, in shards: the module's parameters go to meta
-            release_parameters(params, [s.path for s in layout.trainable_slots])
+            release_parameters(params, list(layout.paths))
     # stages 1-2: gathered group by group, and a module's parameters made views of their group at once,
     # so the module's own copy of a group is freed before the next is gathered (init peak: one model
     # and one group, not two models)

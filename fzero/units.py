@@ -72,14 +72,17 @@ class _Token(NamedTuple):
 
 
 class _Gather(torch.autograd.Function):
-    """``anchor -> this rank's flat buffers of a bucket`` (compute dtype, ``[padded]``); backward: their gradients."""
+    """``anchor -> this rank's flat buffers of a bucket`` (compute dtype, ``[padded]``; its frozen groups' left in
+    ``run.frozen_flats``); backward: their gradients."""
 
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, run: _RankRun, bucket: int) -> _Tensors:  # type: ignore[override]
         ctx.run, ctx.bucket = run, bucket
         if bucket and not run.backward:  # a unit's call in forward
             run.event(bucket)
-        return run.take(bucket)
+        flats, n = run.take(bucket), len(run.plan.groups[bucket])
+        run.frozen_flats = flats[n:]  # no gradient: outside autograd
+        return flats[:n]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, None, None]:  # type: ignore[override]
@@ -170,22 +173,28 @@ class _CallCheck:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """Static: the layout, its flat groups per bucket (root first, then each unit) and, per bucket, where each of
-    its trainable parameters is registered in the module (``(table, attribute, name)``)."""
+    """Static: the layout, its flat groups and frozen groups per bucket (root first, then each unit) and, per bucket,
+    where each of its sharded parameters is registered in the module (``(table, attribute, name)``)."""
 
     layout: Layout
     groups: tuple[tuple[FlatGroup, ...], ...]
+    frozen: tuple[tuple[FlatGroup, ...], ...]
     unit_slots: tuple[tuple[tuple[dict, str, str], ...], ...]
 
     @staticmethod
     def of(layout: Layout, units: Sequence[str], loss_fn: ModuleLoss) -> _Plan:
-        groups = tuple(tuple(g for g in layout.groups if g.bucket == b) for b in range(len(units) + 1))
-        bucket_of = {s.path: s.bucket for s in layout.slots if s.group >= 0}
+        groups, frozen = ([tuple(g for g in gs if g.bucket == b) for b in range(len(units) + 1)]
+                          for gs in (layout.groups, layout.frozen_groups))
+        bucket_of = {s.path: s.bucket for s in layout.slots if s.group >= 0 or s.frozen_group >= 0}
         slots: list[list[tuple[dict, str, str]]] = [[] for _ in groups]
         for table, attr, name in loss_fn._slots:
             if bucket_of.get(name):
                 slots[bucket_of[name]].append((table, attr, name))
-        return _Plan(layout, groups, tuple(tuple(s) for s in slots))
+        return _Plan(layout, tuple(groups), tuple(frozen), tuple(tuple(s) for s in slots))
+
+    def gathered(self, bucket: int) -> tuple[FlatGroup, ...]:
+        """The groups a bucket's gather brings: its flat groups, then its frozen groups."""
+        return self.groups[bucket] + self.frozen[bucket]
 
     def views(self, bucket: int, flats: Iterable[torch.Tensor],
               used: Optional[set[int]] = None) -> dict[str, torch.Tensor]:
@@ -193,7 +202,7 @@ class _Plan:
         one ``cat``, not a zero-filled gradient per view). ``used``: gets the slots whose view had a gradient (a
         plain set: the hooks hold no reference back to the run that holds the views)."""
         tensors = {}
-        for g, flat in zip(self.groups[bucket], flats):
+        for g, flat in zip(self.gathered(bucket), flats):
             for i, view in zip(g.slots, split_views(self.layout, g, flat)):
                 if used is not None and view.requires_grad:
                     view.register_hook(lambda grad, i=i: used.add(i))
@@ -226,16 +235,17 @@ class _RankRun:
         self.order: list[int] = []  # units in the order of their first forward
         self.last_flats: _Tensors = ()  # those of the last bucket_tensors, for pre_forward
         self.used: set[int] = set()  # slot indices whose view got a gradient
+        self.frozen_flats: _Tensors = ()  # the frozen groups' buffers of the last _Gather
 
     def start(self, *buckets: int) -> None:
         """Start gathering ``buckets`` in one :func:`fzero.all_gather_params` through the runner (small groups
         travel in one collective); :attr:`ahead` then gives each one's flat buffers."""
-        groups = [g for b in buckets for g in self.plan.groups[b]]
+        groups = [g for b in buckets for g in self.plan.gathered(b)]
         done = self.runner.submit(self.comm.overlaps, all_gather_params, self.state.shard, self.comm,
                                   self.state.precision.param_dtype, groups=groups)
         lo = 0
         for b in buckets:
-            hi = lo + len(self.plan.groups[b])
+            hi = lo + len(self.plan.gathered(b))
             self.ahead[b] = lambda lo=lo, hi=hi: tuple(f[self.row] for f in done()[lo:hi])
             lo = hi
 
@@ -274,7 +284,7 @@ class _RankRun:
         if bucket and not self.expected[bucket]:
             self.order.append(bucket)
         self.expected[bucket] += 1
-        flats = _Gather.apply(self.anchor, self, bucket)
+        flats = (*_Gather.apply(self.anchor, self, bucket), *self.frozen_flats)
         self.last_flats = tuple(f.detach() for f in flats)
         if track:
             for pos, flat in enumerate(flats):
@@ -324,16 +334,21 @@ class _RankRun:
     def bind_for_backward(self, bucket: int) -> None:
         """Bind the unit's regathered parameters before autograd enters it (a checkpointed forward recomputed
         in backward finds them), and prefetch the unit backward reaches next."""
-        flats = self.regathered(bucket)
+        flats, n = self.regathered(bucket), len(self.plan.groups[bucket])
         with torch.enable_grad():  # autograd runs backward with grad mode off
-            tensors = self.plan.views(bucket, [f.detach().requires_grad_(True) for f in flats], self.used)
+            tensors = self.plan.views(bucket, [f.detach().requires_grad_(i < n) for i, f in enumerate(flats)],
+                                      self.used)
         self.bind(bucket, tensors)
         self.prefetch(self.before(bucket, 1))
+        after = self.before(bucket, -1)
+        if after is not None and not self.plan.groups[after]:  # a frozen unit (no gradient to await) is done
+            self.cache.pop(after, None)
+            self.bind(after, self.released)
 
     def before(self, bucket: int, k: int) -> Optional[int]:
-        """The unit ``k`` places before ``bucket`` in forward order, if there is one."""
+        """The unit ``k`` places before ``bucket`` in forward order (``k < 0``: after), if there is one."""
         i = self.order.index(bucket) if bucket in self.order else -1
-        return self.order[i - k] if i >= k else None
+        return self.order[i - k] if i >= 0 and 0 <= i - k < len(self.order) else None
 
     def held(self, bucket: int) -> bool:
         return bucket in self.cache or bucket in self.ahead  # gathered, or its gather on its way
@@ -404,16 +419,17 @@ def unit_grads(loss_fn: ModuleLoss, state: TrainState, comm: Communicator, batch
     :class:`UnitCallError` if the ranks called different units, ``ValueError`` if the module changed since."""
     module, lay = loss_fn.module, state.layout
     units, dtype = state.module.units, state.precision.param_dtype
-    check_module_matches(module, lay, state.shard.frozen)
+    check_module_matches(module, lay, () if lay.frozen_groups else state.shard.frozen)
     plan = _Plan.of(lay, units, loss_fn)
     device = state.shard.master[0].device
     released = {}  # each unit parameter's placeholder: one element expanded to its shape (no memory)
     for s in lay.slots:
-        if s.group >= 0 and s.bucket > 0:
+        if (s.group >= 0 or s.frozen_group >= 0) and s.bucket > 0:
             data = torch.empty((), dtype=compute_dtype(s, dtype), device=device).expand(s.shape)
             released[s.path] = torch.Tensor._make_subclass(_Released, data, False)
             released[s.path]._fzero_name = repr(s.path)
-    frozen = {s.path: f.to(compute_dtype(s, dtype)) for s, f in zip(lay.frozen_slots, state.shard.frozen)}
+    frozen = {} if lay.frozen_groups else {s.path: f.to(compute_dtype(s, dtype))
+                                           for s, f in zip(lay.frozen_slots, state.shard.frozen)}
     # the root's gradient completes last (its embeddings ran first), just after the first unit's
     reduction = BucketReduction(plan.groups, on_ready, runner, comm.overlaps, comm.local_ranks,
                                 [(0, 1)] + [(b,) for b in range(2, len(plan.groups))])
@@ -503,8 +519,10 @@ class _CompiledRun:
         self.dtype, self.on_ready = dtype, on_ready
 
     def gathered(self, bucket: int) -> dict[str, torch.Tensor]:
-        """``{path: view}`` of the bucket's trainable parameters, gathered through autograd."""
-        flats = (_GatherShard.apply(self.leaves[g.index], self, g) for g in self.plan.groups[bucket])
+        """``{path: view}`` of the bucket's parameters, trainable ones gathered through autograd."""
+        flats = (_GatherShard.apply(self.leaves[g.index], self, g) if g.opt_group >= 0 else
+                 all_gather_params(self.shard, self.comm, self.dtype, groups=(g,))[0][0]
+                 for g in self.plan.gathered(bucket))
         return self.plan.views(bucket, flats)  # lazily: each group gathered, then split
 
     def unit(self, bucket: int, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -567,14 +585,15 @@ def compiled_unit_grads(units_run: CompiledUnits, loss_fn: ModuleLoss, state: Tr
     leaves = [m[0].detach().requires_grad_(True) for m in state.shard.master]
     # the gathers read the state's shards; the leaves only route each gradient (_GatherShard)
     run = _CompiledRun(plan, state.shard, leaves, comm, dtype, on_ready)
-    frozen = {s.path: f.to(compute_dtype(s, dtype)) for s, f in zip(lay.frozen_slots, state.shard.frozen)}
+    frozen = {} if lay.frozen_groups else {s.path: f.to(compute_dtype(s, dtype))
+                                           for s, f in zip(lay.frozen_slots, state.shard.frozen)}
     bufs = [b[0].clone() for b in state.buffers]
     with torch.enable_grad():
         # a unit's parameter outside its unit: a NaN stand-in (no memory), so a use there turns the loss into NaN
         nan: dict[torch.dtype, torch.Tensor] = {}
         stand_ins = {}
         for s in lay.slots:
-            if s.group >= 0 and s.bucket > 0:
+            if (s.group >= 0 or s.frozen_group >= 0) and s.bucket > 0:
                 dt = compute_dtype(s, dtype)
                 nan.setdefault(dt, torch.full((), float("nan"), dtype=dt, device=leaves[0].device))
                 stand_ins[s.path] = nan[dt].expand(s.shape)

@@ -238,7 +238,7 @@ class Pretrained:
             frozen = []
             for i, s in enumerate(layout.slots):  # to the parameter's dtype first, as load_state_dict
                 key = chosen[s.path]
-                if s.group >= 0:
+                if s.group >= 0 or s.frozen_group >= 0:
                     rows.write(i, lambda start, stop: files.read_flat(key, start, stop).to(s.dtype))
                 else:
                     frozen.append(files.read(key).to(s.dtype, copy=True))
@@ -246,7 +246,8 @@ class Pretrained:
                           for w in wants[len(layout.slots):]}
             files = None  # the mappings go with it
         buffers = {**persistent, **{n: _rows(b, len(comm.ranks)) for n, b in computed.items()}}
-        return Materialized(rows.rows, tuple(frozen), tuple(buffers[n] for n, _ in module.named_buffers()))
+        return Materialized(rows.rows, rows.frozen or tuple(frozen),
+                            tuple(buffers[n] for n, _ in module.named_buffers()))
 
     def _buffer_init(self, module: torch.nn.Module) -> tuple[InitFn, str]:
         if self.init is not None:

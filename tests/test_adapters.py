@@ -180,8 +180,10 @@ def test_tied_weights_with_the_head_trained_and_the_embedding_frozen():
         _assert_equal_to(ref, state, comm, 1e-10)
 
 
-def _frozen_bytes(state) -> int:
-    return sum(f.numel() * f.element_size() for f in state.shard.frozen)
+def _frozen_bytes(state) -> float:
+    """Frozen bytes per rank: the whole parameters (stages 1-2), or one row of each frozen group (stage 3)."""
+    rows = state.shard.frozen[0].shape[0] if state.layout.frozen_groups else 1
+    return sum(f.numel() * f.element_size() for f in state.shard.frozen) / rows
 
 
 @pytest.mark.parametrize("stage,compile", [(1, False), (2, False), (3, False), (2, True), (3, True)])
@@ -199,11 +201,14 @@ def test_frozen_dtype_holds_the_base_once_in_the_compute_dtype(stage, compile):
         report = fzero.memory_report(state.layout, state.opt.optimizer, stage=stage, precision=precision, comm=comm)
         assert report.held["frozen"] == report.by_kind["frozen"] == _frozen_bytes(state)
         held = {n: p for n, p in model.named_parameters() if not p.requires_grad}
-        frozen = dict(zip([s.path for s in state.layout.frozen_slots], state.shard.frozen))
-        assert held.keys() == frozen.keys()
-        for n, p in held.items():
-            assert p.dtype == frozen[n].dtype == (frozen_dtype or torch.float32), n
-            assert p.data_ptr() == frozen[n].data_ptr(), f"{n}: the module and the state hold one copy"
+        assert all(f.dtype == (frozen_dtype or torch.float32) for f in state.shard.frozen)
+        if stage == 3:  # sharded: the state's rows are the only copy, the module's on meta
+            assert all(p.is_meta for p in held.values())
+        else:
+            frozen = dict(zip([s.path for s in state.layout.frozen_slots], state.shard.frozen))
+            assert held.keys() == frozen.keys()
+            for n, p in held.items():
+                assert p.data_ptr() == frozen[n].data_ptr(), f"{n}: the module and the state hold one copy"
         step = fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), comm,
                                      compile=CHEAP_COMPILE if compile else False)
         state, losses = run_steps(step, state, comm, um.token_batches(STEPS, 4))
@@ -305,7 +310,8 @@ def test_a_checkpoint_without_the_frozen_base_resumes_bitwise_from_the_pretraine
     whole_dir = fzero.save_checkpoint(state, tmp_path / "whole", comm)
     lean_dir = fzero.save_checkpoint(state, tmp_path / "lean", comm, frozen=False)
     size = lambda d: sum(f.stat().st_size for f in d.iterdir())  # noqa: E731
-    assert size(whole_dir) - size(lean_dir) >= 0.9 * _frozen_bytes(state)  # the base's bytes are not written
+    base = sum(s.numel for s in state.layout.frozen_slots) * 4
+    assert size(whole_dir) - size(lean_dir) >= 0.9 * base  # the base's bytes are not written
     whole, _ = run_steps(step, state, comm, data[2:])
 
     template, step = fresh()
@@ -320,3 +326,62 @@ def test_a_checkpoint_without_the_frozen_base_resumes_bitwise_from_the_pretraine
         fzero.load_checkpoint(tmp_path / "lean", other, comm)
     with pytest.raises(fzero.checkpoint.CheckpointError, match=r"left its frozen parameters out"):
         fzero.checkpoint.consolidate_model_state_dict(tmp_path / "lean")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_stage3_shards_the_frozen_base(world):
+    """Stage 3 holds 1/W of the frozen base per rank (+ padding), measured on the state's tensors, in one ``[R,
+    shard]`` tensor per frozen group (per unit and dtype); the module keeps none (meta). At W = 2 that is half of
+    what stage 2 holds whole, a quarter with ``frozen_dtype=bfloat16``; ``memory_report`` says the same."""
+    comm = fzero.SimulatedWorld(world)
+    per_rank = {}
+    for stage, frozen_dtype in ((2, None), (3, None), (3, torch.bfloat16)):
+        model = um.lora("llama")
+        precision = fzero.MixedPrecision(param_dtype=frozen_dtype, frozen_dtype=frozen_dtype)
+        state = fzero.init_train_state(model, _fzero_adamw(), comm, stage=stage, precision=precision)
+        per_rank[stage, frozen_dtype] = _frozen_bytes(state)
+        report = fzero.memory_report(state.layout, state.opt.optimizer, stage=stage, precision=precision)
+        assert report.held["frozen"] == per_rank[stage, frozen_dtype]
+        if stage == 3:
+            lay = state.layout
+            assert [tuple(f.shape) for f in state.shard.frozen] == [(world, g.shard_numel) for g in lay.frozen_groups]
+            assert {g.bucket for g in lay.frozen_groups} == set(range(len(state.module.units) + 1))
+            assert all(p.is_meta for p in model.parameters())
+    base = sum(s.numel for s in lay.frozen_slots)
+    padding = sum(g.padding for g in lay.frozen_groups)
+    assert 0 <= padding < len(lay.frozen_groups) * world * lay.alignment
+    assert per_rank[2, None] == base * 4
+    assert per_rank[3, None] * world == (base + padding) * 4
+    assert per_rank[3, torch.bfloat16] * 2 == per_rank[3, None]
+    if world == 2:
+        assert per_rank[3, None] <= 0.5 * per_rank[2, None] * (1 + padding / base)
+        assert per_rank[3, torch.bfloat16] <= 0.25 * per_rank[2, None] * (1 + padding / base)
+
+
+def test_stage3_frozen_base_checkpoint_moves_between_stages_and_worlds(tmp_path):
+    """A stage-3 checkpoint (each rank writes the pieces of the frozen base it holds) loads at stage 2 and at stage 3
+    on other worlds, and back, with the same model; a stage-2 one loads at stage 3."""
+    data = um.token_batches(2, 4)
+
+    def fresh(stage, world):
+        comm = fzero.SimulatedWorld(world)
+        return fzero.init_train_state(um.lora("llama").double(), _fzero_adamw(), comm, stage=stage), comm
+
+    comm = fzero.SimulatedWorld(2)
+    model = um.lora("llama").double()
+    step = fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), comm)
+    state = fzero.init_train_state(model, _fzero_adamw(), comm, stage=3)
+    state, _ = run_steps(step, state, comm, data)
+    want = fzero.checkpoint.export_model_state_dict(state, comm)
+    fzero.save_checkpoint(state, tmp_path / "s3", comm)
+    for stage, world in ((2, 1), (2, 3), (3, 3), (3, 4), (1, 2)):
+        template, comm = fresh(stage, world)
+        loaded, _ = fzero.load_checkpoint(tmp_path / "s3", template, comm)
+        got = fzero.checkpoint.export_model_state_dict(loaded, comm)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), (stage, world)
+        if (stage, world) == (2, 3):
+            fzero.save_checkpoint(loaded, tmp_path / "s2", comm)
+    template, comm = fresh(3, 2)
+    loaded, _ = fzero.load_checkpoint(tmp_path / "s2", template, comm)
+    got = fzero.checkpoint.export_model_state_dict(loaded, comm)
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -57,10 +57,10 @@ def test_stage3_with_scaler_skips_frozen_and_low_precision():
     model = mlp(torch.float32)
     model[0].requires_grad_(False)
     precision = fzero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    frozen_before = model[0].weight.detach().clone()  # stage 3 takes it (sharded) too
     comm, (s2, step2), (s3, step3) = _pair(
         model, 2, scaler=fzero.init_scaler(2.0**8, growth_interval=3), precision=precision
     )
-    frozen_before = model[0].weight.detach().clone()
     found = []
     for i, (x, y) in enumerate(batches(10, 2, 2, torch.float32)):
         if i == 4:

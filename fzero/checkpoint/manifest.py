@@ -6,7 +6,7 @@ optimizer, scaler and precision configuration; the module's persistent buffers a
 information only, the world size, stage and tree structure. Loading names its first difference from the
 template state (:class:`CheckpointMismatchError`).
 
-Imports: comm, state, checksums, errors, metadata, planners, publish.
+Imports: comm, sharding, state, checksums, errors, metadata, planners, publish.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from ..comm import Communicator
+from ..sharding import frozen_params
 from ..state import TrainState
 from .checksums import CheckedDir, open_checked
 from .errors import CheckpointMismatchError, CheckpointNotFoundError, IncompleteCheckpointError, corrupt
@@ -29,7 +30,7 @@ from .planners import _Pieces, dcp_load
 from .publish import LATEST, _read_latest
 
 FORMAT = "fzero-checkpoint"
-VERSION = 2  # 2: the frozen parameters may be left out (FROZEN_LEFT_OUT)
+VERSION = 3  # 2: the frozen parameters may be left out (FROZEN_LEFT_OUT); 3: they are saved 1-D (stage 3: sharded)
 MANIFEST_KEY = "fzero/manifest"
 FROZEN_PREFIX = "fzero/frozen/"
 FROZEN_LEFT_OUT = "frozen_left_out"  # the manifest's {path: "dtype:crc32"} of frozen parameters not saved
@@ -43,7 +44,7 @@ def _manifest(state: TrainState, comm: Communicator) -> dict[str, Any]:
     lay, opt, sc, prec = state.layout, state.opt.optimizer, state.scaler, state.precision
     manifest = {
         "format": FORMAT,
-        "version": 1,  # VERSION only where the frozen parameters are left out (save_checkpoint)
+        "version": VERSION if lay.frozen_slots else 1,  # 1: read by every fzero
         "params": [[s.path, list(s.shape), str(s.dtype), lay.groups[s.group].opt_group if s.group >= 0 else -1]
                    for s in lay.slots],
         "optimizer": {
@@ -70,10 +71,11 @@ def _manifest(state: TrainState, comm: Communicator) -> dict[str, Any]:
     return json.loads(json.dumps(manifest))  # tuples become lists, as they are read back
 
 
-def frozen_crcs(state: TrainState) -> dict[str, str]:
-    """``{path: "dtype:crc32"}`` of each frozen parameter's bytes: what a checkpoint that leaves them out keeps."""
+def frozen_crcs(state: TrainState, comm: Communicator) -> dict[str, str]:
+    """``{path: "dtype:crc32"}`` of each frozen parameter's bytes: what a checkpoint that leaves them out keeps.
+    Stage 3: gathered (:func:`fzero.sharding.frozen_params`)."""
     return {s.path: f"{f.dtype}:{zlib.crc32(f.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()):08x}"
-            for s, f in zip(state.layout.frozen_slots, state.shard.frozen)}
+            for s, f in zip(state.layout.frozen_slots, frozen_params(state.shard, comm))}
 
 
 def persistent_buffers(state: TrainState) -> list[tuple[str, torch.Tensor]]:

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, ReadItem, TensorWriteData, WriteItem,
                                                   WriteItemType)
 
-from ..layout import Layout
+from ..layout import FlatGroup, Layout
 from .checksums import CheckedDir, ChecksumWriter, VerifyingReader
 from .errors import CheckpointCorruptError, CheckpointError
 from .metadata import _first_line
@@ -61,12 +61,13 @@ class _Pieces:
         raise ValueError(f"{index.fqn}: this process holds no piece at offset {index.offset}")
 
 
-def _param_pieces(layout: Layout, rows: Sequence[torch.Tensor], ranks: Sequence[int]) -> dict[str, _Pieces]:
-    """Each trainable parameter's elements held in ``rows`` (one ``[R, shard_numel]`` buffer per flat group,
-    row ``i`` owned by rank ``ranks[i]``) as pieces of the parameter flattened to 1-D: views, never padding
-    (a rank that owns only padding contributes no piece)."""
+def _param_pieces(layout: Layout, rows: Sequence[torch.Tensor], ranks: Sequence[int],
+                  groups: Optional[Sequence[FlatGroup]] = None) -> dict[str, _Pieces]:
+    """Each trainable parameter's (``groups``: those groups' parameters') elements held in ``rows`` (one ``[R,
+    shard_numel]`` buffer per group, row ``i`` owned by rank ``ranks[i]``) as pieces of the parameter flattened to 1-D:
+    views, never padding (a rank that owns only padding contributes no piece)."""
     out: dict[str, _Pieces] = {}
-    for g in layout.groups:
+    for g in layout.groups if groups is None else groups:
         n, buf = g.shard_numel, rows[g.index]
         for i in g.slots:
             s = layout.slots[i]

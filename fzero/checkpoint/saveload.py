@@ -1,11 +1,12 @@
 """Saving and loading a :class:`~fzero.state.TrainState` as a flat DCP state dict.
 
 Keys: ``fzero/master/{path}`` and ``fzero/{moment}/{path}`` (each trainable parameter's master and moments
-as a logical 1-D tensor; each rank writes the pieces inside the flat range it owns, never padding); the
+as a logical 1-D tensor; each rank writes the pieces inside the flat range it owns, never padding);
+``fzero/frozen/{path}`` (each frozen parameter as a logical 1-D tensor: stage 3's pieces, or whole); the
 replicated tensors of :func:`_replicated`, written once; ``fzero/rng/{rank}`` (each rank's generator state);
 ``extra/...`` (the caller's); ``fzero/manifest``.
 
-Imports: comm, pytree, sharding, state, checksums, errors, manifest, planners, publish.
+Imports: comm, layout, pytree, sharding, state, checksums, errors, manifest, planners, publish.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..comm import Communicator
+from ..layout import Layout
 from ..pytree import replace
 from ..sharding import all_gather_params, check_world
 from ..state import TrainState, consume, ensure_live
@@ -53,6 +55,14 @@ def _sharded(state: TrainState, comm: Communicator, master: Sequence[torch.Tenso
         rows = [ms[j] for ms in moments]
         sd.update({f"fzero/{name}/{p}": v for p, v in _param_pieces(lay, rows, comm.ranks).items()})
     return sd
+
+
+def _frozen(layout: Layout, rows: Sequence[torch.Tensor], comm: Communicator) -> dict[str, Any]:
+    """``fzero/frozen/{path}`` of every non-empty frozen parameter of ``rows`` (``ShardState.frozen``'s form): 1-D
+    views, as pieces at stage 3."""
+    if layout.frozen_groups:
+        return {FROZEN_PREFIX + p: v for p, v in _param_pieces(layout, rows, comm.ranks, layout.frozen_groups).items()}
+    return {FROZEN_PREFIX + s.path: f.view(-1) for s, f in zip(layout.frozen_slots, rows) if s.numel}
 
 
 def _flatten_extra(extra: Mapping[str, Any], prefix: str = EXTRA_PREFIX) -> dict[str, Any]:
@@ -123,7 +133,7 @@ def _rng_destinations(template: TrainState, comm: Communicator, metadata: Metada
 
 def _replicated(state: TrainState) -> dict[str, torch.Tensor]:
     """Tensors every rank holds whole: step, step calls, per-parameter step counts, scalars and vectors,
-    hyperparameters, scaler leaves, frozen parameters, rank 0's persistent buffers. Saving writes them;
+    hyperparameters, scaler leaves, rank 0's persistent buffers. Saving writes them;
     loading reads into tensors shaped like them and :func:`_assemble` puts them back."""
     sd = {"fzero/step": state.opt.step}
     if state.calls:
@@ -141,8 +151,6 @@ def _replicated(state: TrainState) -> dict[str, torch.Tensor]:
     sc = state.scaler
     sd.update({"fzero/scaler/scale": sc.scale, "fzero/scaler/growth_tracker": sc.growth_tracker,
                "fzero/scaler/hysteresis_left": sc.hysteresis_left})
-    for s, f in zip(state.layout.frozen_slots, state.shard.frozen):
-        sd[f"{FROZEN_PREFIX}{s.path}"] = f
     for name, b in persistent_buffers(state):
         sd[f"{BUFFER_PREFIX}{name}"] = b[0]  # rank 0's (DCP writes a replicated key once)
     return sd
@@ -176,10 +184,10 @@ def save_checkpoint(state: TrainState, root: PathLike, comm: Communicator, *, na
     tmp = root / f"{_TMP_PREFIX}{name}"
     manifest = _manifest(state, comm)
     if not frozen:
-        manifest.update({"version": VERSION, FROZEN_LEFT_OUT: frozen_crcs(state)})
+        manifest.update({"version": VERSION, FROZEN_LEFT_OUT: frozen_crcs(state, comm)})
     state_dict: dict[str, Any] = {MANIFEST_KEY: json.dumps(manifest, sort_keys=True)}
     state_dict.update(_sharded(state, comm, state.shard.master, state.opt.moments))
-    state_dict.update({k: v for k, v in _replicated(state).items() if frozen or not k.startswith(FROZEN_PREFIX)})
+    state_dict.update({**_replicated(state), **(_frozen(state.layout, state.shard.frozen, comm) if frozen else {})})
     if state.rng:
         state_dict.update({f"{RNG_PREFIX}{r}": state.rng[0][i] for i, r in enumerate(comm.ranks)})
     if extra:
@@ -225,8 +233,10 @@ def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *,
     checked, left_out = _validated(path, template, comm)
     d, metadata = checked.dir, checked.metadata
     saved = metadata.state_dict_metadata
-    replicated = {k: torch.empty_like(v) for k, v in _replicated(template).items()
-                  if left_out is None or not k.startswith(FROZEN_PREFIX)}
+    replicated = {k: torch.empty_like(v) for k, v in _replicated(template).items()}
+    # left out: the template's own, checked against the saved CRC-32s in _validated
+    frozen = template.shard.frozen if left_out is not None else tuple(map(torch.zeros_like, template.shard.frozen))
+    frozen_sd = _frozen(template.layout, frozen, comm) if left_out is None else {}
     if hyperparams == "template":
         replicated = {k: v for k, v in replicated.items() if not k.startswith(_HYPER_PREFIX)}
     no_missed: dict[str, torch.Tensor] = {}
@@ -235,24 +245,23 @@ def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *,
     no_calls = CALLS_KEY in replicated and CALLS_KEY not in saved  # saved before the state counted its calls
     if no_calls:
         replicated.pop(CALLS_KEY)
-    _check_entries(d, metadata, {**_sharded(template, comm, template.shard.master, template.opt.moments), **replicated})
+    _check_entries(d, metadata, {**_sharded(template, comm, template.shard.master, template.opt.moments), **frozen_sd,
+                                 **replicated})
     # zeros: the padding the new layout adds must be zero (update rules keep it so)
     masters = tuple(m.zero_() if donate else torch.zeros_like(m) for m in template.shard.master)
     moments = tuple(tuple(m.zero_() if donate else torch.zeros_like(m) for m in ms) for ms in template.opt.moments)
     extra = {k: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
              for k, md in sorted(saved.items()) if k.startswith(EXTRA_PREFIX)}  # DCP replaces None by the object
-    sd: dict[str, Any] = {**_sharded(template, comm, masters, moments), **replicated, **extra}
+    sd: dict[str, Any] = {**_sharded(template, comm, masters, moments), **frozen_sd, **replicated, **extra}
     sd.update(_rng_destinations(template, comm, metadata))
     dcp_load(sd, checked, pg)
     if hyperparams == "template":
         replicated.update({k: v.clone() for k, v in _replicated(template).items() if k.startswith(_HYPER_PREFIX)})
     replicated.update(no_missed)
-    if left_out is not None:  # the template's own, checked against the saved CRC-32s in _validated
-        replicated.update(zip([FROZEN_PREFIX + s.path for s in template.layout.frozen_slots], template.shard.frozen))
     if no_calls:  # the applied steps are the best count known
         replicated[CALLS_KEY] = replicated["fzero/step"].to("cpu", torch.int64).clone()
     # donating, the parameters are regathered into the template's own buffers: nothing of their size allocated
-    state = _assemble(template, comm, masters, moments, replicated, into=template.params if donate else None)
+    state = _assemble(template, comm, masters, moments, frozen, replicated, into=template.params if donate else None)
     if template.rng:
         rows = [sd.get(f"{RNG_PREFIX}{r}", template.rng[0][i].clone()) for i, r in enumerate(comm.ranks)]
         state = replace(state, rng=(torch.stack(rows),))
@@ -269,7 +278,7 @@ def _validated(path: PathLike, template: TrainState, comm: Communicator) -> tupl
     diff = _manifest_difference(saved, _manifest(template, comm))
     left_out = saved.get(FROZEN_LEFT_OUT)
     if diff is None and left_out is not None:
-        mine = frozen_crcs(template)
+        mine = frozen_crcs(template, comm)
         diff = next((f"frozen parameter {p!r}, left out of the checkpoint: {crc} vs the template's {mine.get(p)}; "
                      "build the template from the weights it was saved with" for p, crc in left_out.items()
                      if mine.get(p) != crc), None)
@@ -280,13 +289,13 @@ def _validated(path: PathLike, template: TrainState, comm: Communicator) -> tupl
 
 
 def _assemble(template: TrainState, comm: Communicator, masters: tuple[torch.Tensor, ...],
-              moments: tuple[tuple[torch.Tensor, ...], ...], replicated: Mapping[str, torch.Tensor],
+              moments: tuple[tuple[torch.Tensor, ...], ...], frozen: tuple[torch.Tensor, ...],
+              replicated: Mapping[str, torch.Tensor],
               into: Optional[Sequence[torch.Tensor]] = None) -> TrainState:
     """``template`` with the loaded leaves, and ``params`` regathered (one ``all_gather`` per flat group;
     ``into``: into those buffers) unless the template keeps none (stage 3)."""
     lay, opt = template.layout, template.opt
     hyper = tuple({name: replicated[f"{_HYPER_PREFIX}{k}/{name}"] for name in h} for k, h in enumerate(opt.hyper))
-    frozen = tuple(replicated[f"fzero/frozen/{s.path}"] for s in lay.frozen_slots)
     shard = replace(template.shard, master=masters, frozen=frozen)
     scaler = replace(template.scaler, scale=replicated["fzero/scaler/scale"],
                      growth_tracker=replicated["fzero/scaler/growth_tracker"],

@@ -19,7 +19,7 @@ from ..materialize import has_meta, to_empty_tied
 from ..module import ModuleSpec, hand_over_parameters, restore_parameters
 from ..optim import SGD, Adam, Optimizer, init_vectors, vector_spans
 from ..pytree import replace
-from ..sharding import all_gather_params, check_world
+from ..sharding import all_gather_params, check_world, frozen_rows
 from ..state import TrainState, ensure_live
 from ..torch_optim_rules import STEP, TorchOptimRule, tuple_names
 from .errors import CheckpointMismatchError
@@ -215,7 +215,10 @@ def export_model_state_dict(state: TrainState, comm: Communicator) -> dict[str, 
     out: dict[str, torch.Tensor] = {}
     for g in lay.groups:
         out.update({lay.slots[i].path: v for i, v in _gathered(lay, g, state.shard.master[g.index], comm).items()})
-    out.update({s.path: f.detach().clone() for s, f in zip(lay.frozen_slots, state.shard.frozen)})
+    for g, f in zip(lay.frozen_groups, state.shard.frozen):  # stage 3: gathered like the master
+        out.update({lay.slots[i].path: v for i, v in _gathered(lay, g, f, comm).items()})
+    if not lay.frozen_groups:
+        out.update({s.path: f.detach().to(s.dtype, copy=True) for s, f in zip(lay.frozen_slots, state.shard.frozen)})
     buffers = {n: b[0].clone() for n, b, keep in zip(spec.buffers, state.buffers, spec.persistent) if keep}
     return module_state_dict({s.path: out[s.path] for s in lay.slots}, buffers, spec)
 
@@ -390,9 +393,8 @@ def import_torch_optim_state_dict(template: TrainState, model_state_dict: Mappin
         leaves = [_moment_or_zeros(read[i][1], name, s.shape) if i in read else None for i, s in enumerate(lay.slots)]
         per_moment.append(_own_rows(lay, leaves, comm, dev))
     moments = tuple(tuple(m[g.index] for m in per_moment) for g in lay.groups)
-    frozen_slots = [i for i, s in enumerate(lay.slots) if s.group < 0]
-    frozen = tuple(params[i].to(device=f.device, dtype=lay.slots[i].dtype).clone()
-                   for i, f in zip(frozen_slots, template.shard.frozen))
+    frozen = tuple(f.to(t.device, t.dtype) for f, t in zip(frozen_rows(lay, params, comm.ranks, torch.clone),
+                                                           template.shard.frozen))
     count = max((read[i][0] for i in trainable), default=0)  # the optimizer's step: the largest own count
     missed = [count - read[i][0] for i in trainable]
     step = template.opt.step.new_tensor(count)
