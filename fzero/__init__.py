@@ -1,42 +1,34 @@
-"""fzero: ZeRO-style sharded data-parallel training as pure functions.
+"""fzero: ZeRO-style sharded data-parallel training as pure functions. The contract a user needs, every name below; the
+rest lives in its module (``fzero.optim``, ``fzero.checkpoint``, ``fzero.comm``, ``fzero.dist``, ...).
 
-The contract a user needs, every name below; the rest lives in its module
-(``fzero.optim``, ``fzero.checkpoint``, ``fzero.comm``, ``fzero.dist``, ...).
+States (immutable pytrees; ``state.replace(...)`` gives a changed copy): :class:`TrainState` (everything a step carries;
+it knows its ZeRO stage), :class:`ShardState` (this rank's slice of the flat layout and its master copy),
+:class:`OptState` (moments, step count, hyperparameters as tensors), :class:`ScalerState` (the dynamic loss scale).
+Building them: :func:`init_train_state` (from an ``nn.Module`` or a pytree of tensors, stage 1-3), :func:`init_shard`,
+:func:`init_scaler`, :func:`static_scaler`.
 
-States (immutable pytrees; ``state.replace(...)`` gives a changed copy):
-    :class:`TrainState` (everything a step carries; it knows its ZeRO stage), :class:`ShardState` (this rank's slice
-    of the flat layout and its master copy), :class:`OptState` (moments, step count, hyperparameters as tensors),
-    :class:`ScalerState` (the dynamic loss scale).
-Building them:
-    :func:`init_train_state` (from an ``nn.Module`` or a pytree of tensors, stage 1-3), :func:`init_shard`,
-    :func:`init_scaler`, :func:`static_scaler`.
-The pieces of a step, in the order a step calls them:
-    per micro-batch :func:`loss_grads` (forward, the loss :func:`scale`-d, backward, each bucket handed to
-    :func:`reduce_scatter_grads` as backward completes it) and :func:`accumulate`; then :func:`unscale_and_check` (one
-    all-reduce agrees on norm, overflow and loss; one pass unscales and clips), :func:`shard_step` (the update rule on
-    the master shard, skipped by selection on overflow), :func:`all_gather_params`, :func:`update_scale`.
-    :func:`micro_batch` cuts a batch; :func:`full_params` gives every parameter in the model's structure.
-Composed:
-    :func:`make_train_step` (the pieces composed, with accumulation, clipping, schedules, donation, replica checks),
-    :func:`bind_step` (a composed step given its communicator and workspace, eager or compiled), :func:`module_loss`
-    (a loss from a module and a criterion).
-Communicators (collectives are their methods, passed in explicitly):
-    :class:`Communicator` (the protocol), :class:`SimulatedWorld` (N ranks in one process);
-    ``fzero.dist.TorchCommunicator`` runs on ``torch.distributed``.
-Update rules (:class:`Optimizer` is the protocol):
-    :func:`sgd`, :func:`adam`, :func:`adamw`, :func:`from_torch_optim` (any per-element ``torch.optim`` class),
-    :func:`muon`, :func:`adafactor`.
-Mixed precision and schedules:
-    :class:`MixedPrecision` (compute and reduce dtypes), :mod:`schedules`.
-Checkpoints and weights:
-    :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`write_back` (the module gets the trained values),
-    :func:`pretrained` (weights files loaded straight into the shards).
-Errors:
-    :class:`CollectiveError` (a collective that did not complete), :class:`ReplicaDivergenceError` (ranks that should
-    agree do not), :class:`CheckpointError` (and its kinds in ``fzero.checkpoint``).
-Memory:
-    :func:`memory_report` (bytes per rank: the ZeRO formula of the layout and the step's buffers).
-"""
+The pieces of a step, in the order a step calls them: per micro-batch :func:`loss_grads` (forward, the loss
+:func:`scale`-d, backward, each bucket handed to :func:`reduce_scatter_grads` as backward completes it) and
+:func:`accumulate`; then :func:`unscale_and_check` (one all-reduce agrees on norm, overflow and loss; one pass unscales
+and clips), :func:`shard_step` (the update rule on the master shard, skipped by selection on overflow),
+:func:`all_gather_params`, :func:`update_scale`. :func:`micro_batch` cuts a batch; :func:`full_params` gives every
+parameter in the model's structure.
+
+Composed: :func:`make_train_step` (the pieces composed, with accumulation, clipping, schedules, donation, replica
+checks), :func:`bind_step` (a composed step given its communicator and workspace, eager or compiled),
+:func:`module_loss` (a loss from a module and a criterion).
+
+Communicators (collectives are their methods, passed in explicitly): :class:`Communicator` (the protocol),
+:class:`SimulatedWorld` (N ranks in one process); ``fzero.dist.TorchCommunicator`` runs on ``torch.distributed``. Update
+rules (:class:`Optimizer` is the protocol): :func:`sgd`, :func:`adam`, :func:`adamw`, :func:`from_torch_optim` (any
+per-element ``torch.optim`` class), :func:`muon`, :func:`adafactor`. Mixed precision and schedules:
+:class:`MixedPrecision` (compute and reduce dtypes), :mod:`schedules`.
+
+Checkpoints and weights: :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`write_back` (the module gets the
+trained values), :func:`pretrained` (weights files loaded straight into the shards). Errors: :class:`CollectiveError` (a
+collective that did not complete), :class:`ReplicaDivergenceError` (ranks that should agree do not),
+:class:`CheckpointError` (and its kinds in ``fzero.checkpoint``). Memory: :func:`memory_report` (bytes per rank: the
+ZeRO formula of the layout and the step's buffers)."""
 
 from .comm import CollectiveError, Communicator, SimulatedWorld
 from .memory import memory_report

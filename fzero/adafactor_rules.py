@@ -1,10 +1,7 @@
-"""Adafactor on flat shards: ``torch.optim.Adafactor``, its statistics taken from each parameter's whole, fully
-reduced gradient with two small ``all_reduce``\\ s per step; no matrix is gathered. Per parameter, torch's
-single-tensor step: ``rho = min(lr, 1/sqrt(t))``, ``alpha = max(eps2, ||p|| / sqrt(numel)) * rho``, decoupled weight
-decay; for two dimensions or more the factored second moment ``row_var``/``col_var`` of the last two, else the
-elementwise ``variance``; the update ``rsqrt(max(var, eps1^2)) * grad`` clipped by ``max(1, ||update|| / (sqrt(numel)
-* d))``. ``variance`` is a sharded moment; ``row_var``/``col_var`` (``R + C`` per ``R x C`` matrix) are replicated
-vector state (``OptState.vectors``).
+"""Adafactor on flat shards: ``torch.optim.Adafactor``'s single-tensor step per parameter, its statistics from the whole
+reduced gradient by two small ``all_reduce``\\ s per step (no matrix gathered). The factored second moment
+``row_var``/``col_var`` (two dimensions or more: ``R + C`` per ``R x C``) is replicated ``OptState.vectors``, the
+elementwise ``variance`` a sharded moment.
 
 Imports: optim, layout, comm.
 """
@@ -75,8 +72,7 @@ class Adafactor(ShardRule):
         return "adafactor"
 
     def vector_lengths(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """``(B*R, B*C)`` for a parameter ``[..., R, C]`` (``B`` the leading dimensions' product), else
-        ``(0, 0)``."""
+        """``(B*R, B*C)`` for a parameter ``[..., R, C]`` (``B``: the leading dimensions' product), else ``(0, 0)``."""
         if not _factored(shape):
             return (0, 0)
         B, R, C = _dims(shape)
@@ -135,7 +131,7 @@ class Adafactor(ShardRule):
         param_sq = total[:T].tolist()
         # 2. per parameter, torch's scalars; the factored second moment, alike on every rank
         scal: dict[int, tuple[float, float, float]] = {}  # k: (one_minus_beta2_t, alpha, eps1)
-        denom_r: dict[int, torch.Tensor] = {}
+        factored: dict[int, tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # k: R, C, row, col, denom
         for k, s in enumerate(slots):
             if not take[k]:
                 continue
@@ -154,21 +150,18 @@ class Adafactor(ShardRule):
                 rv.lerp_(total[T + row_spans[k][0]:T + row_spans[k][1]].to(rv.dtype) / C, one_minus_beta2_t)
                 cv.lerp_(total[T + n_row + col_spans[k][0]:T + n_row + col_spans[k][1]].to(cv.dtype) / R,
                          one_minus_beta2_t)
-                denom_r[k] = rv.view(B, R).mean(dim=1).clamp(min=eps1)
+                factored[k] = (R, C, rv, cv, rv.view(B, R).mean(dim=1).clamp(min=eps1))
         # 3. the update of each own piece, and the partial sums of its squares
         norms = torch.zeros(len(ranks), T, dtype=dtype, device=device)
         updates = []
         for row, k, a, p, gr, variance in pieces:
             one_minus_beta2_t, _, eps1 = scal[k]
-            s = slots[k]
-            if _factored(s.shape):
-                _, R, C = _dims(s.shape)
-                rv = row_var[row_spans[k][0]:row_spans[k][1]]
-                cv = col_var[col_spans[k][0]:col_spans[k][1]]
+            if k in factored:
+                R, C, rv, cv, denom_r = factored[k]
                 var = torch.empty_like(p)
                 for start, r0, nr, c0, nc, b in _rectangles(a, a + p.numel(), R, C):
                     est = rv[r0:r0 + nr].unsqueeze(1) * cv[b * C + c0:b * C + c0 + nc].unsqueeze(0)
-                    var[start:start + nr * nc].view(nr, nc).copy_(est.div_(denom_r[k][b]))
+                    var[start:start + nr * nc].view(nr, nc).copy_(est.div_(denom_r[b]))
             else:
                 variance.lerp_(gr * gr, one_minus_beta2_t)
                 var = variance.clone()
@@ -200,10 +193,9 @@ def adafactor(lr: float = 1e-2, beta2_decay: float = -0.8, eps: tuple[Optional[f
               d: float = 1.0, weight_decay: float = 0.0, *, foreach: Optional[bool] = None, maximize: bool = False,
               groups: Sequence[GroupSpec] = ()) -> Adafactor:
     """``torch.optim.Adafactor(lr, beta2_decay, eps, d, weight_decay, maximize)`` on flat shards, eagerly.
-
-    ``eps = (eps1, eps2)``: ``eps1`` None (torch's default) is the master dtype's machine epsilon, a number
-    the hyperparameter ``eps1``. ``groups`` as for :func:`fzero.adamw`. ``foreach`` is ignored (torch's
-    implementation choice). Out-of-range values raise ``ValueError`` naming the argument, as torch does."""
+    ``eps = (eps1, eps2)``: ``eps1`` None (torch's default) is the master dtype's machine epsilon, a number the
+    hyperparameter ``eps1``. ``groups`` as for :func:`fzero.adamw`; ``foreach`` ignored. Out-of-range values raise
+    ``ValueError`` naming the argument, as torch does."""
     if len(eps) != 2:
         raise ValueError(f"adafactor: eps must be (eps1, eps2), got {eps!r}")
     eps1, eps2 = eps

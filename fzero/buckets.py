@@ -1,9 +1,8 @@
-"""Gradient buckets, each reduced by the step's own piece as soon as backward completes it. A *bucket* is a set of
-parameters whose gradients are reduced together: of about ``bucket_numel`` elements at stages 1-2 (:func:`size_buckets`,
-as DDP's ``bucket_cap_mb``), a shard unit at stage 3. Eagerly, :class:`BucketWatcher` hands a bucket over once autograd
-has all its gradients and :class:`BucketReduction` calls the step's ``on_ready`` (:func:`fzero.reduce_scatter_grads`)
-on it through a :class:`Runner`, on a thread of its own when the communicator ``overlaps``: the last layers' reduction
-runs while backward goes on, as in DDP. Launch order is the same on every rank.
+"""Gradient buckets (parameters whose gradients are reduced together: about ``bucket_numel`` elements at stages 1-2,
+:func:`size_buckets`, as DDP's ``bucket_cap_mb``; a shard unit at stage 3), each reduced as soon as backward completes
+it. Eagerly :class:`BucketWatcher` hands a complete bucket over and :class:`BucketReduction` calls the step's
+``on_ready`` on it through a :class:`Runner`, on a thread of its own when the communicator ``overlaps`` (as DDP).
+Launch order is the same on every rank.
 
 Imports: layout, scopes.
 """
@@ -22,24 +21,17 @@ from .scopes import GRAD_BUCKETS, step_scope
 __all__ = ["DEFAULT_BUCKET_NUMEL", "MAX_IN_FLIGHT", "size_buckets", "buckets_of", "Runner", "BufferPool",
            "BucketReduction", "BucketWatcher"]
 
-# 2^24 elements (64 MiB of fp32): few collectives, and above glibc's 32 MiB mmap-threshold ceiling,
-# so a freed bucket goes back to the system (measurements: benchmarks/RESULTS.md, section 5).
+# 64 MiB of fp32: few collectives, above glibc's 32 MiB mmap ceiling (freed to the system; benchmarks/RESULTS.md, 5)
 DEFAULT_BUCKET_NUMEL = 1 << 24
-
-# Reductions under way before a rank waits for the oldest: each holds its bucket's buffer, so a
-# rank holds a few buckets of gradient during backward, not the whole model.
-MAX_IN_FLIGHT = 2
+MAX_IN_FLIGHT = 2  # reductions under way (each holding its bucket's buffer) before a rank waits for the oldest
 
 
 def size_buckets(params: Any, bucket_numel: Optional[int] = None,
                  trainable: Optional[Callable[[str], bool]] = None) -> dict[str, int]:
-    """``{path: bucket}`` cutting the trainable parameters into buckets of about ``bucket_numel``
-    elements (default :data:`DEFAULT_BUCKET_NUMEL`; ``ValueError`` unless a positive int).
-
-    Parameters are taken in reverse registration order (backward's order for most models); a bucket
-    closes once it holds ``bucket_numel`` elements, and a parameter that large gets a bucket of its
-    own (on a real rank autograd's gradient is then the bucket, not copied). Buckets are numbered in
-    registration order: the last holds the last parameters, which backward completes first."""
+    """``{path: bucket}`` cutting the trainable parameters into buckets of about ``bucket_numel`` elements (default
+    :data:`DEFAULT_BUCKET_NUMEL`; ``ValueError`` unless a positive int): in reverse registration order (backward's, for
+    most models) a bucket closes once it holds ``bucket_numel`` elements; a parameter that large gets its own (on a real
+    rank autograd's gradient is then the bucket). Numbered in registration order: backward completes the last first."""
     if bucket_numel is not None and not (isinstance(bucket_numel, int) and bucket_numel >= 1):
         raise ValueError(f"bucket_numel must be a positive int, got {bucket_numel!r}")
     is_module = isinstance(params, torch.nn.Module)
@@ -65,11 +57,10 @@ def buckets_of(layout: Layout) -> tuple[tuple[FlatGroup, ...], ...]:
 
 
 class Runner:
-    """Runs the calls a step hands it, in that order (so every rank issues its collectives in one
-    order): with ``threaded`` on one thread of its own, otherwise (or while a profiler runs: it
-    records only its own thread) at once. :meth:`submit` returns a function giving the call's
-    result (raising its error). ``with runner:`` ends only once every call has run, also after an
-    error: a collective left running could pair with the next one another thread issues."""
+    """Runs the calls a step hands it in that order (every rank issues its collectives in one order): ``threaded``, on a
+    thread of its own, else (or under a profiler, which records only its own thread) at once. :meth:`submit` returns a
+    function giving the result (raising its error). ``with runner:`` ends once every call has run, also after an error
+    (a collective left running could pair with another thread's next one)."""
 
     def __init__(self) -> None:
         self._thread: Optional[concurrent.futures.ThreadPoolExecutor] = None
@@ -125,13 +116,11 @@ class BufferPool:
 
 
 class BucketReduction:
-    """Per bucket, each local rank's flat gradients until all have delivered them; then
-    ``on_ready(FlatGrads)`` (the step's reduction: averaged shards per flat group) goes to the
-    ``runner``, at most :data:`MAX_IN_FLIGHT` at a time. Eager only.
-
-    ``groups[b]``: the flat groups of bucket ``b``. ``launches``: which buckets go together, in
-    launch order (default: each alone, in bucket order). ``in_order``: a launch ready out of turn
-    waits for its turn (stages 1-2); otherwise each goes when ready (stage 3)."""
+    """Per bucket, each local rank's flat gradients until all have delivered them; then ``on_ready(FlatGrads)`` (the
+    step's reduction: averaged shards per flat group) goes to the ``runner``, at most :data:`MAX_IN_FLIGHT` at a time.
+    Eager only. ``groups[b]``: bucket ``b``'s flat groups. ``launches``: buckets launched together, in launch order
+    (default: each alone, in bucket order). ``in_order``: a launch ready out of turn waits (stages 1-2); otherwise each
+    goes when ready (stage 3)."""
 
     def __init__(self, groups: Sequence[Sequence[FlatGroup]], on_ready: Callable[[FlatGrads], Sequence[torch.Tensor]],
                  runner: Runner, threaded: bool, rows: int, launches: Optional[Sequence[Sequence[int]]] = None, *,
@@ -203,9 +192,8 @@ class BucketReduction:
                 self.pool.give(base)
 
     def finish(self, device: torch.device, dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, ...]:
-        """Launch what is left (a bucket no rank's loss reached, or not every rank's: zeros for
-        the missing rows) in launch order, the same on every rank; wait for every reduction.
-        Per flat group (of the launches) the averaged ``[R, shard_numel]`` shard."""
+        """Launch what is left in launch order, the same on every rank (a bucket not every rank's loss reached: zeros
+        for the missing rows), wait for every reduction; per flat group the averaged ``[R, shard_numel]`` shard."""
         for i, buckets in enumerate(self.launches):
             if self.launched[i]:
                 continue
@@ -229,13 +217,11 @@ class BucketReduction:
 
 class BucketWatcher:
     """One local rank's (``row`` of ``rows``) gradients, written into its row of each bucket's buffers
-    (``buffers(bucket)``: ``[R, padded]`` per flat group; ``groups``: :func:`buckets_of`).
-
-    A post-accumulate-grad hook on each trainable leaf copies the parameter's whole gradient into its place and drops
-    it; once a bucket has all its gradients, the padding is zeroed and ``deliver(bucket, None)`` is called
-    (:meth:`finish`: the incomplete ones, with zeros). A bucket of one parameter filling its flat group (``rows == 1``)
-    is delivered as autograd's gradient itself: ``deliver(bucket, (grad,))``. :meth:`close` removes the hooks (also
-    after an error): left in place, they would keep every leaf in a reference cycle."""
+    (``buffers(bucket)``: ``[R, padded]`` per flat group; ``groups``: :func:`buckets_of`). A post-accumulate-grad hook
+    per trainable leaf copies the gradient into place and drops it; a complete bucket gets its padding zeroed and
+    ``deliver(bucket, None)`` (:meth:`finish`: the incomplete ones, with zeros). A bucket of one parameter filling its
+    flat group (``rows == 1``) is delivered as autograd's gradient itself: ``deliver(bucket, (grad,))``. :meth:`close`
+    removes the hooks (also after an error: they would keep every leaf in a reference cycle)."""
 
     def __init__(self, layout: Layout, groups: Sequence[Sequence[FlatGroup]], row: int,
                  buffers: Callable[[int], tuple[torch.Tensor, ...]],

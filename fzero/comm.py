@@ -1,7 +1,6 @@
-"""Communicators: the only way fzero's functions talk to other ranks. Every tensor that differs between ranks
-carries a leading *local-rank axis* of size ``R = comm.local_ranks``: ``R == W`` (the world size) in
-:class:`SimulatedWorld`, every rank in one process, and ``R == 1`` on a real rank (``fzero.dist``). Collectives
-are methods over that axis, so one step runs unchanged on both, eagerly or traced.
+"""Communicators: the only way fzero's functions talk to other ranks. A tensor that differs between ranks has a leading
+*local-rank axis* of size ``R = comm.local_ranks``: ``R == W`` (the world size) in :class:`SimulatedWorld`, ``R == 1``
+on a real rank (``fzero.dist``). Collectives are methods over it: one step runs on both, eagerly or traced.
 
 Imports: torch only.
 """
@@ -23,8 +22,8 @@ ReduceOp = Literal["sum", "avg", "max"]
 
 class CollectiveError(RuntimeError):
     """A collective did not complete on this rank: a peer stalled past the communicator's timeout, or died.
-    ``collective`` names it, ``step`` the train step (``state.opt.step + 1``; None outside one), ``timeout`` the
-    bound in seconds. The group is unusable afterwards: end the process, for torchrun to stop or restart the job."""
+    ``collective`` names it, ``step`` the train step (``state.opt.step + 1``; None outside one), ``timeout`` the bound
+    in seconds. The group is then unusable: end the process, for torchrun to stop or restart the job."""
 
     def __init__(self, collective: str, rank: int, timeout: float | None, cause: str, step: int | None = None):
         self.collective, self.rank, self.timeout, self.cause, self.step = collective, rank, timeout, cause, step
@@ -62,9 +61,8 @@ def rank_order_sum(rows: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 class Communicator:
-    """Base class: subclasses implement each of ``all_reduce``, ``reduce_scatter`` and ``all_gather``, or its
-    ``*_start`` form: the collective started now, the returned function waits and gives the result (a piece starts
-    all its collectives before it waits for any). The pieces read the capabilities below, never the type."""
+    """Base class: subclasses implement each of ``all_reduce``, ``reduce_scatter``, ``all_gather`` or its ``*_start``
+    form (started now; the returned function waits, gives the result). Pieces read the capabilities below."""
 
     world_size: int  # W
     local_ranks: int  # R
@@ -189,9 +187,8 @@ class Communicator:
 
 
 class SimulatedWorld(Communicator):
-    """All ``world_size`` ranks in one process: a reduce-scatter adds the ranks' rows in rank order
-    (:func:`rank_order_sum`, the bits of ``fzero.dist``'s point-to-point reduce-scatter), an all-reduce sums over
-    dim 0; with one rank, reductions return their input (no copy)."""
+    """All ``world_size`` ranks in one process: a reduce-scatter adds the rows in rank order (:func:`rank_order_sum`:
+    ``fzero.dist``'s point-to-point bits), an all-reduce sums over dim 0; one rank's reductions return their input."""
 
     def __init__(self, world_size: int):
         if not (isinstance(world_size, int) and world_size >= 1):
@@ -240,9 +237,9 @@ class SimulatedWorld(Communicator):
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveRecord:
-    """One collective as one rank saw it: ``elements`` of the buffer it is about, per rank (input of all-reduce and
-    reduce-scatter, output of all-gather); ``moved``, the elements each rank sends (ring: ``2 (W-1)/W`` of them for
-    all-reduce, ``(W-1)/W`` for the others; a tree broadcast: about all); ``bytes = moved * itemsize``."""
+    """One collective as one rank saw it: ``elements`` of its buffer per rank (the input of all-reduce and
+    reduce-scatter, the output of all-gather); ``moved``, the elements each rank sends (ring: ``2 (W-1)/W`` of them for
+    all-reduce, ``(W-1)/W`` otherwise; a tree broadcast: about all); ``bytes = moved * itemsize``."""
 
     op: str
     dtype: torch.dtype
@@ -267,7 +264,7 @@ class CountingCommunicator(Communicator):
         self.records.clear()
 
     def _record(self, op: str, x: torch.Tensor) -> Communicator:
-        """Records collective ``op`` of ``x``; returns the wrapped communicator, which runs it."""
+        """Record collective ``op`` of ``x``; return the wrapped communicator, which runs it."""
         if op == "reduce_scatter" and getattr(self.inner, "reduce_scatter_via", None) == "all_reduce":
             op = "all_reduce"  # what the backend really sends
         w = self.world_size

@@ -1,7 +1,6 @@
-"""How a composed step is run: :func:`bind_step` gives it its communicator and workspace, and
-compiles it with ``torch.compile(fullgraph=True)`` when asked. This is the one place that
-decides eager or compiled: a compiled step is traced with ``comm.tracing()``, and every piece
-reads that (``comm.traced``) instead of asking whether dynamo is tracing.
+"""How a composed step is run: :func:`bind_step` gives it its communicator and workspace, and compiles it with
+``torch.compile(fullgraph=True)`` when asked: the one place deciding eager or compiled. A compiled step is traced
+with ``comm.tracing()``; every piece reads ``comm.traced`` instead of asking whether dynamo is tracing.
 
 Imports: comm, grads, module, optim, rng, state.
 """
@@ -26,12 +25,8 @@ from .state import TrainState
 __all__ = ["bind_step", "compile_arguments", "no_missed_steps", "StepFn", "Compile"]
 
 StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]
-# a step as composed: (state, batch, communicator, workspace) -> (state, metrics)
 ComposedStep = Callable[[TrainState, Any, Communicator, Workspace], tuple[TrainState, dict[str, torch.Tensor]]]
-
-# make_train_step's ``compile=``: False (eager), True (torch.compile's defaults: inductor), or
-# torch.compile's own keyword arguments among TORCH_COMPILE_KEYS
-Compile = Union[bool, Mapping[str, Any]]
+Compile = Union[bool, Mapping[str, Any]]  # make_train_step's ``compile=`` (:func:`compile_arguments`)
 TORCH_COMPILE_KEYS = ("backend", "mode", "options")
 
 
@@ -60,23 +55,15 @@ def compile_arguments(compile: Compile) -> Optional[dict[str, Any]]:
 
 def bind_step(step: ComposedStep, loss_fn: LossFn, comm: Communicator, *, accum_steps: int = 1,
               compile: Compile = False, check: Optional[Callable[[TrainState, Any], None]] = None) -> StepFn:
-    """``(state, batch) -> step(state, batch, comm, workspace)``: a composed step given its
-    communicator and a :class:`~fzero.grads.Workspace` kept between calls (for ``loss_fn`` with
-    ``accum_steps`` micro-batches), run eagerly or, with ``compile=`` (:func:`compile_arguments`), as
-    ``torch.compile(fullgraph=True, dynamic=False)`` traced with ``comm.tracing()``. ``check`` runs
-    on the host before the graph (a bad shape raises its own error, not a recompile). Around a
-    compiled call, and why:
-
-    * ``trace_autograd_ops``: dynamo breaks the graph on ``torch.autograd.grad`` otherwise;
-    * the remat pass for forward-loss-backward graphs only with one backward region (local ranks x
-      micro-batches == 1), and torch refuses random ops in a rematerialised region;
-    * dynamo cannot swap generator states in a graph: row 0's is installed around the call and what
-      it leaves stored back (a compiled simulated world of several rows warns once);
-    * ``dynamic=False``: a second step of the same code would get dynamic shapes and round differently;
-    * ``OptState.all_stepped`` read on the host (no parameter ever sat out a step: the plain update);
-    * stage 3 with one backward region: the units' regathering forwards installed, and inductor's
-      reordering passes off (they moved every gather ahead of the forward).
-    """
+    """``(state, batch) -> step(state, batch, comm, workspace)``: a composed step given its communicator and a
+    :class:`~fzero.grads.Workspace` kept between calls (``loss_fn``, ``accum_steps`` micro-batches), run eagerly or,
+    with ``compile=`` (:func:`compile_arguments`), as ``torch.compile(fullgraph=True, dynamic=False)`` (dynamic shapes
+    round differently) traced with ``comm.tracing()``. ``check`` runs on the host before the graph (a bad shape raises,
+    not recompiles). Around a compiled call: ``trace_autograd_ops`` (else dynamo breaks on ``torch.autograd.grad``); the
+    remat pass only with one backward region (local ranks x micro-batches == 1: torch refuses random ops in a
+    rematerialised one); row 0's generator state installed around the call and what it leaves stored back (a compiled
+    simulated world of several rows warns once); ``OptState.all_stepped`` read on the host; stage 3: the units'
+    regathering forwards installed, inductor's reordering passes off (they moved every gather ahead of the forward)."""
     workspace = Workspace(loss_fn, accum_steps)
     arguments = compile_arguments(compile)
     if arguments is None:
@@ -94,10 +81,11 @@ def bind_step(step: ComposedStep, loss_fn: LossFn, comm: Communicator, *, accum_
             if regather:  # the units bind their gathered parameters inside a checkpointed region
                 dynamo_flags["skip_fwd_side_effects_in_bwd_under_checkpoint"] = True
             functorch_flags = {"remat_using_tags_for_fwd_loss_bwd_graph": comm.local_ranks * accum_steps == 1}
-            # made once and re-entered: each config patch owns a ContextVar, and a context keeps
-            # every variable ever set in it (a new patch per call grew the heap 0.4 kB a step)
-            in_order = _inductor_config().patch(reorder_for_peak_memory=False, reorder_for_locality=False) \
-                if regather else contextlib.nullcontext()
+            # made once: a context keeps every ContextVar ever set in it (a patch per call grew the heap 0.4 kB/step)
+            in_order = contextlib.nullcontext()
+            if regather:
+                import torch._inductor.config as inductor_config  # imported when a step is compiled, not with fzero
+                in_order = inductor_config.patch(reorder_for_peak_memory=False, reorder_for_locality=False)
             patches = (torch._dynamo.config.patch(**dynamo_flags), torch._functorch.config.patch(**functorch_flags),
                        in_order)
             by_regather[regather] = (torch.compile(_with_own_code(step), fullgraph=True, dynamic=False, **arguments),
@@ -136,15 +124,8 @@ def bind_step(step: ComposedStep, loss_fn: LossFn, comm: Communicator, *, accum_
     return run
 
 
-def _inductor_config() -> Any:
-    import torch._inductor.config as inductor_config  # imported when a step is compiled, not with fzero
-
-    return inductor_config
-
-
 def no_missed_steps(opt: OptState) -> bool:
-    """Whether it is known without a device sync that no parameter ever sat out a step
-    (``opt.missed`` absent, or a CPU vector of zeros)."""
+    """Whether no parameter ever sat out a step, known without a device sync (``opt.missed`` absent, or CPU zeros)."""
     if not opt.missed:
         return True
     missed = opt.missed[0]
@@ -152,10 +133,8 @@ def no_missed_steps(opt: OptState) -> bool:
 
 
 def _with_own_code(fn: StepFn) -> StepFn:
-    """``fn`` with a code object of its own. Dynamo keeps compiled graphs on the code object, and every step
-    ``make_train_step`` builds shares one: without a copy, each new step (another model, stage or option in the same
-    process) adds a guarded entry there, a later one recompiles inside its first steps, and the ninth hits dynamo's
-    recompile limit, which ``fullgraph=True`` makes a hard error."""
+    """``fn`` with a code object of its own: dynamo keeps compiled graphs on the code object, which every step
+    ``make_train_step`` builds shares, so the ninth step built in a process would hit the recompile limit (an error)."""
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     own.__kwdefaults__, own.__qualname__, own.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
     return own
@@ -166,11 +145,10 @@ def _quiet_regather_warning(on: bool) -> Any:
     """Drops torch's warning that a checkpoint under compile with a ``context_fn`` must not contain in-place ops:
     stage 3's regions (fzero.units.CompiledUnits) recompute only the gather and views, never an in-place op."""
     log = logging.getLogger("torch._higher_order_ops.wrap")
-    quiet = (lambda record: "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()) if on else None
-    if quiet is not None:
+    quiet = lambda record: "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()  # noqa: E731
+    if on:
         log.addFilter(quiet)
     try:
         yield
     finally:
-        if quiet is not None:
-            log.removeFilter(quiet)
+        log.removeFilter(quiet)  # a no-op when not added

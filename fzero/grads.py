@@ -165,7 +165,7 @@ def _rank_grads(loss_fn: LossFn, state: TrainState, params: Sequence[torch.Tenso
     lay, traced, dtype, device = state.layout, comm.traced, state.precision.param_dtype, params[0].device
     names, train_slots = state.module.buffers, lay.trainable_slots
     swap_rng = bool(state.rng) and not traced
-    frozen = {s.path: f.to(compute_dtype(s, dtype)) for s, f in zip(lay.frozen_slots, frozen_params(state.shard, comm))}
+    frozen = {s.path: f.to(compute_dtype(s, dtype)) for s, f in frozen_params(state.shard, comm)}
     flat: list[list[torch.Tensor]] = [[] for _ in lay.groups]
     losses, new_rng, used = [], [], []
     new_buffers: list[list[torch.Tensor]] = [[] for _ in names]

@@ -1,9 +1,8 @@
-"""The host allocator's policy for large blocks: glibc's mmap and trim thresholds, pinned. glibc's dynamic mmap
-threshold rises to the largest block freed, so the 10-30 MiB blocks a step frees and allocates again come from the
-heap, which fragments: a 40.7M-parameter model's resident memory climbed 801 -> 1031 MiB over 200 steps, 326 -> 337
-MiB with it pinned at 4 MiB (``design.md``). :func:`tune_host_allocator`, called once by a CPU training program, pins
-it and the trim threshold, unless the environment chose; fzero itself never changes this process setting.
-:func:`large_pages` says whether large tensors get transparent huge pages (the launch's environment decides).
+"""The host allocator's policy for large blocks. glibc's dynamic mmap threshold rises to the largest block freed, so
+a step's 10-30 MiB blocks come from the heap, which fragments (a 40.7M-parameter model: 801 -> 1031 MiB resident over
+200 steps; 326 -> 337 MiB pinned at 4 MiB, ``design.md``). :func:`tune_host_allocator`, called once by a CPU training
+program, pins it and the trim threshold unless the environment chose (fzero itself never does);
+:func:`large_pages` says whether large tensors get transparent huge pages.
 
 Imports: none of fzero.
 """

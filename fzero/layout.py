@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.utils._pytree as tp
@@ -350,17 +350,17 @@ def flat_grads(layout: Layout, grads: Any, rows: int) -> FlatGrads:
     return FlatGrads(layout.groups, [flatten_group(layout, g, leaves) for g in layout.groups])
 
 
-def param_tree(layout: Layout, flats: Sequence[torch.Tensor], frozen: Sequence[torch.Tensor],
+def param_tree(layout: Layout, flats: Sequence[torch.Tensor], frozen: Mapping[str, torch.Tensor],
                param_dtype: Optional[torch.dtype] = None) -> Any:
     """The parameters in the user's structure, each leaf ``[R, *shape]``: trainable ones view ``flats`` (one
-    ``[R, padded_numel]`` per flat group), frozen ones broadcast their copy in compute dtype."""
-    rows, frozen_iter = flats[0].shape[0] if flats else 1, iter(frozen)
+    ``[R, padded_numel]`` per flat group), frozen ones (``frozen[path]``, whole) broadcast in compute dtype."""
+    rows = flats[0].shape[0] if flats else 1
     leaves = []
     for s in layout.slots:
         if s.group >= 0:
             leaves.append(flats[s.group][:, s.offset:s.offset + s.numel].view(rows, *s.shape))
         else:
-            f = next(frozen_iter).to(compute_dtype(s, param_dtype))
+            f = frozen[s.path].to(compute_dtype(s, param_dtype))
             leaves.append(f.unsqueeze(0).expand(rows, *f.shape))
     return tp.tree_unflatten(leaves, layout.spec)
 

@@ -1,10 +1,8 @@
-"""Muon on flat shards: ``torch.optim.Muon`` for the matrices, ``torch.optim.AdamW`` for the rest, each matrix
-orthogonalized once in the world. Group 0 is Muon's (the matrices the ``matrices`` predicate picks), group 1 AdamW's,
-further groups the user's Muon groups. Momentum (and AdamW's moments) are sharded moments updated piece by piece. A
-matrix's Newton-Schulz input needs the whole matrix: an ``all_gather`` of the Muon shards in bfloat16 (exact: torch's
-iteration rounds its input to bfloat16), each matrix's owner (:func:`muon_owners`) orthogonalizes it, a
-``reduce_scatter(sum)`` of a buffer only owners wrote brings each rank its shard of every result, and each rank
-applies torch's decoupled weight decay and ``-adjusted_lr * O`` to its pieces. Eager only.
+"""Muon on flat shards: ``torch.optim.Muon`` for the matrices (group 0, and the user's groups 2...),
+``torch.optim.AdamW`` for the rest (group 1); moments are sharded, updated piece by piece. Newton-Schulz needs the
+whole matrix: an ``all_gather`` of the Muon shards in bfloat16 (exact: torch's iteration rounds its input to it), each
+matrix's owner (:func:`muon_owners`) orthogonalizes it, a ``reduce_scatter(sum)`` of a buffer only owners wrote brings
+each rank its shard of every result, to which it applies decoupled weight decay and ``-adjusted_lr * O``. Eager only.
 
 Imports: optim, torch_optim_rules, layout, comm.
 """
@@ -165,8 +163,8 @@ class Muon(ShardRule):
 
 
 def _scatter_into(out: torch.Tensor, offset: int, values: torch.Tensor) -> None:
-    """Write ``values`` at flat positions ``[offset, offset + len)`` of a flat buffer held rank-major as
-    ``out`` (``[W, shard_numel]``)."""
+    """Write ``values`` at flat positions ``[offset, offset + len)`` of a buffer held as ``out``
+    ``[W, shard_numel]``."""
     width = out.shape[1]
     lo, hi = offset, offset + values.numel()
     for q in range(lo // width, (hi - 1) // width + 1):
@@ -176,13 +174,10 @@ def _scatter_into(out: torch.Tensor, offset: int, values: torch.Tensor) -> None:
 
 def check_matrices(layout: Layout, groups: Sequence[FlatGroup]) -> None:
     """Raise ``ValueError`` naming the first parameter of a Muon group that is not 2-D."""
-    for g in groups:
-        for i in g.slots:
-            s = layout.slots[i]
-            if len(s.shape) != 2:
-                raise ValueError(
-                    f"muon: parameter {s.path} has shape {tuple(s.shape)}; Muon updates 2-D matrices only "
-                    "(route it to AdamW: leave it out of muon()'s matrices predicate)")
+    for s in (layout.slots[i] for g in groups for i in g.slots):
+        if len(s.shape) != 2:
+            raise ValueError(f"muon: parameter {s.path} has shape {tuple(s.shape)}; Muon updates 2-D matrices only "
+                             "(route it to AdamW: leave it out of muon()'s matrices predicate)")
 
 
 def _ns_cost(shape: tuple[int, ...]) -> int:
@@ -235,9 +230,8 @@ def muon(lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95, *,
     for k, v in defaults:
         _check_hyper(k, v, "muon")
     rest = ((_NotMatrix(matrices), dict(lr=aw["lr"], eps=aw["eps"], weight_decay=aw["weight_decay"])),)
-    probe = Muon(defaults)
-    named = _groups(rest, [k for k, _ in defaults], probe)
-    named = (dataclasses.replace(named[0], name="adamw"),)
-    return Muon(defaults, named + _groups(groups, [k for k, _ in defaults], probe), nesterov=nesterov,
+    probe, names = Muon(defaults), [k for k, _ in defaults]
+    named = (dataclasses.replace(_groups(rest, names, probe)[0], name="adamw"),)
+    return Muon(defaults, named + _groups(groups, names, probe), nesterov=nesterov,
                 ns_coefficients=tuple(float(c) for c in ns_coefficients), ns_steps=int(ns_steps),
                 adjust_lr_fn=adjust_lr_fn)

@@ -1,7 +1,6 @@
-"""The update-rule protocol on flat shards, and the built-in rules :class:`SGD` and :class:`Adam` (``torch.optim``'s).
-
-An :class:`Optimizer` is hashable configuration plus a pure elementwise update of a flat shard (else a
-:class:`ShardRule`); :class:`OptState` holds what changes, hyperparameters as 0-d float64 tensors (no recompiles).
+"""The update-rule protocol on flat shards, and the built-in :class:`SGD` and :class:`Adam` (``torch.optim``'s). An
+:class:`Optimizer` is hashable configuration plus a pure elementwise update of a flat shard (else a :class:`ShardRule`);
+:class:`OptState` holds what changes, hyperparameters as 0-d float64 tensors (no recompiles).
 
 Imports: pytree.
 """

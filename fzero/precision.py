@@ -1,8 +1,6 @@
-"""The mixed-precision policy (after FSDP2's ``MixedPrecisionPolicy``). Three dtypes meet in a step: the *master* copy
-the optimizer updates (float32; float64 for float64 parameters), the *compute* dtype parameters are gathered and run in
-(``param_dtype``), and the dtype gradients are reduced in (``reduce_dtype``); frozen parameters are held in
-``frozen_dtype``. Parameters of ``keep_dtype`` module classes (BatchNorm by default) compute in their own dtype, as
-FSDP1 and autocast keep BatchNorm in float32: torch's ``batch_norm`` rejects 16-bit weights with float32 statistics.
+"""The mixed-precision policy (after FSDP2's ``MixedPrecisionPolicy``): the *master* copy the optimizer updates
+(float32; float64 for float64 parameters), the *compute* dtype parameters are gathered and run in (``param_dtype``),
+the dtype gradients are reduced in (``reduce_dtype``), and frozen parameters' ``frozen_dtype``.
 
 Imports: layout.
 """
@@ -27,12 +25,11 @@ class MixedPrecision:
     """``param_dtype``: compute dtype of gathered parameters (None: each parameter's own). ``reduce_dtype``: gradient
     communication dtype (None: the master dtype; fp16/bf16 use FSDP's pre/post-divide factors). ``keep_dtype``:
     ``nn.Module`` classes whose own parameters (not their submodules') compute in their own dtype when ``param_dtype``
-    is set (default every ``_BatchNorm``; ``()``: none); their gradients are reduced in ``reduce_dtype`` as any other.
-    ``frozen_dtype``: the dtype frozen parameters are held in (None: their own; ``keep_dtype`` ones keep theirs),
-    rounded to it once at init; a module's frozen parameters then hold the state's copy. Meant equal to ``param_dtype``:
-    held once as they compute, no cast per step (bf16: half fp32's bytes, as QLoRA-style fine-tuning holds its base);
-    another compute dtype casts them all at each step's start. ``TypeError``: a non-floating dtype, or ``keep_dtype``
-    not a tuple of classes."""
+    is set (default every ``_BatchNorm``, as FSDP1 and autocast: torch's ``batch_norm`` rejects 16-bit weights with
+    float32 statistics; ``()``: none); their gradients are reduced in ``reduce_dtype``. ``frozen_dtype``: the dtype
+    frozen parameters are held in (None: their own; ``keep_dtype`` ones keep theirs), rounded once at init; meant equal
+    to ``param_dtype`` (bf16 holds half fp32's bytes, as QLoRA's base; another compute dtype casts them at each step).
+    ``TypeError``: a non-floating dtype, or ``keep_dtype`` not a tuple of classes."""
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
@@ -45,9 +42,8 @@ class MixedPrecision:
             if v is not None and v not in _FLOATING:
                 raise TypeError(f"MixedPrecision.{name} must be a floating dtype or None, got {v}")
         if isinstance(self.keep_dtype, type) or not isinstance(self.keep_dtype, (tuple, list)):
-            raise TypeError(
-                f"MixedPrecision.keep_dtype must be a tuple of nn.Module classes, got {self.keep_dtype!r} "
-                "(one class: keep_dtype=(cls,))")
+            raise TypeError(f"MixedPrecision.keep_dtype must be a tuple of nn.Module classes, got {self.keep_dtype!r} "
+                            "(one class: keep_dtype=(cls,))")
         for c in self.keep_dtype:
             if not (isinstance(c, type) and issubclass(c, torch.nn.Module)):
                 raise TypeError(f"MixedPrecision.keep_dtype: {c!r} is not an nn.Module class")
@@ -80,13 +76,12 @@ class MixedPrecision:
             elif isinstance(m, _BatchNorm) and any(p.dtype != dtype for _, p in own):
                 stats = [b for b in (m.running_mean, m.running_var) if b is not None]
                 if any(b.dtype != dtype for b in stats):
-                    raise ValueError(
-                        f"MixedPrecision({dtype}): {name or 'the model'} is a "
-                        f"{type(m).__name__} whose running statistics are {stats[0].dtype}; torch's batch_norm "
-                        f"rejects {dtype} weights with {stats[0].dtype} statistics (\"expected scalar "
-                        "type\"). Keep BatchNorm in its own dtype: MixedPrecision(..., keep_dtype=(torch.nn."
-                        "modules.batchnorm._BatchNorm,)), the default, or convert its buffers to "
-                        f"{dtype} yourself")
+                    raise ValueError(f"MixedPrecision({dtype}): {name or 'the model'} is a {type(m).__name__} whose "
+                                     f"running statistics are {stats[0].dtype}; torch's batch_norm rejects {dtype} "
+                                     f"weights with {stats[0].dtype} statistics (\"expected scalar type\"). Keep "
+                                     "BatchNorm in its own dtype: MixedPrecision(..., keep_dtype=(torch.nn.modules."
+                                     f"batchnorm._BatchNorm,)), the default, or convert its buffers to {dtype} "
+                                     "yourself")
         return kept.__contains__ if kept else None
 
 

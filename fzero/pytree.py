@@ -1,10 +1,6 @@
-"""Registration of fzero's immutable states as pytree nodes.
-
-A state class is a frozen dataclass whose *data* fields (tensors, or containers of them) are the
-pytree children and whose *meta* fields (hashable static configuration) live in the tree structure.
-It is registered with ``optree`` under :data:`NAMESPACE` (``optree.tree_map(f, state,
-namespace=fzero.NAMESPACE)``) and with ``torch.utils._pytree`` (for dynamo, ``torch.export`` and
-``torch.distributed.checkpoint``). A flatten/unflatten round trip keeps every meta field.
+"""Registration of fzero's immutable states as pytree nodes: frozen dataclasses whose *data* fields (tensors, or
+containers of them) are the children and whose *meta* fields (hashable static configuration) live in the structure,
+registered with ``optree`` under :data:`NAMESPACE` and with ``torch.utils._pytree`` (dynamo, ``torch.export``, DCP).
 
 Imports: none of fzero.
 """
@@ -31,9 +27,8 @@ def static_field(**kwargs: Any) -> Any:
 
 
 def pytree_dataclass(cls: type[T]) -> type[T]:
-    """Make ``cls`` a frozen dataclass and register it as a pytree node: fields declared with
-    :func:`static_field` are metadata, the others children, in declaration order.
-    ``obj.replace(**changes)``: a copy with fields changed (as flax's states)."""
+    """Make ``cls`` a frozen dataclass registered as a pytree node: :func:`static_field` fields are metadata, the others
+    children, in declaration order. ``obj.replace(**changes)``: a copy with fields changed (as flax's)."""
     cls.replace = replace  # type: ignore[attr-defined]
     cls = dataclasses.dataclass(frozen=True)(cls)
     fields = dataclasses.fields(cls)
@@ -57,15 +52,11 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
         return [(torch_pytree.GetAttrKey(n), c) for n, c in zip(data, children)], metadata
 
     torch_pytree.register_pytree_node(
-        cls,
-        torch_flatten,
-        lambda children, metadata: unflatten(metadata, children),
-        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
-        flatten_with_keys_fn=torch_flatten_with_keys,
+        cls, torch_flatten, lambda children, metadata: unflatten(metadata, children),
+        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}", flatten_with_keys_fn=torch_flatten_with_keys,
         # metadata JSON can hold serialises; richer metadata (a Layout) raises here, at save time
         to_dumpable_context=lambda metadata: json.dumps(list(metadata)),
-        from_dumpable_context=lambda text: tuple(json.loads(text)),
-    )
+        from_dumpable_context=lambda text: tuple(json.loads(text)))
     return cls
 
 

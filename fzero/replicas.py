@@ -1,10 +1,8 @@
-"""Cross-rank agreement of everything a training state keeps replicated.
-
-Replicas drift silently (nondeterministic kernels, bit flips, another checkpoint loaded). Each rank hashes
-what must be identical on every rank (:func:`replica_items`) and one small collective compares the hashes:
-:func:`replicas_differ` is pure tensor code (no host sync, ``fullgraph=True``), :func:`check_replicas` is eager
-and names what differs where. States are duck-typed (``shard``, ``opt``, ``scaler``, ``params``, optionally
-``precision``, ``buffers``, ``rng``, ``module``) and of the same structure on every rank.
+"""Cross-rank agreement of everything a training state keeps replicated (replicas drift silently: nondeterministic
+kernels, bit flips, another checkpoint loaded). Each rank hashes what must be identical (:func:`replica_items`) and one
+small collective compares the hashes: :func:`replicas_differ` is pure tensor code (no host sync, ``fullgraph=True``),
+:func:`check_replicas` eager and names what differs where. States are duck-typed (``shard``, ``opt``, ``scaler``,
+``params``, optionally ``precision``, ``buffers``, ``rng``, ``module``), of one structure on every rank.
 
 Imports: comm.
 """
@@ -34,8 +32,7 @@ _SCALER_STATIC = ("growth_factor", "backoff_factor", "growth_interval", "min_sca
 
 
 class ReplicaDivergenceError(ValueError):
-    """Ranks hold different values of something that must be replicated; ``differences``: one
-    :class:`Divergence` per item that differs."""
+    """Ranks hold different values of something replicated; ``differences``: a :class:`Divergence` per item."""
 
     def __init__(self, message: str, differences: Sequence["Divergence"] = ()):
         super().__init__(message)
@@ -258,8 +255,7 @@ def digest_parts(state: Any, comm: Communicator, *, buffers: Policy = "local", r
 
 
 def parts_differ(summed: torch.Tensor, world_size: int) -> torch.Tensor:
-    """0-d bool: the ranks' :func:`digest_parts` differed, given their sum over ranks ``[c]``.
-    ``ValueError`` beyond 1448 ranks."""
+    """0-d bool: the ranks' :func:`digest_parts` (``summed`` over ranks) differed. ``ValueError`` past 1448 ranks."""
     if world_size > 1448:
         raise ValueError("parts_differ: 16-bit digests are exact up to 1448 ranks")
     k = summed.shape[-1] // 2

@@ -1,11 +1,9 @@
-"""Randomness as state: one generator state per rank, derived from one user seed. ``init_train_state(..., seed=s)``
-gives rank ``r`` the state of ``torch.Generator().manual_seed(rank_seed(s, r))`` on the parameters' device, carried in
-``TrainState.rng`` as ``[R, n]`` uint8. Eagerly the step installs rank ``r``'s state in the device's default generator
-for that rank's forward and backward (dropout, checkpointing's recompute), keeps the state it leaves and restores the
-caller's: a rank's masks depend only on ``(s, r)`` and the draws before them, in a simulated world, on real ranks and
-in plain torch seeded with ``rank_seed(s, r)``. Dynamo cannot trace ``set_rng_state``, so a compiled step installs row
-0's state around the compiled call: exact on a real rank (inductor draws its own masks from it); in a compiled
-simulated world every rank draws from that one stream (fzero warns).
+"""Randomness as state: ``init_train_state(..., seed=s)`` gives rank ``r`` the state of
+``torch.Generator().manual_seed(rank_seed(s, r))`` on the parameters' device, in ``TrainState.rng`` (``[R, n]``
+uint8). Eagerly the step installs rank ``r``'s state for that rank's forward and backward and keeps what it leaves: a
+rank's masks depend only on ``(s, r)`` and the draws before them, in a simulated world, on real ranks and in plain
+torch. Dynamo cannot trace ``set_rng_state``: a compiled step installs row 0's state around the call (exact on a real
+rank; in a compiled simulated world every rank draws from that one stream, and fzero warns).
 
 Imports: none of fzero.
 """
@@ -22,8 +20,7 @@ __all__ = ["rank_seed", "init_rng", "rank_rng", "get_rng_state", "set_rng_state"
 
 
 def rank_seed(seed: int, rank: int) -> int:
-    """The seed of rank ``rank``'s generator for the user seed ``seed`` (a 63-bit int): a plain torch
-    process seeded with ``torch.manual_seed(rank_seed(seed, rank))`` draws what fzero's rank draws."""
+    """Rank ``rank``'s generator seed (63 bits) for the user seed ``seed``, as ``torch.manual_seed`` takes it."""
     if not (isinstance(seed, int) and isinstance(rank, int) and rank >= 0):
         raise ValueError(f"rank_seed: seed must be an int and rank a non-negative int, got {seed!r}, {rank!r}")
     digest = hashlib.sha256(f"fzero:{seed}:{rank}".encode()).digest()

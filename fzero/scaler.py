@@ -1,10 +1,6 @@
-"""Dynamic loss scaling as pure functions on an immutable :class:`ScalerState`.
-
-The rule is ``torch.amp.GradScaler``'s (CPU kernel ``_amp_update_scale_``), bit for bit, plus
-DeepSpeed's floor (``min_scale``) and hysteresis. Every value that changes between steps is a 0-d
-tensor, so a compiled step never recompiles nor syncs with the host. :func:`scale` multiplies the
-loss, :func:`unscale_and_check` unscales the gradients and agrees across ranks on skipping the
-step, :func:`update_scale` is the scale's rule.
+"""Dynamic loss scaling as pure functions on an immutable :class:`ScalerState`: ``torch.amp.GradScaler``'s rule (CPU
+kernel ``_amp_update_scale_``) bit for bit, plus DeepSpeed's floor (``min_scale``) and hysteresis. What changes between
+steps is a 0-d tensor: a compiled step never recompiles nor syncs with the host.
 
 Imports: comm, layout, pytree.
 """
@@ -130,17 +126,14 @@ class Checked(tuple):
 def unscale_and_check(scaler: ScalerState, grads: Any, comm: Communicator, *, clip_norm: Optional[float] = None,
                       losses: Optional[torch.Tensor] = None, used: Optional[torch.Tensor] = None,
                       riders: Optional[torch.Tensor] = None, in_place: bool = False) -> Checked:
-    """Unscale gradients (a tree of floating ``[R, ...]`` tensors) and agree across ranks on whether the step must be
-    skipped. Each is multiplied by ``1/scale`` (float64 reciprocal rounded to float32, as ``torch.amp``) in float32
-    (float64 for fp64) and rounded back to its dtype.
-
-    Alone it is ``GradScaler``'s check: per-element ``found_inf`` agreed by one ``all_reduce(max)`` of ``R`` flags. The
+    """Unscale gradients (a tree of floating ``[R, ...]`` tensors: each times ``1/scale``, the float64 reciprocal
+    rounded to float32 as ``torch.amp``, in float32 (fp64: float64), back in its dtype) and agree across ranks on
+    skipping the step. Alone: ``GradScaler``'s per-element ``found_inf``, one ``all_reduce(max)`` of ``R`` flags. The
     step's form (any of ``clip_norm``, ``losses`` ``[R]``, ``used`` ``[R, T]``, ``riders`` ``[R, k]``; ``grads`` this
     rank's disjoint shards): one ``all_reduce(sum)`` of ``[R, 2 + T + k]`` float64 (:func:`local_sq_norm`, loss, used
-    flags, riders); ``found_inf`` when the agreed norm is not finite; then one pass multiplies by ``1/scale`` times
-    ``clip_grad_norm_``'s ``min(1, clip_norm / (norm + 1e-6))`` of the unscaled norm. ``in_place``: the caller owns the
-    gradients, scaled in place eagerly. ``ValueError`` for an empty tree or a missing local-rank axis, ``TypeError`` for
-    a non-floating leaf."""
+    flags, riders), ``found_inf`` if the norm is not finite, and one pass times ``1/scale`` and ``clip_grad_norm_``'s
+    ``min(1, clip_norm / (norm + 1e-6))``. ``in_place``: the caller owns the gradients (scaled in place eagerly).
+    ``ValueError``: an empty tree or no local-rank axis; ``TypeError``: a non-floating leaf."""
     leaves_with_path, spec = tp.tree_flatten_with_path(grads)
     if not leaves_with_path:
         raise ValueError("unscale_and_check: the gradient tree has no tensors")
@@ -175,13 +168,11 @@ def unscale_and_check(scaler: ScalerState, grads: Any, comm: Communicator, *, cl
 
 
 def update_scale(scaler: ScalerState, found_inf: torch.Tensor) -> ScalerState:
-    """The next scaler state after a step with ``found_inf`` (0-d, agreed across ranks).
-
-    ``GradScaler.update``: on overflow ``scale *= backoff_factor`` and the tracker resets; else the
-    tracker counts up and at ``growth_interval`` the scale is multiplied by ``growth_factor`` (kept
-    if finite) and the tracker resets; products in float64 rounded to float32, as the CPU kernel.
-    Then floored at ``min_scale``. With hysteresis ``h`` an overflow first spends one of ``h - 1``
-    tolerated overflows (the scale holds); growth refills them. Branch-free; no sync, no collective."""
+    """The next scaler state after a step with ``found_inf`` (0-d, agreed across ranks), as ``GradScaler.update``: on
+    overflow ``scale *= backoff_factor`` and the tracker resets; else the tracker counts up and at ``growth_interval``
+    the scale grows by ``growth_factor`` (kept if finite) and the tracker resets; products in float64 rounded to
+    float32. Then floored at ``min_scale``. With hysteresis ``h`` an overflow first spends one of ``h - 1`` tolerated
+    overflows (the scale holds); growth refills them. Branch-free; no sync, no collective."""
     if not scaler.dynamic:
         return scaler
     found = found_inf.to(torch.bool)

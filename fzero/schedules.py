@@ -1,7 +1,6 @@
-"""Hyperparameter schedules: functions of the optimizer's step count (0-d int64: updates applied) to a 0-d float64
-tensor, in tensor arithmetic and ``torch.where`` only, so a compiled step evaluates them in its graph and never
-recompiles. Skipped (overflow) steps do not advance the count, nor the schedules (as DeepSpeed).
-:func:`apply_schedules` sets an :class:`~fzero.optim.OptState`'s scheduled hyperparameters (the step calls it first).
+"""Hyperparameter schedules: functions of the optimizer's step count (0-d int64: updates applied, so skipped steps do
+not advance them, as DeepSpeed) to a 0-d float64 tensor, in tensor arithmetic and ``torch.where`` only: a compiled step
+evaluates them in its graph, never recompiling. :func:`apply_schedules` sets an ``OptState``'s scheduled values.
 
 Imports: pytree.
 """
@@ -89,18 +88,17 @@ def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, final: float
 
 
 def apply_schedules(opt: Any, schedules: Mapping[str, Schedule]) -> Any:
-    """``opt`` (an :class:`~fzero.optim.OptState`) with its hyperparameters set from its step count by
-    ``schedules`` (``{hyperparameter: schedule}``): group 0 takes ``schedule(step)``, a group whose base
-    value differs takes it times ``base_group / base_default`` (as ``LambdaLR``). ``ValueError``
-    names a hyperparameter the rule does not have. No collective."""
+    """``opt`` (an :class:`~fzero.optim.OptState`) with its hyperparameters set from its step count by ``schedules``
+    (``{hyperparameter: schedule}``): group 0 takes ``schedule(step)``, a group whose base value differs that times
+    ``base_group / base_default`` (as ``LambdaLR``). ``ValueError`` names a hyperparameter the rule lacks. No
+    collective."""
     if not schedules:
         return opt
     hyper = [dict(h) for h in opt.hyper]
     for name, schedule in schedules.items():
         if name not in hyper[0]:
-            raise ValueError(
-                f"schedules: {opt.optimizer.name} has no hyperparameter {name!r}; expected one of {sorted(hyper[0])}"
-            )
+            raise ValueError(f"schedules: {opt.optimizer.name} has no hyperparameter {name!r}; "
+                             f"expected one of {sorted(hyper[0])}")
         value = schedule(opt.step).to(torch.float64).reshape(())
         base0 = opt.optimizer.hyperparams(0)[name]
         for i, h in enumerate(hyper):

@@ -1,11 +1,9 @@
-"""Profiler scopes that name the buffers a step allocates for itself: an eager step allocates its transient buffers
-inside ``torch.profiler.record_function`` scopes named here, so a memory census (:class:`fzero.testing.census.Census`,
-or any trace with ``profile_memory=True``) tells them from activations and autograd's gradients and checks
-:func:`fzero.memory.memory_report`'s prediction. ``fzero::grad_buckets`` (stages 1-2): the buckets gradients are
-copied into in backward; ``fzero::grad_reduction``: the gradient collectives' buffers (averaged shards, receive
-buffers, stacked rows); ``fzero::gather`` (stage 3): what is sent, received and copied to gather a unit's parameters
-for its forward and backward, prefetches included; ``fzero::update``: norm, unscale, clip, the optimizer step and
-stages 1-2's parameter all-gather. A traced step enters none (a compiled graph's allocations are its own).
+"""``record_function`` scopes an eager step allocates its own transient buffers in, so a memory census
+(:class:`fzero.testing.census.Census`, any ``profile_memory=True`` trace) tells them from activations and checks
+:func:`fzero.memory.memory_report`. ``fzero::grad_buckets`` (stages 1-2): backward's gradient buckets;
+``fzero::grad_reduction``: the gradient collectives' buffers; ``fzero::gather`` (stage 3): gathering a unit's
+parameters, prefetches included; ``fzero::update``: norm, unscale, clip, the optimizer step and stages 1-2's
+all-gather. A traced step enters none.
 
 Imports: none of fzero.
 """

@@ -9,13 +9,13 @@ Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.optim``, ``fzero.pytree``, ``
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from .comm import Communicator, gradient_divide_factors
-from .layout import (FlatGrads, FlatGroup, Layout, build_layout, compute_dtype, flat_grads, flat_shard, group_views,
-                     named_leaves, param_tree, shard_pieces, stack_rows, trainable_index)
+from .layout import (FlatGrads, FlatGroup, Layout, ParamSlot, build_layout, compute_dtype, flat_grads, flat_shard,
+                     group_views, named_leaves, param_tree, shard_pieces, stack_rows, trainable_index)
 from .optim import OptState, Optimizer, Update, check_compilable, init_scalars, init_vectors, vector_dtype
 from .pytree import pytree_dataclass, replace, static_field
 from .scaler import local_sq_norm
@@ -82,16 +82,15 @@ def frozen_rows(layout: Layout, leaves: Sequence[Optional[torch.Tensor]], ranks:
     return tuple(whole(leaves[i]) for i, s in enumerate(layout.slots) if s.group < 0)
 
 
-def frozen_params(shard: ShardState, comm: Communicator) -> list[torch.Tensor]:
-    """Every frozen parameter whole (``[*shape]``, the dtype it is held in), in layout order: at stage 3 gathered,
-    one ``all_gather`` per frozen group."""
+def frozen_params(shard: ShardState, comm: Communicator) -> Iterator[tuple[ParamSlot, torch.Tensor]]:
+    """``(slot, whole tensor)`` of every frozen parameter, in the dtype it is held in: at stage 3 gathered lazily, one
+    ``all_gather`` per frozen group (one group's buffer live at a time if the caller keeps no views)."""
     lay = shard.layout
     if not lay.frozen_groups:
-        return list(shard.frozen)
-    whole = {}
+        yield from zip(lay.frozen_slots, shard.frozen)
     for g, f in zip(lay.frozen_groups, shard.frozen):
-        whole.update(zip(g.slots, group_views(lay, g, all_gather_params(shard, comm, f.dtype, groups=(g,))[0][0])))
-    return [whole[i] for i, s in enumerate(lay.slots) if s.group < 0]
+        flat = all_gather_params(shard, comm, f.dtype, groups=(g,))[0][0]
+        yield from zip((lay.slots[i] for i in g.slots), group_views(lay, g, flat))
 
 
 def check_world(shard: ShardState, comm: Communicator) -> None:
@@ -205,7 +204,8 @@ def full_params(shard: ShardState, comm: Communicator, dtype: Optional[torch.dty
     """Every parameter in the model's structure, each leaf ``[R, *shape]`` in ``dtype`` (:func:`all_gather_params`'
     buffers viewed per parameter; frozen ones broadcast views of their replicated copy). For exports, tests and
     evaluation."""
-    return param_tree(shard.layout, all_gather_params(shard, comm, dtype), frozen_params(shard, comm), dtype)
+    frozen = {s.path: f for s, f in frozen_params(shard, comm)}
+    return param_tree(shard.layout, all_gather_params(shard, comm, dtype), frozen, dtype)
 
 
 def global_norm(grads: Sequence[torch.Tensor], comm: Communicator) -> torch.Tensor:

@@ -1,9 +1,6 @@
-"""The training step: :func:`make_train_step`, fzero's public pieces composed, and its wrappers. :func:`train_step` is
-the composition, as ``examples/compose_by_hand.py`` writes it out: per micro-batch :func:`fzero.loss_grads` (the loss
-:func:`fzero.scale`-d, each bucket handed to :func:`fzero.reduce_scatter_grads` as backward completes it), then
-:func:`fzero.unscale_and_check`, :func:`fzero.shard_step`, :func:`fzero.all_gather_params`,
-:func:`fzero.update_scale`. Its wrappers change no numbers: :func:`fzero.compiled.bind_step`,
-:func:`checking_replicas`, :func:`donating`, :func:`naming_step`.
+"""The training step: :func:`make_train_step`, fzero's public pieces composed (:func:`train_step`, as
+``examples/compose_by_hand.py`` writes it out), and its wrappers, which change no numbers:
+:func:`fzero.compiled.bind_step`, :func:`checking_replicas`, :func:`donating`, :func:`naming_step`.
 
 Imports: comm, compiled, grads, module, replicas, scaler, schedules, sharding, state.
 """
@@ -69,14 +66,13 @@ def make_train_step(loss_fn: LossFn, comm: Communicator, *, stage: Optional[int]
                     broadcast_buffers: bool = True, check_replicas_every: int = 0, replica_check: str = "raise",
                     unused: str = "skip") -> StepFn:
     """A step ``(state, batch) -> (state, metrics)`` for the ZeRO stage the state was built for.
-
     ``loss_fn(params, batch)``: a 0-d loss for one rank's micro-batch, ``params`` in the structure given to
     :func:`~fzero.state.init_train_state` (stage 3: a :func:`fzero.module_loss`). ``batch``: leaves ``[R, ...]``
     (``comm.split_batch``); with ``accum_steps=K``, ``[R, K, ...]``: the K micro-batches' gradients averaged, one
     optimizer step (stage 1, and 2 with ``defer_reduce``, reduce once). ``stage``: optional, checked against the
-    state's. ``clip_norm``: the global norm clipped as ``clip_grad_norm_`` does. ``schedules``: ``{hyperparameter:
-    schedule(step)}``, evaluated inside the step (other groups get the value scaled by their ratio to the default).
-    ``donate=True``: shards and moments updated in place, the given state consumed (using it again raises
+    state's. ``clip_norm``: the global norm clipped as ``clip_grad_norm_`` does. ``schedules``:
+    ``{hyperparameter: schedule(step)}``, evaluated inside the step (other groups get the value scaled by their ratio to
+    the default). ``donate=True``: shards and moments updated in place, the given state consumed (using it again raises
     ``ValueError``). ``compile``: ``True`` or torch.compile's ``backend``/``mode``/``options``. ``broadcast_buffers``
     (DDP's default): every rank's forward starts from rank 0's module buffers. ``check_replicas_every=N``: a digest of
     what ranks must hold alike rides on the step's all-reduce (``metrics["replicas_differ"]``);
@@ -114,8 +110,8 @@ def make_train_step(loss_fn: LossFn, comm: Communicator, *, stage: Optional[int]
 def train_step(loss_fn: LossFn, *, stage: Optional[int] = None, clip_norm: Optional[float] = None, accum_steps: int = 1,
                defer_reduce: bool = False, schedules: Optional[Mapping[str, Schedule]] = None, donate: bool = False,
                broadcast_buffers: bool = True, check_replicas: bool = False, unused: str = "skip") -> ComposedStep:
-    """The composition :func:`make_train_step` runs, ``(state, batch, comm, workspace) -> (state, metrics)``,
-    for :func:`fzero.bind_step`; options as there (``check_replicas``: ``metrics["replicas_differ"]``)."""
+    """The composition :func:`make_train_step` runs, ``(state, batch, comm, workspace) -> (state, metrics)``, for
+    :func:`fzero.bind_step`; options as there (``check_replicas``: ``metrics["replicas_differ"]``)."""
     schedules, K = dict(schedules or {}), accum_steps
 
     def step(state: TrainState, batch: Any, comm: Communicator, workspace: Workspace) -> tuple[TrainState, dict]:

@@ -1,8 +1,7 @@
-"""Any per-element ``torch.optim`` class as an fzero update rule, run on the shards.
-
-:func:`from_torch_optim` wraps a class (as ``ZeroRedundancyOptimizer(optimizer_class=...)`` does) and runs its
-``step()`` on views of this rank's shards, one torch "parameter" per parameter piece, its state injected. Per
-parameter, shaped state is a (sharded) moment, 0-d state a scalar, ``step`` its own step count. Eager only.
+"""Any per-element ``torch.optim`` class as an fzero update rule: :func:`from_torch_optim` wraps a class (as
+``ZeroRedundancyOptimizer(optimizer_class=...)``) and runs its ``step()`` on views of this rank's shards, one torch
+"parameter" per parameter piece, its state injected: shaped state a (sharded) moment, 0-d state a scalar, ``step`` the
+parameter's own step count. Eager only.
 
 Imports: optim, layout, adafactor_rules.
 """
@@ -62,7 +61,6 @@ def update_by_piece(rule: "TorchOptimRule", layout: Layout, group: FlatGroup, p:
 @dataclasses.dataclass(frozen=True)
 class TorchOptimRule(ShardRule):
     """A ``torch.optim`` class run on each parameter's piece of the shards (built by :func:`from_torch_optim`).
-
     ``static``: the other constructor arguments, sorted; ``tuples``: tuple hyperparameters ``(name, length)``
     (:func:`tuple_names`); ``state``: ``(key, "element" | "scalar" | "step")`` as probed; ``scalar_dtype``: the dtype of
     0-d state tensors (``None``: Python numbers)."""
@@ -93,7 +91,6 @@ class TorchOptimRule(ShardRule):
         if value != value:
             raise ValueError(f"{where}: invalid {name} {value}")
 
-    # these two stay here, not in fzero.checkpoint.torch_optim: the rule's own step builds the class from them
     def torch_kwargs(self, hyper: Mapping[str, Any]) -> dict[str, Any]:
         """The class's constructor arguments: static ones, ``hyper`` as floats (CPU: no sync), tuples rebuilt."""
         values = {k: float(v) for k, v in hyper.items()}
@@ -163,13 +160,15 @@ def tuple_names(key: str, n: int) -> tuple[str, ...]:
 
 def _split(cls: type, values: Mapping[str, Any]
            ) -> tuple[list[tuple[str, float]], list[tuple[str, int]], list[tuple[str, Any]]]:
-    """The constructed class's defaults as (hyperparameters, tuples, static arguments)."""
+    """The constructed class's defaults its constructor takes (AdamW records Adam's ``decoupled_weight_decay``) as
+    (hyperparameters, tuples, static arguments)."""
+    params = inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
     # arguments annotated as floats are hyperparameters even given as ints (``weight_decay: float = 0``)
-    floats = {name for name, p in inspect.signature(cls.__init__).parameters.items()
-              if "float" in str(p.annotation) or isinstance(p.default, float)}
+    floats = {name for name, p in params.items() if "float" in str(p.annotation) or isinstance(p.default, float)}
     hyper, tuples, static = [], [], []
     for key, v in values.items():
-        if key == "params":
+        if key == "params" or not (takes_any or key in params):
             continue
         if isinstance(v, torch.Tensor) and v.numel() == 1:
             v = float(v)
@@ -187,14 +186,6 @@ def _split(cls: type, values: Mapping[str, Any]
                                  "static configuration") from None
             static.append((key, v))
     return hyper, tuples, sorted(static)
-
-
-def _constructor_arguments(cls: type, defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``defaults`` entries ``cls``'s constructor takes (AdamW records Adam's ``decoupled_weight_decay``)."""
-    params = inspect.signature(cls.__init__).parameters
-    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        return dict(defaults)
-    return {k: v for k, v in defaults.items() if k in params}
 
 
 def probe_state(cls: type, kwargs: Mapping[str, Any]) -> tuple[tuple[tuple[str, str], ...], Optional[torch.dtype]]:
@@ -246,8 +237,7 @@ def from_torch_optim(optimizer_class: type, *, groups: Sequence[GroupSpec] = (),
     if optimizer_class is getattr(torch.optim, "Adafactor", None):  # factored and norm-based: fzero's own rule
         return adafactor(groups=groups, **kwargs)
     state, dtype = probe_state(optimizer_class, kwargs)
-    constructed = _constructor_arguments(optimizer_class, optimizer_class([torch.zeros(1)], **kwargs).defaults)
-    hyper, tuples, static = _split(optimizer_class, constructed)
+    hyper, tuples, static = _split(optimizer_class, optimizer_class([torch.zeros(1)], **kwargs).defaults)
     rule = TorchOptimRule(tuple(hyper), (), torch_cls=optimizer_class, static=tuple(static),
                           tuples=tuple(tuples), state=state, scalar_dtype=dtype)
     return dataclasses.replace(rule, groups=_groups(groups, [k for k, _ in hyper], rule))

@@ -385,3 +385,28 @@ def test_stage3_frozen_base_checkpoint_moves_between_stages_and_worlds(tmp_path)
     loaded, _ = fzero.load_checkpoint(tmp_path / "s2", template, comm)
     got = fzero.checkpoint.export_model_state_dict(loaded, comm)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_stage3_lora_from_pretrained_streams_into_shards(tmp_path):
+    """A meta-device peft LoRA model filled from a safetensors file at stage 3: the frozen base and the adapters go
+    straight into this process's shards (census peak within what the state holds + one tensor + the mapped file),
+    and the state equals one built from the eager model."""
+    from safetensors.torch import save_file
+
+    from fzero.testing import Census
+
+    eager = um.lora("llama")
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.detach().contiguous() for k, v in eager.state_dict().items()}, str(path))
+    tensor = max(t.numel() * t.element_size() for t in eager.state_dict().values())
+    comm = fzero.SimulatedWorld(2)
+    ref = fzero.init_train_state(eager, _fzero_adamw(), comm, stage=3, seed=None)
+    with torch.device("meta"):
+        meta = um.lora("llama")
+    with Census() as census:
+        state = fzero.init_train_state(meta, _fzero_adamw(), comm, stage=3, init=fzero.pretrained(path), seed=None)
+    print(f"peak {census.peak_bytes} B, end {census.end_bytes} B, tensor {tensor} B, file {path.stat().st_size} B")
+    assert census.peak_bytes <= census.end_bytes + tensor + path.stat().st_size
+    assert [tuple(f.shape) for f in state.shard.frozen] == [(2, g.shard_numel) for g in state.layout.frozen_groups]
+    assert all(torch.equal(a, b) for a, b in zip(state.shard.frozen, ref.shard.frozen))
+    assert all(torch.equal(a, b) for a, b in zip(state.shard.master, ref.shard.master))

@@ -1,11 +1,9 @@
-"""Checkpoints of a :class:`~fzero.state.TrainState` with ``torch.distributed.checkpoint`` (DCP), their verification
-and consolidation without the training job, and interchange with ``torch.optim`` state dicts. Modules: :mod:`.saveload`
-(save and load), :mod:`.planners` (DCP planners for uneven 1-D pieces, the calls into DCP), :mod:`.metadata` (DCP's
-``.metadata`` read without running code, and checked), :mod:`.checksums` (a CRC-32 of every record), :mod:`.manifest`
-(what must agree between a checkpoint and a state), :mod:`.publish` (atomic publication, ``LATEST``),
-:mod:`.torch_optim` (``torch.optim`` interchange), :mod:`.offline` (info, verify, consolidate in one process;
-``python -m fzero.checkpoint``). Every failure to read a checkpoint is a :class:`CheckpointError` (a ``ValueError``)
-naming the file and entry.
+"""Checkpoints of a :class:`~fzero.state.TrainState` with ``torch.distributed.checkpoint`` (DCP). Modules:
+:mod:`.saveload` (save, load), :mod:`.planners` (DCP planners, the calls into DCP), :mod:`.metadata` (``.metadata`` read
+without running code, checked), :mod:`.checksums` (a CRC-32 per record), :mod:`.manifest` (what a checkpoint and a
+state must agree on), :mod:`.publish` (atomic publication, ``LATEST``), :mod:`.torch_optim` (``torch.optim``
+interchange), :mod:`.offline` (info, verify, consolidate; ``python -m fzero.checkpoint``). Every failure to read a
+checkpoint is a :class:`CheckpointError` (a ``ValueError``) naming the file and entry.
 
 Imports: errors, manifest, offline, saveload, torch_optim, publish.
 """

@@ -1,10 +1,8 @@
 """Checksums of every record a checkpoint holds, taken while it is written and checked while it is read.
-
-:class:`ChecksumWriter` takes a CRC-32 of every record (tensor chunk or object entry) on its way to the file.
-``checksums.json`` binds each record's place, CRC, entry and chunk, the step and name, the SHA-256 of
-``.metadata`` (written last) and a CRC of all of it. :func:`open_checked`, :class:`VerifyingReader` and
-:func:`verify_checkpoint_dir` check them; failures are :class:`CheckpointCorruptError` naming the directory,
-data file and entry. CRC-32, the cheapest real checksum, guards against accidents, not an adversary.
+:class:`ChecksumWriter` takes a CRC-32 of every record on its way to the file; ``checksums.json`` binds each record's
+place, CRC, entry and chunk, the step and name, the SHA-256 of ``.metadata`` (written last) and a CRC of all of it.
+:func:`open_checked`, :class:`VerifyingReader` and :func:`verify_checkpoint_dir` check them (failures:
+:class:`CheckpointCorruptError` naming directory, data file, entry). CRC-32 guards against accidents, not an adversary.
 
 Imports: errors, metadata.
 """
@@ -215,8 +213,7 @@ class Checksums:
 
 @dataclasses.dataclass(frozen=True)
 class CheckedDir:
-    """A checkpoint directory whose metadata was read safely, checked and bound to its checksums (None:
-    saved before checksums existed)."""
+    """A checkpoint directory whose metadata was read safely, checked and bound to its checksums (None: none)."""
 
     dir: Path
     metadata: Metadata
@@ -224,8 +221,7 @@ class CheckedDir:
 
 
 def read_checksums(d: Path) -> Optional[Checksums]:
-    """``d/checksums.json``; None when there is none. A damaged checksum file is a corrupt checkpoint (its
-    own CRC covers every field)."""
+    """``d/checksums.json``, or None; damaged (its own CRC covers every field): a corrupt checkpoint."""
     if not (d / CHECKSUMS_FILE).exists():
         return None
     blob = read_bytes(d, CHECKSUMS_FILE)
@@ -384,8 +380,8 @@ def verify_checkpoint_dir(checked: CheckedDir) -> int:
 
 
 def check_decodes(checked: CheckedDir, record: Record, data: bytes) -> None:
-    """The record decodes as loading decodes it (``torch.load(weights_only=True)``), a tensor entry to a tensor
-    of its chunk's size and dtype: what loading would refuse, verifying refuses though the checksum matches."""
+    """The record decodes as loading decodes it (``torch.load(weights_only=True)``), a tensor entry to its chunk's size
+    and dtype: what loading would refuse, verifying refuses though the checksum matches."""
     entry = checked.metadata.state_dict_metadata[record.key]
     try:
         value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)

@@ -1,6 +1,5 @@
-"""The checkpoint errors. All are ``ValueError`` subclasses, so ``except Exception:`` sees every failure to
-read a checkpoint; DCP's ``CheckpointException`` (a ``BaseException``) is converted where DCP is called
-(:mod:`.planners`).
+"""The checkpoint errors, all ``ValueError`` subclasses (``except Exception:`` sees every failure to read a checkpoint;
+DCP's ``CheckpointException``, a ``BaseException``, is converted where DCP is called: :mod:`.planners`).
 
 Imports: none of fzero.
 """

@@ -75,7 +75,7 @@ def frozen_crcs(state: TrainState, comm: Communicator) -> dict[str, str]:
     """``{path: "dtype:crc32"}`` of each frozen parameter's bytes: what a checkpoint that leaves them out keeps.
     Stage 3: gathered (:func:`fzero.sharding.frozen_params`)."""
     return {s.path: f"{f.dtype}:{zlib.crc32(f.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()):08x}"
-            for s, f in zip(state.layout.frozen_slots, frozen_params(state.shard, comm))}
+            for s, f in frozen_params(state.shard, comm)}
 
 
 def persistent_buffers(state: TrainState) -> list[tuple[str, torch.Tensor]]:

@@ -1,10 +1,7 @@
-"""DCP's ``.metadata`` read without running code, and checked before anything trusts it.
-
-DCP pickles a checkpoint's index and loads it with ``pickle.load``: a downloaded checkpoint could run code.
-:func:`read_metadata` unpickles with an allow-list of exactly the types DCP's metadata is made of (as
-``torch.load(weights_only=True)`` does); :func:`check_metadata` then checks every value fzero and DCP read
-(chunks tile their tensor, one record per chunk in a plain data file, records do not overlap, no transforms).
-Failures are :class:`CheckpointCorruptError` naming the file and entry.
+"""DCP's ``.metadata`` read without running code (DCP's own ``pickle.load`` would run a downloaded checkpoint's), and
+checked before anything trusts it. :func:`read_metadata` unpickles with an allow-list of exactly the types DCP's
+metadata is made of; :func:`check_metadata` checks every value fzero and DCP read (chunks tile their tensor, one record
+per chunk in a plain data file, records do not overlap, no transforms). Failures: :class:`CheckpointCorruptError`.
 
 Imports: errors.
 """

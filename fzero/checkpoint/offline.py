@@ -1,8 +1,6 @@
-"""A checkpoint without the training job: its description, the check of every checksum, and its
-consolidation into plain ``torch`` state dicts (DeepSpeed's ``zero_to_fp32.py``).
-
-One process, no process group, no model code: the manifest says what the parameters are. Memory is bounded
-by the model: DCP reads one record at a time into the destinations, and each master is freed as it is cast.
+"""A checkpoint without the training job: its description, the check of every checksum, and its consolidation into
+plain ``torch`` state dicts (DeepSpeed's ``zero_to_fp32.py``). One process, no process group, no model code (the
+manifest says what the parameters are); memory bounded by the model (each master freed as it is cast).
 
 Imports: module, optim, checksums, errors, manifest, metadata, planners, saveload, torch_optim.
 """
@@ -93,10 +91,9 @@ def checkpoint_info(path: PathLike) -> dict[str, Any]:
 
 
 def verify_checkpoint(path: PathLike) -> int:
-    """Check the checkpoint at ``path`` as loading would, without a training state: its metadata (read
-    without running code) and its binding to the checksum file, every record's checksum, that every record
-    decodes (``weights_only``) to what the metadata says, the step, and the manifest. Returns the bytes
-    checked. Raises :class:`CheckpointError` (:class:`CheckpointCorruptError` naming the entry and file)."""
+    """Check the checkpoint at ``path`` as loading would, without a training state: the metadata and its checksum
+    binding, every record's checksum and decoding (``weights_only``), the step, the manifest. Returns the bytes checked;
+    raises :class:`CheckpointError` (:class:`CheckpointCorruptError` naming the entry and file)."""
     checked = checked_metadata(path)
     total = verify_checkpoint_dir(checked)
     _read_manifest(checked)
@@ -104,9 +101,8 @@ def verify_checkpoint(path: PathLike) -> int:
 
 
 def consolidate_model_state_dict(path: PathLike) -> dict[str, torch.Tensor]:
-    """The full parameters ``{path: tensor}`` of the checkpoint at ``path``, in tree order, as
-    :func:`~fzero.checkpoint.export_model_state_dict` gives them from the live state: the master cast to each
-    parameter's dtype and shape; frozen parameters as saved."""
+    """The full parameters ``{path: tensor}`` of the checkpoint at ``path`` (in tree order), as
+    :func:`~fzero.checkpoint.export_model_state_dict` gives them: masters cast to their dtype and shape."""
     return _model(*_open(path))
 
 
@@ -178,8 +174,8 @@ def _optim(checked: CheckedDir, man: dict[str, Any]) -> dict[str, Any]:
 
 def consolidate_checkpoint(path: PathLike, out: PathLike, *, optim: Optional[PathLike] = None) -> Path:
     """Write the checkpoint at ``path`` as a plain model state dict to ``out`` (``torch.save``;
-    ``model.load_state_dict(torch.load(out))`` takes it), and its ``torch.optim`` state dict to ``optim`` if
-    given. Returns ``out``."""
+    ``model.load_state_dict(torch.load(out))`` takes it), and its ``torch.optim`` state dict to ``optim`` if given.
+    Returns ``out``."""
     checked, man = _open(path)
     out = Path(out)
     torch.save(_model(checked, man), out)

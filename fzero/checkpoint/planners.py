@@ -1,10 +1,8 @@
-"""DCP planners for fzero's flat state dicts, and the calls into DCP. DTensor describes only even shards and
-``ShardedTensor`` needs a process group, so each parameter goes to DCP as a :class:`_Pieces` (``(offset, 1-D view)``
-pieces of one global tensor in DCP's checkpointable protocol); DCP's planning, validation and resharding reads do the
-rest. The files are the same on a process group and on the simulated world (``no_dist=True``). :func:`dcp_save` and
-:func:`dcp_load` convert every failure (DCP's ``CheckpointException`` is a ``BaseException``) but
-``KeyboardInterrupt``/``SystemExit`` to a :class:`CheckpointError` naming the directory (reading: the entry and data
-file); fzero's own pass through.
+"""DCP planners for fzero's flat state dicts, and the calls into DCP. Each parameter goes to DCP as a :class:`_Pieces`
+(``(offset, 1-D view)`` pieces of one global tensor: DTensor describes only even shards, ``ShardedTensor`` needs a
+process group); DCP plans, validates and reshards. The files are the same on a process group and on the simulated
+world. :func:`dcp_save` and :func:`dcp_load` convert every failure but ``KeyboardInterrupt``/``SystemExit`` to a
+:class:`CheckpointError` naming the directory (reading: the entry and data file); fzero's own pass through.
 
 Imports: layout, checksums, errors, metadata.
 """
@@ -96,9 +94,8 @@ class _SavePlanner(DefaultSavePlanner):
 
 
 class _LoadPlanner(LoadPlanner):
-    """Reads into the tensors and :class:`_Pieces` of a flat state dict, in place, with DCP's default local
-    plan (one read per overlap of a wanted and a saved chunk: the resharding). Object entries are unpickled
-    with ``weights_only=True``."""
+    """Reads into the tensors and :class:`_Pieces` of a flat state dict in place with DCP's default local plan (a read
+    per overlap of a wanted and a saved chunk: the resharding); object entries unpickled ``weights_only``."""
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Optional[Metadata] = None,
                        is_coordinator: bool = False) -> None:

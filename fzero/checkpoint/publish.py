@@ -1,8 +1,6 @@
-"""Atomic publication of a checkpoint directory, and the coordination of ranks around it.
-
-A save writes into ``root/.tmp-{name}``; once every rank has finished (DCP's final collective, a barrier) the
-coordinator renames it to ``root/{name}``, then replaces ``root/LATEST`` atomically (temporary file, fsync,
-``os.replace``). A save killed at any point leaves ``LATEST`` naming the previous, complete checkpoint.
+"""Atomic publication of a checkpoint directory: a save writes into ``root/.tmp-{name}``; once every rank has finished
+(DCP's final collective) the coordinator renames it to ``root/{name}``, then replaces ``root/LATEST`` atomically. A save
+killed at any point leaves ``LATEST`` naming the previous, complete checkpoint.
 
 Imports: comm, dist, errors.
 """

@@ -1,7 +1,6 @@
-"""The communicator over a ``torch.distributed`` process group, one process per rank (``torchrun``):
-:class:`TorchCommunicator`. Eagerly its collectives are c10d calls with ``async_op=True``; traced, fzero's
-operators on gloo (:mod:`fzero.dist.gloo`), functional collectives elsewhere. Both run the process group's own
-algorithm, so eager and compiled steps reduce to the same bits.
+""":class:`TorchCommunicator`, over a ``torch.distributed`` process group, one process per rank (``torchrun``). Eagerly
+its collectives are c10d calls with ``async_op=True``; traced, fzero's operators on gloo (:mod:`fzero.dist.gloo`),
+functional collectives elsewhere: the same algorithm, so eager and compiled steps reduce to the same bits.
 
 Imports: comm, layout, dist.gloo.
 """
@@ -61,15 +60,14 @@ class LayoutMismatchError(ValueError):
 
 
 class TorchCommunicator(Communicator):
-    """Collectives over ``group`` (default: the world group) for this process's rank (local-rank axis of size 1);
-    ``RuntimeError`` without a default process group. ``reduce_scatter_via``: ``"reduce_scatter"`` (the
-    backend's own), ``"all_to_all"`` (each rank sends every other rank its chunk, point to point, and adds what it
-    received in rank order: a reduce-scatter's traffic, the simulated world's bits) or ``"all_reduce"`` (and a
-    slice: twice the traffic); default ``"all_to_all"`` on gloo (its own reduce-scatter is its slowest), else the
-    backend's own. ``all_gather_via``: ``"all_gather"`` (the backend's own) or ``"point_to_point"`` (the default
-    on gloo). ``timeout`` (seconds or a ``timedelta``; default: the process group's own) bounds each wait of a
-    step, eager or compiled: a stalled or dead peer then raises :class:`~fzero.comm.CollectiveError`. Pass the
-    same bound to ``init_process_group(timeout=)`` for what runs outside the step."""
+    """Collectives over ``group`` (default: the world) for this process's rank (local-rank axis of size 1);
+    ``RuntimeError`` without a default process group. ``reduce_scatter_via``: ``"reduce_scatter"`` (the backend's),
+    ``"all_to_all"`` (each rank sends every other its chunk point to point and adds what it received in rank order: the
+    simulated world's bits) or ``"all_reduce"`` (and a slice: twice the traffic); default ``"all_to_all"`` on gloo (its
+    own is its slowest), else the backend's. ``all_gather_via``: ``"all_gather"`` or ``"point_to_point"`` (gloo's
+    default). ``timeout`` (seconds or a ``timedelta``; default: the process group's) bounds each wait of a step, eager
+    or compiled: a stalled or dead peer raises :class:`~fzero.comm.CollectiveError` (give ``init_process_group`` the
+    same bound for what runs outside the step)."""
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, reduce_scatter_via: Optional[str] = None,
                  timeout: Optional[Union[float, datetime.timedelta]] = None, all_gather_via: Optional[str] = None):
@@ -269,7 +267,6 @@ class TorchCommunicator(Communicator):
         odd = next((r for r, g in enumerate(gathered) if g[0] != gathered[0][0]), None)
         if odd is None:
             return
-        raise LayoutMismatchError(
-            f"rank {self.rank}: ranks built different parameter layouts (rank 0 vs rank {odd}: "
-            f"{first_difference(gathered[0][1], gathered[odd][1])}); every rank must build the same model with "
-            "the same trainable set, parameter groups, dtypes and alignment")
+        raise LayoutMismatchError(f"rank {self.rank}: ranks built different parameter layouts (rank 0 vs rank {odd}: "
+                                  f"{first_difference(gathered[0][1], gathered[odd][1])}); every rank must build the "
+                                  "same model with the same trainable set, parameter groups, dtypes and alignment")

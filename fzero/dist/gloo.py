@@ -1,8 +1,7 @@
-"""What :class:`fzero.dist.TorchCommunicator` does on gloo, and the bounded waits it uses: point-to-point all-gather
-and reduce-scatter (:func:`point_to_point_gather`, :func:`point_to_point_reduce_scatter`), host buffers handed out
-again (:class:`ScratchPool`), and traced collectives as operators (``torch.library.custom_op``) that run the eager
-c10d calls inside a compiled step's graph and wait there, within the communicator's timeout (a functional
-collective takes none, and gloo's thread frees its buffers whenever inductor's schedule lets it), one at a time.
+"""What :class:`fzero.dist.TorchCommunicator` does on gloo, and its bounded waits: point-to-point all-gather and
+reduce-scatter, host buffers handed out again (:class:`ScratchPool`), and traced collectives as operators that run the
+eager c10d calls inside a compiled graph and wait there, one at a time, within the communicator's timeout (a functional
+collective takes none, and gloo's thread frees its buffers whenever inductor's schedule lets it).
 
 Imports: comm, scopes.
 """
@@ -197,9 +196,8 @@ SLACK = 1.25  # a request may take a free buffer up to this many times its size 
 
 class ScratchPool:
     """Host buffers of at least :data:`MIN_BYTES` (eager stage 3 gathers into the same few sizes, which glibc maps
-    afresh and faults in page by page), handed out again once nothing (tensor, view, autograd node, collective)
-    refers to their storage, so reuse cannot change a value. At most ``per_size`` free buffers of one size are
-    kept; :meth:`clear` drops them all."""
+    afresh and faults in page by page), handed out again once nothing refers to their storage (reuse cannot change a
+    value); at most ``per_size`` free buffers of one size are kept."""
 
     def __init__(self, per_size: int = 2):
         self.per_size = per_size

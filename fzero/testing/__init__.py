@@ -1,6 +1,5 @@
-"""Testing and measurement utilities, unused by training code: :class:`FaultyWorld` (``faults``),
-:class:`Census` (``census``), :class:`GatherTracker`, :func:`run_torchrun`, and hypothesis strategies
-(``strategies``: needs ``hypothesis``, which importing this package does not).
+"""Testing and measurement utilities, unused by training code: :class:`FaultyWorld` (``faults``), :class:`Census`
+(``census``), :class:`GatherTracker`, :func:`run_torchrun`, hypothesis strategies (``strategies``, not imported here).
 
 Imports: comm, census, faults.
 """
@@ -28,11 +27,10 @@ __all__ = ["Census", "CorruptResult", "Delay", "FaultRecord", "FaultyWorld", "Ga
 
 def run_torchrun(nproc: int, script: str, args: Sequence[str], *, timeout: float, pythonpath: Sequence[str] = (),
                  capture: bool = True) -> tuple[Optional[int], str]:
-    """Run ``script`` under ``torch.distributed.run`` on ``nproc`` local ranks in a new session, killing
-    torchrun and every rank on timeout, Ctrl-C or any other exit. Returns ``(exit code or None on
-    timeout, output)`` (output empty, printed instead, when ``capture=False``). Ranks get ``pythonpath``
-    prepended to ``PYTHONPATH``, a shared inductor cache, and unless set ``OMP_NUM_THREADS=1`` and
-    ``PYTHONFAULTHANDLER=1`` (a rank crashing in C code prints every thread's Python stack)."""
+    """Run ``script`` under ``torch.distributed.run`` on ``nproc`` local ranks in a new session, killing torchrun and
+    every rank on timeout, Ctrl-C or any other exit: ``(exit code or None on timeout, output)`` (``capture=False``:
+    printed, not returned). Ranks get ``pythonpath`` prepended to ``PYTHONPATH``, a shared inductor cache, and unless
+    set ``OMP_NUM_THREADS=1`` and ``PYTHONFAULTHANDLER=1`` (a crash in C code prints every thread's Python stack)."""
     cmd = [sys.executable, "-m", "torch.distributed.run",
            "--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), script, *args]
     env = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
@@ -47,8 +45,7 @@ def run_torchrun(nproc: int, script: str, args: Sequence[str], *, timeout: float
             rc = None
         finally:
             if proc.poll() is None:
-                # each rank has a session of its own, so killing torchrun's group would leave them
-                # running: find them while torchrun is still their parent, then kill all
+                # each rank has a session of its own: find them while torchrun is still their parent, then kill all
                 for pid in [proc.pid, *_descendants(proc.pid)]:
                     with contextlib.suppress(ProcessLookupError):  # SIGKILL the group pid leads, if any, and pid
                         if os.getpgid(pid) == pid:
@@ -82,9 +79,8 @@ def _descendants(pid: int) -> list[int]:
 
 
 class GatherTracker(Communicator):
-    """Wraps a communicator and measures how many all-gathered bytes (per local rank) are alive at
-    once: each ``all_gather`` output counts until its last reference (or a view's) is dropped, so
-    ``peak_bytes`` is the true high-water mark of gathered parameters in an eager step."""
+    """Wraps a communicator and measures the all-gathered bytes (per local rank) alive at once: each ``all_gather``
+    output counts until its last reference (or a view's) is dropped; ``peak_bytes``: the high-water mark."""
 
     def __init__(self, inner: Communicator):
         self.inner, self.world_size = inner, inner.world_size

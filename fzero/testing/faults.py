@@ -1,8 +1,7 @@
-"""A communicator that injects faults, to test what a training step does when a rank misbehaves:
-:class:`FaultyWorld` applies :class:`GradFault`, :class:`CorruptResult` and :class:`Delay` at given
-steps on given ranks, inside step scopes only (:meth:`FaultyWorld.wrap`, ``with world.stepping():``;
-scope ``s`` is step ``s``); other collectives (init, replica checks, checkpoints) pass through. Eager
-only: under ``torch.compile`` an injection would happen once, while tracing.
+"""A communicator that injects faults, to test a training step when a rank misbehaves: :class:`FaultyWorld` applies
+:class:`GradFault`, :class:`CorruptResult` and :class:`Delay` at given steps on given ranks, inside step scopes only
+(:meth:`FaultyWorld.wrap`, ``with world.stepping():``; scope ``s`` is step ``s``); other collectives pass through.
+Eager only (under ``torch.compile`` an injection would happen once, while tracing).
 
 Imports: comm.
 """
@@ -38,8 +37,8 @@ class GradFault:
 
 @dataclasses.dataclass(frozen=True)
 class CorruptResult:
-    """Element ``index`` of rank ``rank``'s result of the ``call``-th ``op`` of step
-    ``step`` becomes ``value`` (``None``: its lowest bit is flipped)."""
+    """Element ``index`` of rank ``rank``'s result of the ``call``-th ``op`` of step ``step`` becomes ``value``
+    (``None``: its lowest bit is flipped)."""
 
     step: int
     rank: int
@@ -51,8 +50,8 @@ class CorruptResult:
 
 @dataclasses.dataclass(frozen=True)
 class Delay:
-    """Rank ``rank`` sleeps ``seconds`` at step ``step``, before its first collective
-    of the step (``op=None``) or before the ``call``-th ``op``."""
+    """Rank ``rank`` sleeps ``seconds`` at step ``step``, before its first collective of the step (``op=None``) or
+    before the ``call``-th ``op``."""
 
     step: int
     rank: int

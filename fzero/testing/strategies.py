@@ -1,6 +1,5 @@
-"""Hypothesis strategies for property tests of fzero training code: parameter trees with awkward
-leaves, batch splits, optimizer specs, loss scalers, precision policies and fault schedules. Draws
-are small, so a test runs many examples in seconds. Needs ``hypothesis`` (``fzero[testing]``).
+"""Hypothesis strategies for property tests of fzero: parameter trees with awkward leaves, batch splits, optimizers,
+loss scalers, precision policies, fault schedules; small draws. Needs ``hypothesis`` (``fzero[testing]``).
 
 Imports: optim, precision, scaler, testing.faults.
 """
@@ -16,9 +15,8 @@ import torch
 try:
     from hypothesis import strategies as st
 except ImportError as e:  # pragma: no cover - exercised only without hypothesis
-    raise ImportError(
-        "fzero.testing.strategies needs hypothesis: pip install 'fzero[testing]' (or hypothesis>=6.100)"
-    ) from e
+    raise ImportError("fzero.testing.strategies needs hypothesis: pip install 'fzero[testing]' "
+                      "(or hypothesis>=6.100)") from e
 
 from ..optim import Optimizer, adam, adamw, sgd
 from ..precision import MixedPrecision
