@@ -51,16 +51,18 @@ def shard_layout(params: Any, comm: Communicator, *, trainable: Optional[Any] = 
     return layout
 
 
-def init_shard(params: Any, comm: Communicator, *, layout: Optional[Layout] = None, **layout_kw: Any) -> ShardState:
+def init_shard(params: Any, comm: Communicator, *, layout: Optional[Layout] = None,
+               frozen_storage: Optional[Callable[[FlatGroup], torch.dtype]] = None, **layout_kw: Any) -> ShardState:
     """This process's shards of ``params`` (``nn.Module`` or pytree): each local rank materialises only the
     slice it owns. ``layout``: the one :func:`shard_layout` built, else built here from ``layout_kw``
-    (``trainable``, ``optimizer``, ``bucket_of``, ``keep_dtype``, ``alignment``)."""
+    (``trainable``, ``optimizer``, ``bucket_of``, ``keep_dtype``, ``alignment``). ``frozen_storage``: the dtype each
+    frozen group's rows are built in (:meth:`~fzero.precision.MixedPrecision.frozen_storage`; default its own)."""
     layout = layout if layout is not None else shard_layout(params, comm, **layout_kw)
     leaves = [x for _, x in named_leaves(params)[0]]
     master = tuple(shard_rows(layout, g, leaves, comm.ranks, g.master_dtype) for g in layout.groups)
     # a module's frozen parameters are shared with it (never written); a pytree's are copied
     own = (lambda t: t.detach()) if isinstance(params, torch.nn.Module) else (lambda t: t.detach().clone())
-    return ShardState(master, frozen_rows(layout, leaves, comm.ranks, own), layout)
+    return ShardState(master, frozen_rows(layout, leaves, comm.ranks, own, frozen_storage), layout)
 
 
 def shard_rows(layout: Layout, group: FlatGroup, leaves: Sequence[torch.Tensor], ranks: Sequence[int],
@@ -74,11 +76,13 @@ def shard_rows(layout: Layout, group: FlatGroup, leaves: Sequence[torch.Tensor],
 
 
 def frozen_rows(layout: Layout, leaves: Sequence[Optional[torch.Tensor]], ranks: Sequence[int],
-                whole: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach) -> tuple[torch.Tensor, ...]:
+                whole: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach,
+                dtype_of: Optional[Callable[[FlatGroup], torch.dtype]] = None) -> tuple[torch.Tensor, ...]:
     """:attr:`ShardState.frozen` from whole ``leaves`` (layout order; frozen ones read): ``whole(leaf)`` per frozen
-    parameter, or at stage 3 each frozen group's rows in its dtype."""
+    parameter, or at stage 3 each frozen group's rows in ``dtype_of(group)`` (default: its dtype)."""
     if layout.frozen_groups:
-        return tuple(shard_rows(layout, g, leaves, ranks, g.dtype) for g in layout.frozen_groups)
+        return tuple(shard_rows(layout, g, leaves, ranks, dtype_of(g) if dtype_of else g.dtype)
+                     for g in layout.frozen_groups)
     return tuple(whole(leaves[i]) for i, s in enumerate(layout.slots) if s.group < 0)
 
 

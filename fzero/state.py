@@ -109,7 +109,7 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
         shard, made_buffers = ShardState(made.master, made.frozen, layout), made.buffers
         del made
     else:
-        shard = init_shard(params, comm, layout=layout)
+        shard = init_shard(params, comm, layout=layout, frozen_storage=precision.frozen_storage)
     if precision.frozen_dtype is not None:  # rounded once; a module's frozen parameters hold the copy
         frozen, shard = list(shard.frozen), replace(shard, frozen=())
         shard = replace(shard, frozen=hand_over_frozen(params, layout, frozen, precision.frozen_storage))
