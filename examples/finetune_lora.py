@@ -3,8 +3,9 @@
 A tiny Llama built from its config (no download) stands in for a pretrained model: its weights are
 saved once as the "pretrained" base, then ``peft`` wraps its attention and MLP projections with
 LoRA adapters and freezes the rest. fzero trains only the adapters (master copies, moments and
-gradient reductions for them alone); the frozen base is held once, in the compute dtype when
-``--dtype bf16`` (``MixedPrecision(frozen_dtype=...)``). The task: predict each token's successor
+gradient reductions for them alone); the frozen base is sharded with its unit like the adapters
+(each rank holds 1/W of it), in the compute dtype when ``--dtype bf16``
+(``MixedPrecision(frozen_dtype=...)``). The task: predict each token's successor
 in a cyclic sequence, which the adapters and a new head (peft ``modules_to_save``) learn on top of
 the frozen base.
 
@@ -142,7 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
             frozen = sum(f.numel() * f.element_size() for f in state.shard.frozen)
             print(f"fzero: {comm!r}, stage 3, {lay.num_params:,} trainable of "
                   f"{lay.num_params + sum(s.numel for s in lay.frozen_slots):,} parameters; "
-                  f"frozen base {frozen / 2**20:.2f} MiB in {state.shard.frozen[0].dtype}")
+                  f"frozen base held here {frozen / 2**20:.2f} MiB in {state.shard.frozen[0].dtype} "
+                  f"({comm.local_ranks} of {comm.world_size} shards)")
         losses = []
         for i, batch in enumerate(data):
             if i == half:  # a checkpoint without the base, and a restart from the base plus the checkpoint
