@@ -206,7 +206,8 @@ def test_gather_and_merge_round_trip(W):
     assert all(f.shape == (W, g.padded_numel) for f, g in zip(flats, shard.layout.groups))
     half = fzero.all_gather_params(shard, comm, torch.bfloat16)
     assert all(h.dtype == torch.bfloat16 and torch.equal(h, f.to(torch.bfloat16)) for h, f in zip(half, flats))
-    tree = param_tree(shard.layout, flats, shard.frozen, torch.float64)
+    frozen = dict(zip([s.path for s in shard.layout.frozen_slots], shard.frozen))  # {path: whole tensor}
+    tree = param_tree(shard.layout, flats, frozen, torch.float64)
     assert list(tree) == ["a", "b", "f", "c"]
     for row in range(W):
         views = {k: v[row] for k, v in tree.items() if k != "f"}
@@ -216,7 +217,7 @@ def test_gather_and_merge_round_trip(W):
             assert v.untyped_storage().data_ptr() == flats[shard.layout.slots[shard.layout.paths.index(k)].group][
                 row].untyped_storage().data_ptr()
         assert tree["f"][row].dtype == torch.float64 and torch.equal(tree["f"][row], params["f"].double())
-    assert param_tree(shard.layout, flats, shard.frozen)["f"].dtype == torch.float32
+    assert param_tree(shard.layout, flats, frozen)["f"].dtype == torch.float32
     full = fzero.full_params(shard, comm, dtype=torch.float64)
     for k, v in params.items():
         assert full[k].shape == (W, *v.shape) and full[k].dtype == torch.float64
