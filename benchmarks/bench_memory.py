@@ -8,6 +8,8 @@ process's peak RSS is that system's alone; one intra-op thread per rank)::
     python benchmarks/bench_memory.py --systems ddp,fzero-s2 --d-model 256 --layers 4 \\
         --heads 4 --vocab 8000 --seq 64 --batch 4            # a small model (~7 M parameters)
     python benchmarks/bench_memory.py --long 400 --systems ddp,fzero-s2   # RSS over a long run
+    python benchmarks/bench_memory.py --sizes 7M,58M,162M \
+        --systems ddp-fused,fzero-s2,fzero-s2d,fzero-s2cd,fzero-s3d,fsdp   # step time per size against DDP
 
 Model: ``--model tiny`` (``benchmarks/models.py``'s TinyGPT, untied head) or
 ``hf-gpt2`` (a ``transformers`` GPT-2 with tied embeddings), by default of GPT-2
@@ -112,6 +114,12 @@ from fzero.testing.census import malloc_in_use  # noqa: E402
 WORLD = 2
 MIB = 2.0**20
 GPT2_SMALL = GPTConfig(vocab=50304, d_model=768, n_layers=12, n_heads=12, seq_len=128, global_batch=4)
+# --sizes: the model sizes a user compares against DDP (issue 42's table), smallest first
+SIZES = {
+    "7M": GPTConfig(vocab=8000, d_model=256, n_layers=4, n_heads=4, seq_len=64, global_batch=4),
+    "58M": GPTConfig(vocab=32000, d_model=512, n_layers=8, n_heads=8, seq_len=128, global_batch=4),
+    "162M": GPT2_SMALL,
+}
 TORCH_KEYS = ("ddp-fused", "ddp", "fsdp")  # DDP at its best (fused AdamW) is the reference row
 DS_KEYS = ("ds-z1", "ds-z2", "ds-z3")
 FZERO_KEYS = ("fzero-s1", "fzero-s2", "fzero-s3", "fzero-s1c", "fzero-s2c", "fzero-s3c",
@@ -172,12 +180,20 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=GPT2_SMALL.n_heads)
     p.add_argument("--seq", type=int, default=GPT2_SMALL.seq_len)
     p.add_argument("--batch", type=int, default=GPT2_SMALL.global_batch, help="global batch (sequences)")
+    p.add_argument("--sizes", help="comma-separated, from: " + ", ".join(SIZES) + ": run every system at each size "
+                   "(its vocab, d_model, layers, heads, seq and batch replace those flags) and end with ms/step per "
+                   "size against ddp-fused")
     p.add_argument("--system", help=argparse.SUPPRESS)  # a worker's one system
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [s for s in args.systems if s not in ALL_KEYS]
     if bad:
         p.error(f"unknown systems {bad}; choose from {', '.join(ALL_KEYS)}")
+    args.sizes = [s.strip() for s in (args.sizes or "").split(",") if s.strip()]
+    if [s for s in args.sizes if s not in SIZES]:
+        p.error(f"unknown sizes {[s for s in args.sizes if s not in SIZES]}; choose from {', '.join(SIZES)}")
+    if args.sizes and args.long:
+        p.error("--sizes times steps; --long follows RSS over one run: give one or the other")
     if args.batch % WORLD:
         p.error(f"--batch must be a multiple of {WORLD}")
     if args.steps < 1 or args.warmup < 1 or args.long < 0:
@@ -502,11 +518,50 @@ def header(args: argparse.Namespace, n_params: Optional[int]) -> str:
             f"per system; MiB per rank (max over ranks)" + ("" if args.long else ", census on rank 0"))
 
 
+def with_size(args: argparse.Namespace, size: str) -> argparse.Namespace:
+    """``args`` with the model flags of :data:`SIZES` ``[size]``."""
+    c = SIZES[size]
+    return argparse.Namespace(**{**vars(args), "vocab": c.vocab, "d_model": c.d_model, "layers": c.n_layers,
+                                 "heads": c.n_heads, "seq": c.seq_len, "batch": c.global_batch, "sizes": []})
+
+
+def format_sizes(per_size: dict[str, dict[str, dict]]) -> str:
+    """ms/step of every system at every size, and its ratio to ddp-fused's at that size (where it ran)."""
+    systems = list(dict.fromkeys(k for results in per_size.values() for k in results))
+    head = f"{'system':<11} " + " ".join(f"{size:>16}" for size in per_size)
+    lines = ["ms/step (median of the timed steps, rank 0) and x ddp-fused, per model size", head, "-" * len(head)]
+    for key in systems:
+        cells = []
+        for results in per_size.values():
+            res, ref = results.get(key), results.get("ddp-fused")
+            if res is None or _failure(res):
+                cells.append(f"{'-':>16}")
+                continue
+            ms = res["ranks"][0]["ms"]
+            ratio = f" ({ms / ref['ranks'][0]['ms']:.2f}x)" if ref is not None and not _failure(ref) else ""
+            cells.append(f"{f'{ms:.1f}{ratio}':>16}")
+        lines.append(f"{key:<11} " + " ".join(cells))
+    return "\n".join(lines)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if "LOCAL_RANK" in os.environ:
         worker(args)
         return 0
+    if args.sizes:  # each size as its own run of every system, then the summary
+        per_size = {}
+        for size in args.sizes:
+            print(f"== {size}", file=sys.stderr, flush=True)
+            per_size[size] = run_systems(with_size(args, size))
+        print(format_sizes(per_size))
+        return 0 if not any(_failure(r) for rs in per_size.values() for r in rs.values()) else 1
+    results = run_systems(args)
+    return 0 if not any(_failure(r) for r in results.values()) else 1
+
+
+def run_systems(args: argparse.Namespace) -> dict[str, dict]:
+    """Every system of ``args`` in its own launch; prints each one's rows as it ends, then the whole table."""
     results = {}
     for key in args.systems:
         t = time.perf_counter()
@@ -524,7 +579,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(format_table(args, results))
         print()
         print(format_details(results))
-    return 0 if not any(_failure(r) for r in results.values()) else 1
+    return results
 
 
 if __name__ == "__main__":

@@ -38,3 +38,32 @@ def test_bench_memory_prints_a_row_of_numbers_per_system():
         assert f"census of {key}" in out
     assert re.search(r"^huge pages (on|off) in the ranks: ", out, re.M), out
     assert "parameters" in out.splitlines()[0]
+
+
+def test_sizes_are_the_model_sizes_they_name_and_the_summary_divides_by_ddp():
+    """``--sizes``: each preset builds a TinyGPT of the size it is named for (within 10 %), replaces the model flags,
+    and the summary gives each system's ms/step and its ratio to ddp-fused at that size."""
+    sys.path[:0] = [str(ROOT / "benchmarks")]
+    try:
+        import bench_memory as bm
+        import torch
+        from models import build
+    finally:
+        del sys.path[:2]
+    named = {"7M": 7e6, "58M": 58e6, "162M": 162e6}
+    assert list(bm.SIZES) == list(named)
+    args = bm.parse_args(["--sizes", "7M,58M,162M", "--systems", "ddp-fused,fzero-s2d"])
+    for size, n in named.items():
+        sized = bm.with_size(args, size)
+        with torch.device("meta"):
+            count = sum(p.numel() for p in build("tiny", bm.config_of(sized)).parameters())
+        assert abs(count - n) <= 0.1 * n, (size, count)
+        assert "--d-model" in bm.model_args(sized) and sized.sizes == []
+    with pytest.raises(SystemExit):
+        bm.parse_args(["--sizes", "9M"])
+    row = lambda ms: {"ranks": [{"ms": ms}]}  # noqa: E731
+    table = bm.format_sizes({"7M": {"ddp-fused": row(100.0), "fzero-s2d": row(125.0)},
+                             "58M": {"ddp-fused": row(1000.0), "fzero-s2d": {"error": "died"}}})
+    lines = {ln.split()[0]: ln for ln in table.splitlines()[3:]}
+    assert "125.0 (1.25x)" in lines["fzero-s2d"] and lines["fzero-s2d"].rstrip().endswith("-")
+    assert "100.0 (1.00x)" in lines["ddp-fused"] and "1000.0 (1.00x)" in lines["ddp-fused"]
