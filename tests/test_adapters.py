@@ -410,3 +410,30 @@ def test_stage3_lora_from_pretrained_streams_into_shards(tmp_path):
     assert [tuple(f.shape) for f in state.shard.frozen] == [(2, g.shard_numel) for g in state.layout.frozen_groups]
     assert all(torch.equal(a, b) for a, b in zip(state.shard.frozen, ref.shard.frozen))
     assert all(torch.equal(a, b) for a, b in zip(state.shard.master, ref.shard.master))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_holding_frozen_parameters_in_their_shapes_still_loads(tmp_path, monkeypatch, stage):
+    """Checkpoints written before manifest version 3 keep each frozen parameter whole, in its shape: they load at
+    stages 2 and 3 on another world (read whole, then cut as the template holds them) with the values saved."""
+    import fzero.checkpoint.saveload as sl
+    from torch.distributed.checkpoint import FileSystemReader
+
+    comm = fzero.SimulatedWorld(2)
+    model = um.lora("llama").double()
+    state = fzero.init_train_state(model, _fzero_adamw(), comm, stage=2)
+    step = fzero.make_train_step(fzero.module_loss(model, um.lm_criterion), comm)
+    state, _ = run_steps(step, state, comm, um.token_batches(2, 4))
+    want = fzero.checkpoint.export_model_state_dict(state, comm)
+    with monkeypatch.context() as m:  # the earlier writer: each frozen parameter whole, as shaped
+        m.setattr(sl, "_frozen", lambda lay, rows, comm: {sl.FROZEN_PREFIX + s.path: f
+                                                          for s, f in zip(lay.frozen_slots, rows)})
+        saved = fzero.save_checkpoint(state, tmp_path, comm)
+    sizes = {k[len(sl.FROZEN_PREFIX):]: tuple(md.size) for k, md in
+             FileSystemReader(str(saved)).read_metadata().state_dict_metadata.items() if k.startswith(sl.FROZEN_PREFIX)}
+    assert any(len(v) > 1 for v in sizes.values()) and all(sizes[p] == tuple(want[p].shape) for p in sizes)
+    other = fzero.SimulatedWorld(3)
+    template = fzero.init_train_state(um.lora("llama", seed=1).double(), _fzero_adamw(), other, stage=stage)
+    loaded, _ = fzero.load_checkpoint(tmp_path, template, other)
+    got = fzero.checkpoint.export_model_state_dict(loaded, other)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ..comm import Communicator
 from ..layout import Layout
 from ..pytree import replace
-from ..sharding import all_gather_params, check_world
+from ..sharding import all_gather_params, check_world, frozen_rows
 from ..state import TrainState, consume, ensure_live
 from .checksums import CheckedDir
 from .errors import CheckpointMismatchError
@@ -234,9 +234,7 @@ def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *,
     d, metadata = checked.dir, checked.metadata
     saved = metadata.state_dict_metadata
     replicated = {k: torch.empty_like(v) for k, v in _replicated(template).items()}
-    # left out: the template's own, checked against the saved CRC-32s in _validated
-    frozen = template.shard.frozen if left_out is not None else tuple(map(torch.zeros_like, template.shard.frozen))
-    frozen_sd = _frozen(template.layout, frozen, comm) if left_out is None else {}
+    frozen, frozen_sd, whole = _frozen_destinations(template, comm, saved, left_out)
     if hyperparams == "template":
         replicated = {k: v for k, v in replicated.items() if not k.startswith(_HYPER_PREFIX)}
     no_missed: dict[str, torch.Tensor] = {}
@@ -255,6 +253,9 @@ def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *,
     sd: dict[str, Any] = {**_sharded(template, comm, masters, moments), **frozen_sd, **replicated, **extra}
     sd.update(_rng_destinations(template, comm, metadata))
     dcp_load(sd, checked, pg)
+    if whole is not None:  # saved whole in their shapes: cut as the template holds them
+        frozen = frozen_rows(template.layout, whole, comm.ranks, lambda t: t,
+                             lambda g: template.shard.frozen[g.index].dtype)
     if hyperparams == "template":
         replicated.update({k: v.clone() for k, v in _replicated(template).items() if k.startswith(_HYPER_PREFIX)})
     replicated.update(no_missed)
@@ -268,6 +269,25 @@ def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *,
     if donate:
         state = consume(template, state)
     return state, _unflatten_extra({k: sd[k] for k in extra})
+
+
+def _frozen_destinations(template: TrainState, comm: Communicator, saved: Mapping[str, Any],
+                         left_out: Optional[dict]) -> tuple[Any, dict[str, Any], Optional[list]]:
+    """Where the frozen parameters are read to: ``(ShardState.frozen, entries, whole)``. Left out: the template's own
+    (checked against the saved CRC-32s in :func:`_validated`). A checkpoint written before manifest version 3 keeps
+    each one in its shape: ``whole`` (layout order, None for trainable ones) is read, then cut."""
+    lay = template.layout
+    if left_out is not None:
+        return template.shard.frozen, {}, None
+    if all(getattr(saved.get(FROZEN_PREFIX + s.path), "size", None) in (None, torch.Size([s.numel]))
+           for s in lay.frozen_slots):
+        frozen = tuple(map(torch.zeros_like, template.shard.frozen))
+        return frozen, _frozen(lay, frozen, comm), None
+    held = [f.dtype for f in template.shard.frozen]
+    dtype = iter(held) if not lay.frozen_groups else None
+    whole = [None if s.group >= 0 else torch.empty(s.shape, dtype=next(dtype) if dtype else held[s.frozen_group])
+             for s in lay.slots]
+    return None, {FROZEN_PREFIX + s.path: w for s, w in zip(lay.slots, whole) if w is not None and s.numel}, whole
 
 
 def _validated(path: PathLike, template: TrainState, comm: Communicator) -> tuple[CheckedDir, Optional[dict]]:
