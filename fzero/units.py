@@ -185,7 +185,7 @@ class _Plan:
     def of(layout: Layout, units: Sequence[str], loss_fn: ModuleLoss) -> _Plan:
         groups, frozen = ([tuple(g for g in gs if g.bucket == b) for b in range(len(units) + 1)]
                           for gs in (layout.groups, layout.frozen_groups))
-        bucket_of = {s.path: s.bucket for s in layout.slots if s.group >= 0 or s.frozen_group >= 0}
+        bucket_of = {s.path: s.bucket for s in layout.slots}
         slots: list[list[tuple[dict, str, str]]] = [[] for _ in groups]
         for table, attr, name in loss_fn._slots:
             if bucket_of.get(name):
@@ -393,13 +393,12 @@ class _RankRun:
         self.ahead.clear()
 
 
-def check_module_matches(module: torch.nn.Module, layout: Layout, frozen: Sequence[torch.Tensor] = ()) -> None:
+def check_module_matches(module: torch.nn.Module, layout: Layout) -> None:
     """Raise ``ValueError`` if ``module``'s parameters are no longer those the state was built from (names,
-    shapes, dtypes; a frozen one's as held in ``frozen``): a layer replaced or resized after ``init_train_state``."""
+    shapes, dtypes): a layer replaced or resized after ``init_train_state``."""
     have = {n: (tuple(p.shape), p.dtype) for n, p in module.named_parameters()}
-    held = {s.path: f.dtype for s, f in zip(layout.frozen_slots, frozen)}
     for s in layout.slots:
-        got, want = have.pop(s.path, None), (s.shape, held.get(s.path, s.dtype))
+        got, want = have.pop(s.path, None), (s.shape, s.dtype)
         if got != want:
             raise ValueError(f"stage 3: parameter {s.path!r} of the state is {want[0]} {want[1]}, but the module "
                              + (f"now has {got[0]} {got[1]}" if got else "has no such parameter")
@@ -419,17 +418,15 @@ def unit_grads(loss_fn: ModuleLoss, state: TrainState, comm: Communicator, batch
     :class:`UnitCallError` if the ranks called different units, ``ValueError`` if the module changed since."""
     module, lay = loss_fn.module, state.layout
     units, dtype = state.module.units, state.precision.param_dtype
-    check_module_matches(module, lay, () if lay.frozen_groups else state.shard.frozen)
+    check_module_matches(module, lay)
     plan = _Plan.of(lay, units, loss_fn)
     device = state.shard.master[0].device
-    released = {}  # each unit parameter's placeholder: one element expanded to its shape (no memory)
+    released = {}  # each unit parameter's placeholder (stage 3 shards every one): one element expanded, no memory
     for s in lay.slots:
-        if (s.group >= 0 or s.frozen_group >= 0) and s.bucket > 0:
+        if s.bucket > 0:
             data = torch.empty((), dtype=compute_dtype(s, dtype), device=device).expand(s.shape)
             released[s.path] = torch.Tensor._make_subclass(_Released, data, False)
             released[s.path]._fzero_name = repr(s.path)
-    frozen = {} if lay.frozen_groups else {s.path: f.to(compute_dtype(s, dtype))
-                                           for s, f in zip(lay.frozen_slots, state.shard.frozen)}
     # the root's gradient completes last (its embeddings ran first), just after the first unit's
     reduction = BucketReduction(plan.groups, on_ready, runner, comm.overlaps, comm.local_ranks,
                                 [(0, 1)] + [(b,) for b in range(2, len(plan.groups))])
@@ -449,7 +446,7 @@ def unit_grads(loss_fn: ModuleLoss, state: TrainState, comm: Communicator, batch
                         lambda mod, args, out, b=b: run.post_forward(b, out), always_call=True))
                 with rank_rng(rng[r] if rng is not None else None, device, new_rng), torch.enable_grad(), \
                         torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
-                    tensors = {**run.bucket_tensors(0, track=False), **frozen, **released,
+                    tensors = {**run.bucket_tensors(0, track=False), **released,
                                **dict(zip(state.module.buffers, bufs))}
                     with loss_fn.bound(tensors):
                         loss = loss_fn.forward_loss(tensors, row_of(batch, r), dtype)
@@ -585,19 +582,17 @@ def compiled_unit_grads(units_run: CompiledUnits, loss_fn: ModuleLoss, state: Tr
     leaves = [m[0].detach().requires_grad_(True) for m in state.shard.master]
     # the gathers read the state's shards; the leaves only route each gradient (_GatherShard)
     run = _CompiledRun(plan, state.shard, leaves, comm, dtype, on_ready)
-    frozen = {} if lay.frozen_groups else {s.path: f.to(compute_dtype(s, dtype))
-                                           for s, f in zip(lay.frozen_slots, state.shard.frozen)}
     bufs = [b[0].clone() for b in state.buffers]
     with torch.enable_grad():
         # a unit's parameter outside its unit: a NaN stand-in (no memory), so a use there turns the loss into NaN
         nan: dict[torch.dtype, torch.Tensor] = {}
         stand_ins = {}
         for s in lay.slots:
-            if (s.group >= 0 or s.frozen_group >= 0) and s.bucket > 0:
+            if s.bucket > 0:
                 dt = compute_dtype(s, dtype)
                 nan.setdefault(dt, torch.full((), float("nan"), dtype=dt, device=leaves[0].device))
                 stand_ins[s.path] = nan[dt].expand(s.shape)
-        tensors = {**stand_ins, **run.gathered(0), **frozen, **dict(zip(state.module.buffers, bufs))}
+        tensors = {**stand_ins, **run.gathered(0), **dict(zip(state.module.buffers, bufs))}
         units_run.run = run
         try:
             with loss_fn.bound(tensors, traced=True):

@@ -352,10 +352,7 @@ def test_stage3_shards_the_frozen_base(world):
     assert 0 <= padding < len(lay.frozen_groups) * world * lay.alignment
     assert per_rank[2, None] == base * 4
     assert per_rank[3, None] * world == (base + padding) * 4
-    assert per_rank[3, torch.bfloat16] * 2 == per_rank[3, None]
-    if world == 2:
-        assert per_rank[3, None] <= 0.5 * per_rank[2, None] * (1 + padding / base)
-        assert per_rank[3, torch.bfloat16] <= 0.25 * per_rank[2, None] * (1 + padding / base)
+    assert per_rank[3, torch.bfloat16] * 2 == per_rank[3, None]  # so at W=2: half of stage 2's, a quarter in bf16
 
 
 def test_stage3_frozen_base_checkpoint_moves_between_stages_and_worlds(tmp_path):

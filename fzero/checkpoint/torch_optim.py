@@ -14,12 +14,12 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from ..adafactor_rules import Adafactor
 from ..comm import Communicator
-from ..layout import FlatGroup, Layout, flat_shard, group_views, trainable_index
+from ..layout import FlatGroup, Layout, group_views, trainable_index
 from ..materialize import has_meta, to_empty_tied
 from ..module import ModuleSpec, hand_over_parameters, restore_parameters
 from ..optim import SGD, Adam, Optimizer, init_vectors, vector_spans
 from ..pytree import replace
-from ..sharding import all_gather_params, check_world, frozen_rows
+from ..sharding import all_gather_params, check_world, frozen_params, frozen_rows, shard_rows
 from ..state import TrainState, ensure_live
 from ..torch_optim_rules import STEP, TorchOptimRule, tuple_names
 from .errors import CheckpointMismatchError
@@ -215,10 +215,7 @@ def export_model_state_dict(state: TrainState, comm: Communicator) -> dict[str, 
     out: dict[str, torch.Tensor] = {}
     for g in lay.groups:
         out.update({lay.slots[i].path: v for i, v in _gathered(lay, g, state.shard.master[g.index], comm).items()})
-    for g, f in zip(lay.frozen_groups, state.shard.frozen):  # stage 3: gathered like the master
-        out.update({lay.slots[i].path: v for i, v in _gathered(lay, g, f, comm).items()})
-    if not lay.frozen_groups:
-        out.update({s.path: f.detach().to(s.dtype, copy=True) for s, f in zip(lay.frozen_slots, state.shard.frozen)})
+    out.update({s.path: f.detach().to(s.dtype, copy=True) for s, f in frozen_params(state.shard, comm)})
     buffers = {n: b[0].clone() for n, b, keep in zip(spec.buffers, state.buffers, spec.persistent) if keep}
     return module_state_dict({s.path: out[s.path] for s in lay.slots}, buffers, spec)
 
@@ -434,7 +431,7 @@ def _torch_vectors(template: TrainState, read: Mapping[int, Read]) -> tuple[torc
 def _own_rows(layout: Layout, leaves: Sequence[Optional[torch.Tensor]], comm: Communicator,
               device: torch.device) -> tuple[torch.Tensor, ...]:
     """This process's ``[R, shard_numel]`` rows of every flat group from full per-slot ``leaves``."""
-    return tuple(torch.stack([flat_shard(layout, g, leaves, r) for r in comm.ranks]).to(device) for g in layout.groups)
+    return tuple(shard_rows(layout, g, leaves, comm.ranks, g.master_dtype).to(device) for g in layout.groups)
 
 
 def _torch_params(layout: Layout, model_state_dict: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
