@@ -314,7 +314,7 @@ def _assemble(template: TrainState, comm: Communicator, masters: tuple[torch.Ten
               into: Optional[Sequence[torch.Tensor]] = None) -> TrainState:
     """``template`` with the loaded leaves, and ``params`` regathered (one ``all_gather`` per flat group;
     ``into``: into those buffers) unless the template keeps none (stage 3)."""
-    lay, opt = template.layout, template.opt
+    opt = template.opt
     hyper = tuple({name: replicated[f"{_HYPER_PREFIX}{k}/{name}"] for name in h} for k, h in enumerate(opt.hyper))
     shard = replace(template.shard, master=masters, frozen=frozen)
     scaler = replace(template.scaler, scale=replicated["fzero/scaler/scale"],
