@@ -18,27 +18,38 @@ import torch
 from .layout import FlatGrads, FlatGroup, Layout, compute_dtype, named_leaves, stack_rows
 from .scopes import GRAD_BUCKETS, step_scope
 
-__all__ = ["DEFAULT_BUCKET_NUMEL", "MAX_IN_FLIGHT", "size_buckets", "buckets_of", "Runner", "BufferPool",
-           "BucketReduction", "BucketWatcher"]
+__all__ = ["MIN_BUCKET_NUMEL", "DEFAULT_BUCKETS", "default_bucket_numel", "MAX_IN_FLIGHT", "size_buckets", "buckets_of",
+           "Runner", "BufferPool", "BucketReduction", "BucketWatcher"]
 
-# 64 MiB of fp32: few collectives, above glibc's 32 MiB mmap ceiling (freed to the system; benchmarks/RESULTS.md, 5)
-DEFAULT_BUCKET_NUMEL = 1 << 24
+# The default bucket: 1/DEFAULT_BUCKETS of the trainable elements, at least MIN_BUCKET_NUMEL. Small buckets keep every
+# per-bucket block of a step (bucket buffer, gradient shard, a pure step's new master and moment shards) below the
+# host allocator's mmap threshold (fzero.host_malloc pins 4 MiB), so each is reused from the heap, not faulted in
+# afresh every step, and overlap backward; past DEFAULT_BUCKETS the per-bucket costs win (benchmarks/RESULTS.md, 5).
+MIN_BUCKET_NUMEL = 1 << 19  # 2 MiB of fp32
+DEFAULT_BUCKETS = 128
 MAX_IN_FLIGHT = 2  # reductions under way (each holding its bucket's buffer) before a rank waits for the oldest
+
+
+def default_bucket_numel(numel: int) -> int:
+    """The default bucket size for ``numel`` trainable elements: ``max(MIN_BUCKET_NUMEL, ceil(numel /
+    DEFAULT_BUCKETS))``."""
+    return max(MIN_BUCKET_NUMEL, -(-numel // DEFAULT_BUCKETS))
 
 
 def size_buckets(params: Any, bucket_numel: Optional[int] = None,
                  trainable: Optional[Callable[[str], bool]] = None) -> dict[str, int]:
     """``{path: bucket}`` cutting the trainable parameters into buckets of about ``bucket_numel`` elements (default
-    :data:`DEFAULT_BUCKET_NUMEL`; ``ValueError`` unless a positive int): in reverse registration order (backward's, for
-    most models) a bucket closes once it holds ``bucket_numel`` elements; a parameter that large gets its own (on a real
-    rank autograd's gradient is then the bucket). Numbered in registration order: backward completes the last first."""
+    :func:`default_bucket_numel` of their total; ``ValueError`` unless a positive int): in reverse registration order
+    (backward's, for most models) a bucket closes once it holds ``bucket_numel`` elements; a parameter that large gets
+    its own (on a real rank autograd's gradient is then the bucket). Numbered in registration order: backward
+    completes the last first."""
     if bucket_numel is not None and not (isinstance(bucket_numel, int) and bucket_numel >= 1):
         raise ValueError(f"bucket_numel must be a positive int, got {bucket_numel!r}")
     is_module = isinstance(params, torch.nn.Module)
     leaves = named_leaves(params)[0]
     sizes = [(path, x.numel()) for path, x in leaves
              if ((x.requires_grad if is_module else True) if trainable is None else trainable(path))]
-    bucket_numel = DEFAULT_BUCKET_NUMEL if bucket_numel is None else bucket_numel
+    bucket_numel = default_bucket_numel(sum(n for _, n in sizes)) if bucket_numel is None else bucket_numel
     # cut from the end, then number from the front
     from_end: dict[str, int] = {}
     b, filled = 0, 0

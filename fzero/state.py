@@ -67,7 +67,7 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
     ``units``: the wrap policy choosing an ``nn.Module``'s shard units (module classes or a predicate ``(name, module)
     -> bool``; allowed at stages 1-2 too): one bucket per unit, the rest and tied parameters to the root. Stage 3
     without it: the blocks a ``transformers`` model names in ``_no_split_modules`` (:func:`fzero.module.default_units`).
-    ``bucket_numel`` (stages 1-2 without ``units``; default :data:`fzero.buckets.DEFAULT_BUCKET_NUMEL`): gradients are
+    ``bucket_numel`` (stages 1-2 without ``units``; default :func:`fzero.buckets.default_bucket_numel`): gradients are
     reduced in buckets of about this many elements as backward completes them (DDP's ``bucket_cap_mb``), each a flat
     group. ``scaler``: default dynamic in fp16, a static 1 otherwise. ``precision``: ``keep_dtype`` parameters get flat
     groups of their own (:meth:`MixedPrecision.keeps`). A module's buffers become ``state.buffers``, one copy per rank.

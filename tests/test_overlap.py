@@ -194,14 +194,23 @@ def test_bucket_numel_errors():
                                units=(torch.nn.Linear,), bucket_numel=100)
 
 
-def test_default_bucket_cuts_large_models_only():
-    from fzero.buckets import DEFAULT_BUCKET_NUMEL
+def test_default_bucket_size_follows_the_model():
+    """Buckets of MIN_BUCKET_NUMEL elements, or 1/DEFAULT_BUCKETS of the trainable elements where that is larger."""
+    from fzero.buckets import DEFAULT_BUCKETS, MIN_BUCKET_NUMEL, default_bucket_numel
 
     small = deep_mlp()
+    assert sum(p.numel() for p in small.parameters()) < MIN_BUCKET_NUMEL
     assert set(size_buckets(small).values()) == {0}
     # 8 parameters of a quarter bucket each: two buckets, in registration order
-    params = {f"p{i}": torch.zeros(DEFAULT_BUCKET_NUMEL // 4) for i in range(8)}
+    params = {f"p{i}": torch.zeros(MIN_BUCKET_NUMEL // 4) for i in range(8)}
     assert size_buckets(params) == {f"p{i}": i // 4 for i in range(8)}
+    # a large model (meta tensors: only sizes count): DEFAULT_BUCKETS buckets of four parameters each
+    large = {f"p{i:03d}": torch.empty(MIN_BUCKET_NUMEL, device="meta") for i in range(4 * DEFAULT_BUCKETS)}
+    assert default_bucket_numel(4 * DEFAULT_BUCKETS * MIN_BUCKET_NUMEL) == 4 * MIN_BUCKET_NUMEL
+    assert size_buckets(large) == {f"p{i:03d}": i // 4 for i in range(4 * DEFAULT_BUCKETS)}
+    # frozen parameters do not count
+    assert size_buckets({**large, "extra": torch.empty(MIN_BUCKET_NUMEL)}, trainable=lambda p: p == "extra") \
+        == {**{p: 0 for p in large}, "extra": 0}
 
 
 @pytest.mark.parametrize("world", [1, 2])
