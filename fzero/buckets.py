@@ -18,22 +18,25 @@ import torch
 from .layout import FlatGrads, FlatGroup, Layout, compute_dtype, named_leaves, stack_rows
 from .scopes import GRAD_BUCKETS, step_scope
 
-__all__ = ["MIN_BUCKET_NUMEL", "DEFAULT_BUCKETS", "default_bucket_numel", "MAX_IN_FLIGHT", "size_buckets", "buckets_of",
-           "Runner", "BufferPool", "BucketReduction", "BucketWatcher"]
+__all__ = ["MIN_BUCKET_NUMEL", "SMALL_MODEL_NUMEL", "LARGE_BUCKET_NUMEL", "default_bucket_numel", "MAX_IN_FLIGHT",
+           "size_buckets", "buckets_of", "Runner", "BufferPool", "BucketReduction", "BucketWatcher"]
 
-# The default bucket: 1/DEFAULT_BUCKETS of the trainable elements, at least MIN_BUCKET_NUMEL. Small buckets keep every
-# per-bucket block of a step (bucket buffer, gradient shard, a pure step's new master and moment shards) below the
-# host allocator's mmap threshold (fzero.host_malloc pins 4 MiB), so each is reused from the heap, not faulted in
-# afresh every step, and overlap backward; past DEFAULT_BUCKETS the per-bucket costs win (benchmarks/RESULTS.md, 5).
+# The default bucket (default_bucket_numel). Up to SMALL_MODEL_NUMEL trainable elements, buckets of MIN_BUCKET_NUMEL:
+# every per-bucket block of a step (bucket buffer, gradient shards, a pure step's new master and moment shards) stays
+# below the 4 MiB mmap threshold fzero.host_malloc pins, so it is reused from the heap instead of faulted in afresh,
+# and reductions overlap backward (58M: 1.24x -> 1.04x DDP's step, peak -176 MiB). Larger models get few buckets of
+# LARGE_BUCKET_NUMEL: there small buckets' heap blocks stay held between steps (162M: +56 MiB donating, +337 MiB pure)
+# and were no faster (benchmarks/RESULTS.md, 5).
 MIN_BUCKET_NUMEL = 1 << 19  # 2 MiB of fp32
-DEFAULT_BUCKETS = 128
+SMALL_MODEL_NUMEL = 1 << 26  # 128 buckets of MIN_BUCKET_NUMEL
+LARGE_BUCKET_NUMEL = 1 << 24  # 64 MiB of fp32
 MAX_IN_FLIGHT = 2  # reductions under way (each holding its bucket's buffer) before a rank waits for the oldest
 
 
 def default_bucket_numel(numel: int) -> int:
-    """The default bucket size for ``numel`` trainable elements: ``max(MIN_BUCKET_NUMEL, ceil(numel /
-    DEFAULT_BUCKETS))``."""
-    return max(MIN_BUCKET_NUMEL, -(-numel // DEFAULT_BUCKETS))
+    """The default bucket size for ``numel`` trainable elements: :data:`MIN_BUCKET_NUMEL` up to
+    :data:`SMALL_MODEL_NUMEL`, else :data:`LARGE_BUCKET_NUMEL`."""
+    return MIN_BUCKET_NUMEL if numel <= SMALL_MODEL_NUMEL else LARGE_BUCKET_NUMEL
 
 
 def size_buckets(params: Any, bucket_numel: Optional[int] = None,

@@ -195,8 +195,9 @@ def test_bucket_numel_errors():
 
 
 def test_default_bucket_size_follows_the_model():
-    """Buckets of MIN_BUCKET_NUMEL elements, or 1/DEFAULT_BUCKETS of the trainable elements where that is larger."""
-    from fzero.buckets import DEFAULT_BUCKETS, MIN_BUCKET_NUMEL, default_bucket_numel
+    """Small models: buckets of MIN_BUCKET_NUMEL elements; above SMALL_MODEL_NUMEL trainable elements, of
+    LARGE_BUCKET_NUMEL."""
+    from fzero.buckets import LARGE_BUCKET_NUMEL, MIN_BUCKET_NUMEL, SMALL_MODEL_NUMEL
 
     small = deep_mlp()
     assert sum(p.numel() for p in small.parameters()) < MIN_BUCKET_NUMEL
@@ -204,13 +205,15 @@ def test_default_bucket_size_follows_the_model():
     # 8 parameters of a quarter bucket each: two buckets, in registration order
     params = {f"p{i}": torch.zeros(MIN_BUCKET_NUMEL // 4) for i in range(8)}
     assert size_buckets(params) == {f"p{i}": i // 4 for i in range(8)}
-    # a large model (meta tensors: only sizes count): DEFAULT_BUCKETS buckets of four parameters each
-    large = {f"p{i:03d}": torch.empty(MIN_BUCKET_NUMEL, device="meta") for i in range(4 * DEFAULT_BUCKETS)}
-    assert default_bucket_numel(4 * DEFAULT_BUCKETS * MIN_BUCKET_NUMEL) == 4 * MIN_BUCKET_NUMEL
-    assert size_buckets(large) == {f"p{i:03d}": i // 4 for i in range(4 * DEFAULT_BUCKETS)}
+    # meta tensors (only sizes count): at SMALL_MODEL_NUMEL still small buckets, one element more large ones
+    n = SMALL_MODEL_NUMEL // MIN_BUCKET_NUMEL
+    at = {f"p{i:03d}": torch.empty(MIN_BUCKET_NUMEL, device="meta") for i in range(n)}
+    assert size_buckets(at) == {f"p{i:03d}": i for i in range(n)}
+    per = LARGE_BUCKET_NUMEL // MIN_BUCKET_NUMEL
+    above = {**at, "z": torch.empty(1, device="meta")}
+    assert size_buckets(above) == {**{f"p{i:03d}": i // per for i in range(n)}, "z": (n - 1) // per}
     # frozen parameters do not count
-    assert size_buckets({**large, "extra": torch.empty(MIN_BUCKET_NUMEL)}, trainable=lambda p: p == "extra") \
-        == {**{p: 0 for p in large}, "extra": 0}
+    assert size_buckets(above, trainable=lambda p: p != "z") == {**{f"p{i:03d}": i for i in range(n)}, "z": 0}
 
 
 @pytest.mark.parametrize("world", [1, 2])
