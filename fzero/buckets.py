@@ -24,9 +24,9 @@ __all__ = ["MIN_BUCKET_NUMEL", "SMALL_MODEL_NUMEL", "LARGE_BUCKET_NUMEL", "defau
 # The default bucket (default_bucket_numel). Up to SMALL_MODEL_NUMEL trainable elements, buckets of MIN_BUCKET_NUMEL:
 # every per-bucket block of a step (bucket buffer, gradient shards, a pure step's new master and moment shards) stays
 # below the 4 MiB mmap threshold fzero.host_malloc pins, so it is reused from the heap instead of faulted in afresh,
-# and reductions overlap backward (58M: 1.24x -> 1.04x DDP's step, peak -176 MiB). Larger models get few buckets of
-# LARGE_BUCKET_NUMEL: there small buckets' heap blocks stay held between steps (162M: +56 MiB donating, +337 MiB pure)
-# and were no faster (benchmarks/RESULTS.md, 5).
+# and reductions overlap backward (58M: 1.24x -> 1.04x DDP's step, peak -176 MiB; the heap keeps the freed blocks
+# between steps: held RSS +48 MiB, a pure step's +339). Larger models get few buckets of LARGE_BUCKET_NUMEL: at 162M
+# small buckets held more (+56 MiB donating, +337 pure) and were no faster (benchmarks/RESULTS.md, 5).
 MIN_BUCKET_NUMEL = 1 << 19  # 2 MiB of fp32
 SMALL_MODEL_NUMEL = 1 << 26  # 128 buckets of MIN_BUCKET_NUMEL
 LARGE_BUCKET_NUMEL = 1 << 24  # 64 MiB of fp32
