@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="stop once STEP steps are done (saving a checkpoint), as a job with a time limit would")
     p.add_argument("--timeout", type=float, default=0, metavar="SECONDS",
                    help="--comm torch: a rank waits at most this long for a peer in a collective "
-                        "(0: torch's default, 30 minutes)")
+                        "(0: fzero.dist.DEFAULT_TIMEOUT, 10 minutes, in a step; torch's 30 minutes outside it)")
     args = p.parse_args(argv)
     if args.accum < 1 or args.steps < 1 or args.clip < 0:
         p.error("--accum and --steps must be >= 1 and --clip >= 0")

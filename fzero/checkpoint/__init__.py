@@ -1,15 +1,16 @@
 """Checkpoints of a :class:`~fzero.state.TrainState` with ``torch.distributed.checkpoint`` (DCP). Modules:
 :mod:`.saveload` (save, load), :mod:`.planners` (DCP planners, the calls into DCP), :mod:`.metadata` (``.metadata`` read
 without running code, checked), :mod:`.checksums` (a CRC-32 per record), :mod:`.manifest` (what a checkpoint and a
-state must agree on), :mod:`.publish` (atomic publication, ``LATEST``), :mod:`.torch_optim` (``torch.optim``
-interchange), :mod:`.offline` (info, verify, consolidate; ``python -m fzero.checkpoint``). Every failure to read a
-checkpoint is a :class:`CheckpointError` (a ``ValueError``) naming the file and entry.
+state must agree on), :mod:`.publish` (atomic publication, ``LATEST``), :mod:`.files` (regular files only, size
+limits, symlinks inside the root), :mod:`.torch_optim` (``torch.optim`` interchange), :mod:`.offline` (info, verify,
+consolidate; ``python -m fzero.checkpoint``). Every failure to read a checkpoint is a :class:`CheckpointError` (a
+``ValueError``) naming the file and entry.
 
 Imports: errors, manifest, offline, saveload, torch_optim, publish.
 """
 
 from .errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
-                     IncompleteCheckpointError)
+                     CheckpointOutputError, IncompleteCheckpointError)
 from .manifest import read_manifest, resolve_checkpoint
 from .offline import (checkpoint_info, consolidate_checkpoint, consolidate_model_state_dict,
                       consolidate_torch_optim_state_dict, verify_checkpoint)
@@ -20,7 +21,7 @@ from . import publish  # noqa: F401 - tests patch its functions
 
 __all__ = [
     "write_back", "CheckpointError", "IncompleteCheckpointError", "CheckpointNotFoundError",
-    "CheckpointMismatchError", "CheckpointCorruptError", "save_checkpoint", "load_checkpoint",
+    "CheckpointMismatchError", "CheckpointCorruptError", "CheckpointOutputError", "save_checkpoint", "load_checkpoint",
     "resolve_checkpoint", "read_manifest", "checkpoint_info", "verify_checkpoint", "consolidate_checkpoint",
     "consolidate_model_state_dict", "consolidate_torch_optim_state_dict", "export_model_state_dict",
     "export_torch_optim_state_dict", "import_torch_optim_state_dict",

@@ -1,12 +1,13 @@
 """The command line: a checkpoint without the training job, no process group.
 
-    python -m fzero.checkpoint info PATH
-    python -m fzero.checkpoint verify PATH
-    python -m fzero.checkpoint consolidate PATH OUT.pt [--optim OPTIM.pt]
+    python -m fzero.checkpoint info PATH [--follow-symlinks]
+    python -m fzero.checkpoint verify PATH [--follow-symlinks]
+    python -m fzero.checkpoint consolidate PATH OUT.pt [--optim OPTIM.pt] [--follow-symlinks]
 
-PATH: a checkpoint root (its ``LATEST`` is used) or one checkpoint directory. Exit
-status 0 on success, 1 when the checkpoint is incomplete, corrupt or not fzero's
-(one line on stderr naming the directory, the file and the entry), 2 on usage errors.
+PATH: a checkpoint root (its ``LATEST`` is used) or one checkpoint directory; its files
+are read only inside it unless --follow-symlinks. Exit
+status 0 on success, 1 when the checkpoint is incomplete, corrupt or not fzero's, or an
+output cannot be written (one line on stderr naming the file), 2 on usage errors.
 Nothing in the checkpoint is run: its metadata is read with an allow-list of types.
 """
 
@@ -25,8 +26,8 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
-def _info(path: str) -> None:
-    info = checkpoint_info(path)
+def _info(path: str, follow_symlinks: bool) -> None:
+    info = checkpoint_info(path, follow_symlinks=follow_symlinks)
     print(f"checkpoint  {info['directory']}")
     print(f"saved at    world size {info['world_size']}, stage {info['stage']}, step {info['step']}")
     print(f"parameters  {info['num_params']} tensors, {info['num_elements']:,} elements "
@@ -51,24 +52,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fzero.checkpoint", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="world size, stage, step, parameters, sizes").add_argument("path")
-    sub.add_parser("verify", help="check every checksum").add_argument("path")
+    info = sub.add_parser("info", help="world size, stage, step, parameters, sizes")
+    verify = sub.add_parser("verify", help="check every checksum")
     c = sub.add_parser("consolidate", help="write a plain model state dict (torch.save)")
-    c.add_argument("path")
+    for p in (info, verify, c):
+        p.add_argument("path")
+        p.add_argument("--follow-symlinks", action="store_true",
+                       help="follow symlinks out of the checkpoint root (default: refused)")
     c.add_argument("out", help="the model state dict file (e.g. model.pt)")
     c.add_argument("--optim", metavar="OPTIM.pt", help="also write the torch.optim state dict there")
     args = parser.parse_args(argv)
+    follow = args.follow_symlinks
     try:
         if args.command == "info":
-            _info(args.path)
+            _info(args.path, follow)
         elif args.command == "verify":
             t0 = time.perf_counter()
-            n = verify_checkpoint(args.path)
+            n = verify_checkpoint(args.path, follow_symlinks=follow)
             print(f"ok: every checksum of {args.path} matches ({_mib(n)} checked in {time.perf_counter() - t0:.2f} s)")
         else:
-            out = consolidate_checkpoint(args.path, args.out, optim=args.optim)
+            out = consolidate_checkpoint(args.path, args.out, optim=args.optim, follow_symlinks=follow)
             print(f"wrote {out}" + (f" and {args.optim}" if args.optim else ""))
-    except (CheckpointError, OSError) as e:  # OSError: the output files cannot be written
+    except (CheckpointError, OSError) as e:  # OSError: stdout or stderr closed
         print(f"error: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     return 0

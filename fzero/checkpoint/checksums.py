@@ -4,7 +4,7 @@ place, CRC, entry and chunk, the step and name, the SHA-256 of ``.metadata`` (wr
 :func:`open_checked`, :class:`VerifyingReader` and :func:`verify_checkpoint_dir` check them (failures:
 :class:`CheckpointCorruptError` naming directory, data file, entry). CRC-32 guards against accidents, not an adversary.
 
-Imports: errors, metadata.
+Imports: errors, files, metadata.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .errors import CheckpointCorruptError, corrupt
+from .files import Files, checksums_limit
 from .metadata import (CHECKSUMS_FILE, FZERO_KEY, METADATA_FILE, _first_line, check_metadata, fzero_marks,
                        read_bytes, unpickle_metadata)
 
@@ -218,13 +219,19 @@ class CheckedDir:
     dir: Path
     metadata: Metadata
     checksums: Optional[Checksums]
+    files: Optional[Files] = None  # how its files are opened (default: inside ``dir``)
+
+    def open(self, name: str) -> Any:
+        """Data file ``name`` opened for reading (:meth:`~.files.Files.open`)."""
+        return (self.files or Files.of(self.dir)).open(self.dir / name)
 
 
-def read_checksums(d: Path) -> Optional[Checksums]:
-    """``d/checksums.json``, or None; damaged (its own CRC covers every field): a corrupt checkpoint."""
-    if not (d / CHECKSUMS_FILE).exists():
+def read_checksums(d: Path, files: Optional[Files] = None, limit: Optional[int] = None) -> Optional[Checksums]:
+    """``d/checksums.json`` (read as ``files`` allows, at most ``limit`` bytes), or None; damaged (its own CRC covers
+    every field): a corrupt checkpoint."""
+    if not (d / CHECKSUMS_FILE).exists() and not (d / CHECKSUMS_FILE).is_symlink():
         return None
-    blob = read_bytes(d, CHECKSUMS_FILE)
+    blob = read_bytes(d, CHECKSUMS_FILE, files, limit)
     try:
         doc = json.loads(blob.decode("utf-8"))
         if not isinstance(doc, dict):
@@ -255,12 +262,14 @@ def read_checksums(d: Path) -> Optional[Checksums]:
         raise corrupt(d, f"file {CHECKSUMS_FILE} is damaged ({e})") from e
 
 
-def open_checked(d: Path) -> CheckedDir:
+def open_checked(d: Path, files: Optional[Files] = None) -> CheckedDir:
     """Read ``d``'s metadata without running code, check it and bind it to the checksum file: the digest of
     ``.metadata`` (before unpickling), :mod:`.metadata`'s checks, the checksum file it was saved with, one
-    checksum record per listed record and no other. Raises :class:`CheckpointCorruptError`."""
-    sums = read_checksums(d)
-    blob = read_bytes(d, METADATA_FILE)
+    checksum record per listed record and no other. Each file is read as ``files`` allows (:class:`~.files.Files`;
+    the checksum file within :func:`~.files.checksums_limit` of the metadata's size). Raises
+    :class:`CheckpointCorruptError`."""
+    blob = read_bytes(d, METADATA_FILE, files)
+    sums = read_checksums(d, files, checksums_limit(len(blob)))
     if sums is not None and sums.metadata_sha256 is not None:
         if hashlib.sha256(blob).hexdigest() != sums.metadata_sha256:
             raise corrupt(d, f"file {METADATA_FILE} is not the one {CHECKSUMS_FILE} was written for (its digest "
@@ -276,7 +285,7 @@ def open_checked(d: Path) -> CheckedDir:
                              f"version {marks.get('checksums_version')!r}")
     if sums is not None:
         _bind_records(d, metadata, sums)
-    return CheckedDir(d, metadata, sums)
+    return CheckedDir(d, metadata, sums, files)
 
 
 def _bind_records(d: Path, metadata: Metadata, sums: Checksums) -> None:
@@ -370,7 +379,7 @@ def verify_checkpoint_dir(checked: CheckedDir) -> int:
     records = sorted(checked.checksums.records.values(), key=lambda r: (r.file, r.offset))
     for f, group in itertools.groupby(records, key=lambda r: r.file):
         try:
-            with open(d / f, "rb") as stream:
+            with checked.open(f) as stream:
                 for record in group:
                     check_decodes(checked, record, _read_checked(stream, checked, record))
                     total += record.length

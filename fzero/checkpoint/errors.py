@@ -7,7 +7,7 @@ Imports: none of fzero.
 from __future__ import annotations
 
 __all__ = ["CheckpointError", "IncompleteCheckpointError", "CheckpointNotFoundError", "CheckpointMismatchError",
-           "CheckpointCorruptError"]
+           "CheckpointCorruptError", "CheckpointOutputError"]
 
 
 class CheckpointError(ValueError):
@@ -29,6 +29,10 @@ class CheckpointMismatchError(CheckpointError):
 class CheckpointCorruptError(CheckpointError):
     """The checkpoint's bytes are damaged (a checksum differs, a record cannot be decoded); the message
     names the checkpoint directory, the data file and the entry."""
+
+
+class CheckpointOutputError(CheckpointError):
+    """A file consolidating a checkpoint cannot be written (the message names it)."""
 
 
 def corrupt(d: object, what: str) -> CheckpointCorruptError:

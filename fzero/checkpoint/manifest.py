@@ -6,7 +6,7 @@ optimizer, scaler and precision configuration; the module's persistent buffers a
 information only, the world size, stage and tree structure. Loading names its first difference from the
 template state (:class:`CheckpointMismatchError`).
 
-Imports: comm, sharding, state, checksums, errors, metadata, planners, publish.
+Imports: comm, sharding, state, checksums, errors, files, metadata, planners, publish.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ..sharding import frozen_params
 from ..state import TrainState
 from .checksums import CheckedDir, open_checked
 from .errors import CheckpointMismatchError, CheckpointNotFoundError, IncompleteCheckpointError, corrupt
+from .files import Files
 from .metadata import DTYPES, METADATA_FILE, _is_int
 from .planners import _Pieces, dcp_load
 from .publish import LATEST, _read_latest
@@ -121,22 +122,25 @@ def _manifest_difference(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> O
     return None
 
 
-def resolve_checkpoint(path: PathLike) -> Path:
+def resolve_checkpoint(path: PathLike, *, follow_symlinks: bool = False) -> Path:
     """The checkpoint directory ``path`` designates: ``path/LATEST``'s target when ``path`` is a root, else ``path``
     itself. Raises :class:`IncompleteCheckpointError` when it has no DCP ``.metadata`` (written last: the save did not
-    finish) and :class:`CheckpointNotFoundError` (also a ``FileNotFoundError``) when ``path`` does not exist."""
-    return _resolve(path)[0]
+    finish), :class:`CheckpointNotFoundError` (also a ``FileNotFoundError``) when ``path`` does not exist, and
+    :class:`CheckpointCorruptError` when ``LATEST`` is not a regular file holding one name, or names a directory that
+    resolves outside ``path`` (unless ``follow_symlinks``: :class:`~.files.Files`)."""
+    return _resolve(Files.of(path, follow_symlinks), path)[0]
 
 
-def _resolve(path: PathLike) -> tuple[Path, Optional[str]]:
+def _resolve(files: Files, path: PathLike) -> tuple[Path, Optional[str]]:
     """The checkpoint directory, and the name ``LATEST`` gave it (None: ``path`` is the directory)."""
     p = Path(path)
     if not p.exists():
         raise CheckpointNotFoundError(f"no checkpoint at {p}: the path does not exist")
-    name = _read_latest(p) if p.is_dir() else None
+    name = _read_latest(p, files) if p.is_dir() else None
     d = p / name if name is not None else p
     if name is not None and not d.is_dir():
         raise IncompleteCheckpointError(f"{p / LATEST} names {name!r}, but {d} does not exist")
+    files.check_inside(d)
     if not (d / METADATA_FILE).is_file():
         if name is None and not any(d.glob("*.distcp")):
             raise IncompleteCheckpointError(f"no checkpoint at {d}: neither a {LATEST} file nor a DCP .metadata file")
@@ -145,39 +149,42 @@ def _resolve(path: PathLike) -> tuple[Path, Optional[str]]:
     return d, name
 
 
-def _check_data_files(d: Path, metadata: Metadata) -> None:
-    """Every data file the metadata names exists and holds every byte range it lists."""
+def _check_data_files(d: Path, metadata: Metadata, files: Files) -> None:
+    """Every data file the metadata names is a regular file inside the root (``files``) and holds every byte range it
+    lists."""
     need: dict[str, int] = {}
     for info in metadata.storage_data.values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
     for rel, size in sorted(need.items()):
-        f = d / rel
-        if not f.is_file():
-            raise IncompleteCheckpointError(f"incomplete checkpoint {d}: data file {rel} is missing")
-        have = f.stat().st_size
+        try:
+            with files.open(d / rel) as f:
+                have = os.fstat(f.fileno()).st_size
+        except FileNotFoundError:
+            raise IncompleteCheckpointError(f"incomplete checkpoint {d}: data file {rel} is missing") from None
         if have < size:
             raise IncompleteCheckpointError(f"incomplete checkpoint {d}: data file {rel} is truncated ({have} "
                                             f"bytes, the metadata needs {size})")
 
 
-def read_manifest(path: PathLike) -> dict[str, Any]:
+def read_manifest(path: PathLike, *, follow_symlinks: bool = False) -> dict[str, Any]:
     """The manifest of the checkpoint at ``path`` (a root or a checkpoint directory), read in this process (no
     collective). Raises :class:`IncompleteCheckpointError` for an incomplete checkpoint, :class:`CheckpointCorruptError`
     for a damaged one and :class:`CheckpointMismatchError` for a DCP checkpoint that fzero did not write."""
-    return _read_manifest(checked_metadata(path))
+    return _read_manifest(checked_metadata(path, follow_symlinks=follow_symlinks))
 
 
-def checked_metadata(path: PathLike) -> CheckedDir:
+def checked_metadata(path: PathLike, *, follow_symlinks: bool = False) -> CheckedDir:
     """The checkpoint directory ``path`` designates, opened with :func:`~.checksums.open_checked`, once every
     data file it names is there and long enough. Through a root, the checkpoint must be the one saved under
     the name ``LATEST`` gives (not another checkpoint's files copied there)."""
-    d, latest = _resolve(path)
-    checked = open_checked(d)
+    files = Files.of(path, follow_symlinks)
+    d, latest = _resolve(files, path)
+    checked = open_checked(d, files)
     sums = checked.checksums
     if latest is not None and sums is not None and sums.name is not None and sums.name != latest:
         raise corrupt(d, f"{LATEST} names it {latest!r}, but it was saved as {sums.name!r} (step {sums.step}): "
                          "another checkpoint's files are in its place")
-    _check_data_files(d, checked.metadata)
+    _check_data_files(d, checked.metadata, files)
     return checked
 
 

@@ -3,7 +3,7 @@ checked before anything trusts it. :func:`read_metadata` unpickles with an allow
 metadata is made of; :func:`check_metadata` checks every value fzero and DCP read (chunks tile their tensor, one record
 per chunk in a plain data file, records do not overlap, no transforms). Failures: :class:`CheckpointCorruptError`.
 
-Imports: errors.
+Imports: errors, files.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    MetadataIndex, TensorProperties, TensorStorageMetadata)
 
 from .errors import CheckpointCorruptError, corrupt
+from .files import Files
 
 __all__ = ["METADATA_FILE", "FZERO_KEY", "read_metadata", "unpickle_metadata", "check_metadata", "DTYPES"]
 
@@ -92,17 +93,20 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-def read_metadata(d: Path) -> tuple[Metadata, bytes]:
+def read_metadata(d: Path, files: Optional[Files] = None) -> tuple[Metadata, bytes]:
     """``d/.metadata`` unpickled with the allow-list and checked (:func:`check_metadata`), and its bytes."""
-    blob = read_bytes(d, METADATA_FILE)
+    blob = read_bytes(d, METADATA_FILE, files)
     md = unpickle_metadata(d, blob)
     check_metadata(d, md)
     return md, blob
 
 
-def read_bytes(d: Path, name: str) -> bytes:
+def read_bytes(d: Path, name: str, files: Optional[Files] = None, limit: Optional[int] = None) -> bytes:
+    """``d/name`` read as ``files`` allows (default: inside ``d``), at most ``limit`` bytes (default
+    :data:`~.files.METADATA_LIMIT`)."""
+    files = Files.of(d) if files is None else files
     try:
-        return (d / name).read_bytes()
+        return files.read(d / name, limit)
     except OSError as e:
         raise CheckpointCorruptError(f"checkpoint {d}: file {name} cannot be read ({e})") from e
 

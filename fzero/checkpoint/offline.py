@@ -17,9 +17,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..module import ModuleSpec
 from ..optim import vector_spans
 from .checksums import CHECKSUMS_FILE, CheckedDir, verify_checkpoint_dir
-from .errors import CheckpointError, IncompleteCheckpointError, corrupt
+from .errors import CheckpointError, CheckpointOutputError, IncompleteCheckpointError, corrupt
 from .manifest import FROZEN_LEFT_OUT, PathLike, _read_manifest, checked_metadata
-from .metadata import DTYPES
+from .metadata import DTYPES, _first_line
 from .planners import dcp_load
 from .saveload import _HYPER_PREFIX, BUFFER_PREFIX, EXTRA_PREFIX, MISSED_KEY, SCALAR_PREFIX, VECTOR_PREFIX
 from .torch_optim import module_state_dict, rule_from_manifest, torch_optim_dict, torch_order
@@ -44,8 +44,8 @@ def _read(checked: CheckedDir, keys: list[str], numels: Optional[list[int]] = No
     return sd
 
 
-def _open(path: PathLike) -> tuple[CheckedDir, dict[str, Any]]:
-    checked = checked_metadata(path)
+def _open(path: PathLike, follow_symlinks: bool) -> tuple[CheckedDir, dict[str, Any]]:
+    checked = checked_metadata(path, follow_symlinks=follow_symlinks)
     return checked, _read_manifest(checked)
 
 
@@ -57,11 +57,12 @@ def _step_and_hyper(checked: CheckedDir, names: list[list[str]]) -> tuple[int, l
     return int(scalars["fzero/step"]), hyper
 
 
-def checkpoint_info(path: PathLike) -> dict[str, Any]:
+def checkpoint_info(path: PathLike, *, follow_symlinks: bool = False) -> dict[str, Any]:
     """What the checkpoint at ``path`` holds: directory, saved world size and stage, step, parameters (count, elements,
     per-parameter path/shape/dtype/group), optimizer and hyperparameters, bytes per kind of entry and per file, whether
-    it has checksums, the caller's ``extra`` keys. Reads the metadata, the manifest and a few scalars."""
-    checked, man = _open(path)
+    it has checksums, the caller's ``extra`` keys. Reads the metadata, the manifest and a few scalars.
+    ``follow_symlinks``: as :func:`~fzero.checkpoint.load_checkpoint`; every failure a :class:`CheckpointError`."""
+    checked, man = _open(path, follow_symlinks)
     d, metadata = checked.dir, checked.metadata
     opt = man["optimizer"]
     step, hyper = _step_and_hyper(checked, opt["hyperparameters"])
@@ -90,20 +91,20 @@ def checkpoint_info(path: PathLike) -> dict[str, Any]:
     }
 
 
-def verify_checkpoint(path: PathLike) -> int:
+def verify_checkpoint(path: PathLike, *, follow_symlinks: bool = False) -> int:
     """Check the checkpoint at ``path`` as loading would, without a training state: the metadata and its checksum
     binding, every record's checksum and decoding (``weights_only``), the step, the manifest. Returns the bytes checked;
     raises :class:`CheckpointError` (:class:`CheckpointCorruptError` naming the entry and file)."""
-    checked = checked_metadata(path)
+    checked = checked_metadata(path, follow_symlinks=follow_symlinks)
     total = verify_checkpoint_dir(checked)
     _read_manifest(checked)
     return total
 
 
-def consolidate_model_state_dict(path: PathLike) -> dict[str, torch.Tensor]:
+def consolidate_model_state_dict(path: PathLike, *, follow_symlinks: bool = False) -> dict[str, torch.Tensor]:
     """The full parameters ``{path: tensor}`` of the checkpoint at ``path`` (in tree order), as
     :func:`~fzero.checkpoint.export_model_state_dict` gives them: masters cast to their dtype and shape."""
-    return _model(*_open(path))
+    return _model(*_open(path, follow_symlinks))
 
 
 def _model(checked: CheckedDir, man: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -128,10 +129,10 @@ def _model(checked: CheckedDir, man: dict[str, Any]) -> dict[str, torch.Tensor]:
     return module_state_dict(out, bufs, spec)
 
 
-def consolidate_torch_optim_state_dict(path: PathLike) -> dict[str, Any]:
+def consolidate_torch_optim_state_dict(path: PathLike, *, follow_symlinks: bool = False) -> dict[str, Any]:
     """The ``torch.optim`` state dict of the checkpoint at ``path``, as
     :func:`~fzero.checkpoint.export_torch_optim_state_dict` gives it from the live state."""
-    return _optim(*_open(path))
+    return _optim(*_open(path, follow_symlinks))
 
 
 def _optim(checked: CheckedDir, man: dict[str, Any]) -> dict[str, Any]:
@@ -172,13 +173,20 @@ def _optim(checked: CheckedDir, man: dict[str, Any]) -> dict[str, Any]:
     return torch_optim_dict(rule, order, step, hyper, moments, own, scalars, shapes=shapes, vectors=per_slot_vectors)
 
 
-def consolidate_checkpoint(path: PathLike, out: PathLike, *, optim: Optional[PathLike] = None) -> Path:
+def consolidate_checkpoint(path: PathLike, out: PathLike, *, optim: Optional[PathLike] = None,
+                           follow_symlinks: bool = False) -> Path:
     """Write the checkpoint at ``path`` as a plain model state dict to ``out`` (``torch.save``;
     ``model.load_state_dict(torch.load(out))`` takes it), and its ``torch.optim`` state dict to ``optim`` if given.
-    Returns ``out``."""
-    checked, man = _open(path)
-    out = Path(out)
-    torch.save(_model(checked, man), out)
-    if optim is not None:
-        torch.save(_optim(checked, man), Path(optim))
-    return out
+    Returns ``out``. An output that cannot be written (checked before the checkpoint is read: its directory must
+    exist): :class:`CheckpointOutputError` naming it."""
+    outs = [Path(out)] + ([] if optim is None else [Path(optim)])
+    for o in outs:
+        if not o.parent.is_dir():
+            raise CheckpointOutputError(f"cannot write {o}: its directory {o.parent} does not exist")
+    checked, man = _open(path, follow_symlinks)
+    for o, build in zip(outs, (_model, _optim)):
+        try:
+            torch.save(build(checked, man), o)
+        except (OSError, RuntimeError) as e:  # torch.save reports a file it cannot open as a RuntimeError
+            raise CheckpointOutputError(f"cannot write {o}: {_first_line(e)}") from e
+    return outs[0]

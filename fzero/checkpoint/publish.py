@@ -2,7 +2,7 @@
 (DCP's final collective) the coordinator renames it to ``root/{name}``, then replaces ``root/LATEST`` atomically. A save
 killed at any point leaves ``LATEST`` naming the previous, complete checkpoint.
 
-Imports: comm, dist, errors.
+Imports: comm, dist, errors, files.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..comm import Communicator, CountingCommunicator
 from ..dist import TorchCommunicator
 from .errors import CheckpointCorruptError
+from .files import LATEST_LIMIT, NAME_MAX, Files
 
 LATEST = "LATEST"
 _TMP_PREFIX = ".tmp-"
@@ -56,17 +57,27 @@ def _on_coordinator(pg: Optional[dist.ProcessGroup], what: str, fn: Callable[[],
 
 
 def _check_name(name: str) -> None:
+    """A plain directory name: at most :data:`~.files.NAME_MAX` bytes, no separator or control character, not
+    starting with '.', not ``LATEST`` (checked before any path is built from it)."""
     if not isinstance(name, str) or not name or name != os.path.basename(name) or name.startswith(".") \
-            or name == LATEST:
-        raise ValueError(f"checkpoint name must be a plain directory name (no '/', not starting with '.', "
-                         f"not {LATEST!r}), got {name!r}")
+            or name == LATEST or len(name.encode("utf-8", "surrogatepass")) > NAME_MAX \
+            or any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise ValueError(f"checkpoint name must be a plain directory name (at most {NAME_MAX} bytes, no '/' or "
+                         f"control characters, not starting with '.', not {LATEST!r}), got {_shown(name)}")
 
 
-def _read_latest(root: Path) -> Optional[str]:
-    """The name ``root/LATEST`` holds; None without one. :class:`CheckpointCorruptError` naming it if it
-    cannot be read or holds no checkpoint name."""
+def _shown(name: object) -> str:
+    """``repr(name)``, cut to 80 characters (a damaged ``LATEST`` may hold megabytes)."""
+    return repr(name) if not isinstance(name, str) or len(name) <= 80 else f"{name[:80]!r}... ({len(name)} characters)"
+
+
+def _read_latest(root: Path, files: Optional[Files] = None) -> Optional[str]:
+    """The name ``root/LATEST`` holds; None without one. :class:`CheckpointCorruptError` naming it if it is not a
+    regular file inside the root (``files``: default, ``root``'s), holds more than one name can, or no checkpoint
+    name."""
+    files = Files.of(root) if files is None else files
     try:
-        raw = (root / LATEST).read_bytes()
+        raw = files.read(root / LATEST, LATEST_LIMIT)
     except FileNotFoundError:
         return None
     except OSError as e:
@@ -78,7 +89,7 @@ def _read_latest(root: Path) -> Optional[str]:
     try:
         _check_name(name)
     except ValueError:
-        raise CheckpointCorruptError(f"{root / LATEST} is damaged: {name!r} is not a checkpoint name") from None
+        raise CheckpointCorruptError(f"{root / LATEST} is damaged: {_shown(name)} is not a checkpoint name") from None
     return name
 
 

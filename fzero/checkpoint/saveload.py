@@ -201,7 +201,7 @@ def save_checkpoint(state: TrainState, root: PathLike, comm: Communicator, *, na
 
 
 def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *, hyperparams: str = "checkpoint",
-                    donate: bool = False) -> tuple[TrainState, dict[str, Any]]:
+                    donate: bool = False, follow_symlinks: bool = False) -> tuple[TrainState, dict[str, Any]]:
     """Load a checkpoint into a state shaped like ``template``; returns ``(state, extra)``.
 
     ``path``: a root written by :func:`save_checkpoint` (its ``LATEST`` is loaded) or one checkpoint directory.
@@ -219,7 +219,9 @@ def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *,
     would have. A rank the saved run did not have, or every rank for a checkpoint saved without generators, keeps the
     template's; a template with ``seed=None`` keeps none.
 
-    Nothing in the checkpoint runs (:mod:`.metadata`). Raises, checked first on every rank alike:
+    Nothing in the checkpoint runs (:mod:`.metadata`); its files are read only if they are regular files within their
+    size limits and, unless ``follow_symlinks``, resolve inside ``path`` (:class:`~.files.Files`). Raises, checked
+    first on every rank alike:
     :class:`CheckpointCorruptError` for damaged metadata or checksums (or ``LATEST`` naming another checkpoint's files),
     :class:`IncompleteCheckpointError` for a missing or truncated file, :class:`CheckpointMismatchError` naming the
     first difference of model/optimizer/scaler/precision; while reading, :class:`CheckpointCorruptError` naming the
@@ -230,7 +232,7 @@ def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *,
     ensure_live(template)
     check_world(template.shard, comm)
     pg = _process_group(comm)
-    checked, left_out = _validated(path, template, comm)
+    checked, left_out = _validated(path, template, comm, follow_symlinks)
     d, metadata = checked.dir, checked.metadata
     saved = metadata.state_dict_metadata
     replicated = {k: torch.empty_like(v) for k, v in _replicated(template).items()}
@@ -290,10 +292,11 @@ def _frozen_destinations(template: TrainState, comm: Communicator, saved: Mappin
     return None, {FROZEN_PREFIX + s.path: w for s, w in zip(lay.slots, whole) if w is not None and s.numel}, whole
 
 
-def _validated(path: PathLike, template: TrainState, comm: Communicator) -> tuple[CheckedDir, Optional[dict]]:
+def _validated(path: PathLike, template: TrainState, comm: Communicator,
+               follow_symlinks: bool) -> tuple[CheckedDir, Optional[dict]]:
     """The checked checkpoint directory, once complete and matching ``template``, and the CRC-32s of the frozen
     parameters it left out (None: it holds them), which the template's match."""
-    checked = checked_metadata(path)
+    checked = checked_metadata(path, follow_symlinks=follow_symlinks)
     saved = _read_manifest(checked)
     diff = _manifest_difference(saved, _manifest(template, comm))
     left_out = saved.get(FROZEN_LEFT_OUT)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -22,10 +23,12 @@ from .gloo import (C10D_OP, Bound, ScratchPool, average_owned, point_to_point_ga
                    point_to_point_reduce_scatter, waiter)
 
 __all__ = ["TorchCommunicator", "LayoutMismatchError", "REDUCE_SCATTER_PATHS", "ALL_GATHER_PATHS",
-           "launcher_world_size", "choose_comm"]
+           "DEFAULT_TIMEOUT", "launcher_world_size", "choose_comm"]
 
 REDUCE_SCATTER_PATHS = ("reduce_scatter", "all_to_all", "all_reduce")
 ALL_GATHER_PATHS = ("all_gather", "point_to_point")
+# 10 min: a stalled peer must raise CollectiveError in bounded time; room for a slow step or checkpoint save under load
+DEFAULT_TIMEOUT: float = 600.0
 
 # torch 2.13 names these *_single; older torch only has the *_tensor names
 _funcol_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -65,9 +68,11 @@ class TorchCommunicator(Communicator):
     ``"all_to_all"`` (each rank sends every other its chunk point to point and adds what it received in rank order: the
     simulated world's bits) or ``"all_reduce"`` (and a slice: twice the traffic); default ``"all_to_all"`` on gloo (its
     own is its slowest), else the backend's. ``all_gather_via``: ``"all_gather"`` or ``"point_to_point"`` (gloo's
-    default). ``timeout`` (seconds or a ``timedelta``; default: the process group's) bounds each wait of a step, eager
-    or compiled: a stalled or dead peer raises :class:`~fzero.comm.CollectiveError` (give ``init_process_group`` the
-    same bound for what runs outside the step)."""
+    default). ``timeout`` (seconds or a ``timedelta``; ``None``, the default: :data:`DEFAULT_TIMEOUT`, 10 minutes, read
+    when the communicator is built; ``float("inf")``: no bound but the process group's own) bounds each wait of a step,
+    eager or compiled: a stalled or dead peer raises :class:`~fzero.comm.CollectiveError` (give
+    ``init_process_group`` the same bound for what runs outside the step). ``self.timeout``: the bound in seconds, or
+    ``None`` for none."""
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, reduce_scatter_via: Optional[str] = None,
                  timeout: Optional[Union[float, datetime.timedelta]] = None, all_gather_via: Optional[str] = None):
@@ -89,11 +94,14 @@ class TorchCommunicator(Communicator):
             raise ValueError(f"all_gather_via must be one of {ALL_GATHER_PATHS}, got {all_gather_via!r}")
         self.reduce_scatter_via, self.all_gather_via = reduce_scatter_via, all_gather_via
         via_p2p = reduce_scatter_via == "all_to_all"
+        if timeout is None:
+            timeout = DEFAULT_TIMEOUT  # the module's, as it is now: a program may change it
         if isinstance(timeout, datetime.timedelta):
             timeout = timeout.total_seconds()
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
-        self.timeout = None if timeout is None else float(timeout)
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds (float('inf'): no bound) or a timedelta, "
+                             f"got {timeout!r}")
+        self.timeout: Optional[float] = None if math.isinf(timeout) else float(timeout)
         self.overlaps = True
         # beside the result: all_to_all receives the peers' chunks after the first, the others copy the input
         copies = 0.0 if reduce_scatter_via == "reduce_scatter" and not gloo else 1.0
