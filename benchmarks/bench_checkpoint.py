@@ -1,15 +1,16 @@
 """Checkpoint costs: checksum algorithms against the save time, and the peak memory of loading.
 
-    python benchmarks/bench_checkpoint.py [--mb 100]
+    python benchmarks/bench_checkpoint.py [--mb 100] [--repeats 3]
 
 1. Each candidate checksum over the bytes of a tensor of ``--mb`` MB, against
    ``save_checkpoint`` of a state holding that many MB of master weights (plus two
    Adam moments) on a simulated world of 2 ranks, with and without fzero's CRC-32
    records (the difference is what the checksums cost inside a save).
-2. The peak resident memory of ``load_checkpoint`` of that state, pure (the template
-   kept) and ``donate=True`` (loaded into the template's buffers), each in a fresh
+2. The peak resident memory and wall time of ``load_checkpoint`` of that state, pure (the
+   template kept) and ``donate=True`` (loaded into the template's buffers), each in a fresh
    process: the peak RSS during the load (``VmHWM``, reset just before it through
-   ``/proc/self/clear_refs``) minus the RSS just before it. Linux only.
+   ``/proc/self/clear_refs``) minus the RSS just before it; then, in the same process, the
+   best of ``--repeats`` further loads and of as many ``verify_checkpoint`` calls. Linux only.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def checksums(mb: int) -> None:
 
 
 _CHILD = r"""
-import json, sys, torch, fzero
+import json, sys, time, torch, fzero
 sys.path.insert(0, sys.argv[3])
 from bench_checkpoint import _state
 torch.set_num_threads(1)
@@ -103,32 +104,47 @@ def status(field):
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # resets the peak (VmHWM) to the current RSS: the peak of the load alone
 before = status("VmRSS")
-state, _ = fzero.load_checkpoint(sys.argv[1], template, comm, donate=sys.argv[4] == "donate")
+donate = sys.argv[4] == "donate"
+t0 = time.perf_counter()
+state, _ = fzero.load_checkpoint(sys.argv[1], template, comm, donate=donate)
+first = time.perf_counter() - t0
 peak = status("VmHWM")
-print(json.dumps({"state": state_bytes, "before": before, "peak": peak}))
+loads, verifies = [], []
+for _ in range(int(sys.argv[5])):
+    template = _state(int(sys.argv[2]), comm) if donate else template
+    t0 = time.perf_counter()
+    fzero.load_checkpoint(sys.argv[1], template, comm, donate=donate)
+    loads.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    fzero.checkpoint.verify_checkpoint(sys.argv[1])
+    verifies.append(time.perf_counter() - t0)
+print(json.dumps({"state": state_bytes, "before": before, "peak": peak, "first": first, "load": min(loads),
+                  "verify": min(verifies)}))
 """
 
 
-def load_peak(mb: int) -> None:
+def load_peak(mb: int, repeats: int) -> None:
     comm = fzero.SimulatedWorld(2)
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as root:
         fzero.save_checkpoint(_state(mb, comm), root, comm, name="s")
         here = str(Path(__file__).resolve().parent)
-        print("load_checkpoint peak memory (fresh process; state = template's tensors):")
+        print(f"load_checkpoint peak memory and time (fresh process; state = template's tensors; best of {repeats}):")
         for mode in ("pure", "donate"):
-            out = subprocess.run([sys.executable, "-c", _CHILD, root, str(mb), here, mode],
+            out = subprocess.run([sys.executable, "-c", _CHILD, root, str(mb), here, mode, str(repeats)],
                                  capture_output=True, text=True, check=True, timeout=600)
             r = json.loads(out.stdout.strip().splitlines()[-1])
             extra = r["peak"] - r["before"]
             print(f"  {mode:<7} state {r['state'] / 2**20:7.0f} MiB; RSS before load {r['before'] / 2**20:7.0f} MiB, "
                   f"peak {r['peak'] / 2**20:7.0f} MiB: +{extra / 2**20:.0f} MiB "
-                  f"({extra / r['state']:.2f} x the state)")
+                  f"({extra / r['state']:.2f} x the state); first load {r['first'] * 1e3:.0f} ms, "
+                  f"then {r['load'] * 1e3:.0f} ms; verify_checkpoint {r['verify'] * 1e3:.0f} ms")
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mb", type=int, default=100, help="MB of master weights")
+    p.add_argument("--repeats", type=int, default=3, help="timed loads and verifies after the measured first load")
     args = p.parse_args()
     torch.set_num_threads(1)
     checksums(args.mb)
-    load_peak(args.mb)
+    load_peak(args.mb, args.repeats)
