@@ -43,10 +43,9 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("mode,compiled", [("sigstop", False), ("sleep", False), ("sleep", True)])
-def test_stalled_peer_fails_with_a_named_error_within_the_timeout(mode, compiled, tmp_path):
-    out = tmp_path / "error.json"
+def _stall_pair(tmp_path: Path, argv: list[str], wait: float, out: Path) -> None:
+    """Start ``argv`` as ranks 0 and 1 of a gloo group, in sessions of their own; rank 0 must exit with status 3
+    (its error written to ``out``) within ``wait`` s while rank 1 is still stalled; both are killed in the end."""
     port = _free_port()
     procs = []
     try:
@@ -54,14 +53,10 @@ def test_stalled_peer_fails_with_a_named_error_within_the_timeout(mode, compiled
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
                    "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1",
                    "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-            procs.append(subprocess.Popen(
-                [sys.executable, str(HERE / "stall_worker.py"), mode, str(TIMEOUT), str(out),
-                 *(["compiled"] if compiled else [])],
-                env=env, stdout=open(tmp_path / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT,
-                start_new_session=True,
-            ))
+            procs.append(subprocess.Popen(argv, env=env, stdout=open(tmp_path / f"rank{rank}.log", "w"),
+                                          stderr=subprocess.STDOUT, start_new_session=True))
         try:
-            code = procs[0].wait(timeout=STARTUP + TIMEOUT + 10)
+            code = procs[0].wait(timeout=wait)
         except subprocess.TimeoutExpired:
             pytest.fail("rank 0 was still blocked: " + (tmp_path / "rank0.log").read_text()[-2000:])
         logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in (0, 1))
@@ -70,6 +65,14 @@ def test_stalled_peer_fails_with_a_named_error_within_the_timeout(mode, compiled
     finally:
         for p in procs:
             _kill(p)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode,compiled", [("sigstop", False), ("sleep", False), ("sleep", True)])
+def test_stalled_peer_fails_with_a_named_error_within_the_timeout(mode, compiled, tmp_path):
+    out = tmp_path / "error.json"
+    _stall_pair(tmp_path, [sys.executable, str(HERE / "stall_worker.py"), mode, str(TIMEOUT), str(out),
+                           *(["compiled"] if compiled else [])], STARTUP + TIMEOUT + 10, out)
     got = json.loads(out.read_text())
     assert got["waited"] < TIMEOUT + 10, got
     assert got["step"] == STALL_AT, got
@@ -117,28 +120,8 @@ def test_default_timeout_bounds_a_stalled_peer(tmp_path):
     lowered, stall = 3.0, 60.0
     script, out = tmp_path / "default_worker.py", tmp_path / "error.json"
     script.write_text(DEFAULT_WORKER)
-    port = _free_port()
-    procs = []
-    try:
-        for rank in (0, 1):
-            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-                   "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1",
-                   "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-            procs.append(subprocess.Popen(
-                [sys.executable, str(script), str(out), str(lowered), str(stall)],
-                env=env, stdout=open(tmp_path / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT,
-                start_new_session=True,
-            ))
-        try:
-            code = procs[0].wait(timeout=STARTUP + lowered + 10)
-        except subprocess.TimeoutExpired:
-            pytest.fail("rank 0 was still blocked: " + (tmp_path / "rank0.log").read_text()[-2000:])
-        logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in (0, 1))
-        assert code == 3 and out.exists(), logs
-        assert procs[1].poll() is None  # the stalled rank is still asleep: rank 0 did not wait for it
-    finally:
-        for p in procs:
-            _kill(p)
+    _stall_pair(tmp_path, [sys.executable, str(script), str(out), str(lowered), str(stall)], STARTUP + lowered + 10,
+                out)
     got = json.loads(out.read_text())
     assert got["default"] == fzero.dist.DEFAULT_TIMEOUT == 600.0, got
     assert got["unbounded"] is None and got["timeout"] == lowered, got
