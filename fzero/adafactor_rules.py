@@ -1,7 +1,6 @@
-"""Adafactor on flat shards: ``torch.optim.Adafactor``'s single-tensor step per parameter, its statistics from the whole
-reduced gradient by two small ``all_reduce``\\ s per step (no matrix gathered). The factored second moment
-``row_var``/``col_var`` (two dimensions or more: ``R + C`` per ``R x C``) is replicated ``OptState.vectors``, the
-elementwise ``variance`` a sharded moment.
+"""Adafactor on flat shards: ``torch.optim.Adafactor``'s step per parameter, statistics from the whole reduced gradient
+by two ``all_reduce``\\ s per step (no matrix gathered). The factored second moment ``row_var``/``col_var`` (2-D+: ``R +
+C`` per ``R x C``) is replicated ``OptState.vectors``, the elementwise ``variance`` a sharded moment.
 
 Imports: optim, layout, comm.
 """
@@ -56,9 +55,8 @@ def _rectangles(a: int, b: int, R: int, C: int) -> Iterator[tuple[int, int, int,
 
 @dataclasses.dataclass(frozen=True)
 class Adafactor(ShardRule):
-    """``torch.optim.Adafactor`` on flat shards (built by :func:`adafactor`). Hyperparameters: ``lr``,
-    ``beta2_decay``, ``eps2``, ``d``, ``weight_decay``, and ``eps1`` when given (absent: torch's ``None``,
-    the master dtype's machine epsilon). Static: ``maximize``."""
+    """``torch.optim.Adafactor`` (:func:`adafactor`). Hyperparameters: ``lr``, ``beta2_decay``, ``eps2``, ``d``,
+    ``weight_decay``, and ``eps1`` if given (absent: the master dtype's eps). Static: ``maximize``."""
 
     maximize: bool = False
 
@@ -192,10 +190,9 @@ def check_real(layout: Layout) -> None:
 def adafactor(lr: float = 1e-2, beta2_decay: float = -0.8, eps: tuple[Optional[float], float] = (None, 1e-3),
               d: float = 1.0, weight_decay: float = 0.0, *, foreach: Optional[bool] = None, maximize: bool = False,
               groups: Sequence[GroupSpec] = ()) -> Adafactor:
-    """``torch.optim.Adafactor(lr, beta2_decay, eps, d, weight_decay, maximize)`` on flat shards, eagerly.
-    ``eps = (eps1, eps2)``: ``eps1`` None (torch's default) is the master dtype's machine epsilon, a number the
-    hyperparameter ``eps1``. ``groups`` as for :func:`fzero.adamw`; ``foreach`` ignored. Out-of-range values raise
-    ``ValueError`` naming the argument, as torch does."""
+    """``torch.optim.Adafactor(lr, beta2_decay, eps, d, weight_decay, maximize)`` on flat shards, eagerly. ``eps =
+    (eps1, eps2)``: ``eps1`` None is the master dtype's eps, a number the hyperparameter. ``groups`` as for
+    :func:`fzero.adamw`; ``foreach`` ignored. Out-of-range values: ``ValueError`` naming the argument (as torch)."""
     if len(eps) != 2:
         raise ValueError(f"adafactor: eps must be (eps1, eps2), got {eps!r}")
     eps1, eps2 = eps

@@ -21,12 +21,9 @@ from .scopes import GRAD_BUCKETS, step_scope
 __all__ = ["MIN_BUCKET_NUMEL", "SMALL_MODEL_NUMEL", "LARGE_BUCKET_NUMEL", "default_bucket_numel", "MAX_IN_FLIGHT",
            "size_buckets", "buckets_of", "Runner", "BufferPool", "BucketReduction", "BucketWatcher"]
 
-# The default bucket (default_bucket_numel). Up to SMALL_MODEL_NUMEL trainable elements, buckets of MIN_BUCKET_NUMEL:
-# every per-bucket block of a step (bucket buffer, gradient shards, a pure step's new master and moment shards) stays
-# below the 4 MiB mmap threshold fzero.host_malloc pins, so it is reused from the heap instead of faulted in afresh,
-# and reductions overlap backward (58M: 1.24x -> 1.04x DDP's step, peak -176 MiB; the heap keeps the freed blocks
-# between steps: held RSS +48 MiB, a pure step's +339). Larger models get few buckets of LARGE_BUCKET_NUMEL: at 162M
-# small buckets held more (+56 MiB donating, +337 pure) and were no faster (benchmarks/RESULTS.md, 5).
+# Small models' buckets keep a step's per-bucket blocks under the 4 MiB mmap pin (fzero.host_malloc): reused from the
+# heap, not faulted in afresh (58M: 1.24x -> 1.04x DDP, held +48 MiB); at 162M they held more and were no faster
+# (benchmarks/RESULTS.md, 5)
 MIN_BUCKET_NUMEL = 1 << 19  # 2 MiB of fp32
 SMALL_MODEL_NUMEL = 1 << 26  # 128 buckets of MIN_BUCKET_NUMEL
 LARGE_BUCKET_NUMEL = 1 << 24  # 64 MiB of fp32
@@ -34,8 +31,7 @@ MAX_IN_FLIGHT = 2  # reductions under way (each holding its bucket's buffer) bef
 
 
 def default_bucket_numel(numel: int) -> int:
-    """The default bucket size for ``numel`` trainable elements: :data:`MIN_BUCKET_NUMEL` up to
-    :data:`SMALL_MODEL_NUMEL`, else :data:`LARGE_BUCKET_NUMEL`."""
+    """The default bucket for ``numel`` trainable elements: MIN_BUCKET_NUMEL up to SMALL_MODEL_NUMEL, else LARGE."""
     return MIN_BUCKET_NUMEL if numel <= SMALL_MODEL_NUMEL else LARGE_BUCKET_NUMEL
 
 

@@ -1,6 +1,5 @@
-"""How a composed step is run: :func:`bind_step` gives it its communicator and workspace, and compiles it with
-``torch.compile(fullgraph=True)`` when asked: the one place deciding eager or compiled. A compiled step is traced
-with ``comm.tracing()``; every piece reads ``comm.traced`` instead of asking whether dynamo is tracing.
+"""How a composed step is run: :func:`bind_step` gives it its communicator and workspace and, if asked, compiles it
+(``torch.compile(fullgraph=True)``, traced under ``comm.tracing()``: pieces read ``comm.traced``, never dynamo).
 
 Imports: comm, grads, module, optim, rng, state.
 """
@@ -31,9 +30,8 @@ TORCH_COMPILE_KEYS = ("backend", "mode", "options")
 
 
 def compile_arguments(compile: Compile) -> Optional[dict[str, Any]]:
-    """``compile=`` as ``torch.compile`` keyword arguments, or ``None`` for an eager step: ``True`` is
-    ``{}`` (inductor); a mapping may give ``backend`` (e.g. ``"aot_eager"``), ``mode``, ``options``.
-    ``fullgraph`` and ``dynamic`` are fzero's own; they and unknown keys are a ``ValueError`` naming them."""
+    """``compile=`` as ``torch.compile`` arguments (``None``: eager): ``True`` is ``{}``; a mapping gives ``backend``,
+    ``mode``, ``options``; other keys (``fullgraph``, ``dynamic``: fzero's) raise ``ValueError``."""
     if compile is False or compile is None:
         return None
     if compile is True:
@@ -58,12 +56,11 @@ def bind_step(step: ComposedStep, loss_fn: LossFn, comm: Communicator, *, accum_
     """``(state, batch) -> step(state, batch, comm, workspace)``: a composed step given its communicator and a
     :class:`~fzero.grads.Workspace` kept between calls (``loss_fn``, ``accum_steps`` micro-batches), run eagerly or,
     with ``compile=`` (:func:`compile_arguments`), as ``torch.compile(fullgraph=True, dynamic=False)`` (dynamic shapes
-    round differently) traced with ``comm.tracing()``. ``check`` runs on the host before the graph (a bad shape raises,
-    not recompiles). Around a compiled call: ``trace_autograd_ops`` (else dynamo breaks on ``torch.autograd.grad``); the
-    remat pass only with one backward region (local ranks x micro-batches == 1: torch refuses random ops in a
-    rematerialised one); row 0's generator state installed around the call and what it leaves stored back (a compiled
-    simulated world of several rows warns once); ``OptState.all_stepped`` read on the host; stage 3: the units'
-    regathering forwards installed, inductor's reordering passes off (they moved every gather ahead of the forward)."""
+    round differently). ``check`` runs on the host before the graph (a bad shape raises, not recompiles). Around a
+    compiled call: ``trace_autograd_ops`` (for ``torch.autograd.grad``); the remat pass only with one backward region
+    (local ranks x micro-batches == 1: torch refuses random ops in a rematerialised one); row 0's generator state
+    installed and stored back (several rows warn once); ``OptState.all_stepped`` read on the host; stage 3: the units'
+    regathering forwards installed, inductor's reordering passes off (they hoist the gathers)."""
     workspace = Workspace(loss_fn, accum_steps)
     arguments = compile_arguments(compile)
     if arguments is None:
@@ -133,8 +130,7 @@ def no_missed_steps(opt: OptState) -> bool:
 
 
 def _with_own_code(fn: StepFn) -> StepFn:
-    """``fn`` with a code object of its own: dynamo keeps compiled graphs on the code object, which every step
-    ``make_train_step`` builds shares, so the ninth step built in a process would hit the recompile limit (an error)."""
+    """``fn`` with its own code object: dynamo keeps graphs per code object, so shared code hits the recompile limit."""
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     own.__kwdefaults__, own.__qualname__, own.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
     return own

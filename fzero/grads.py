@@ -1,10 +1,9 @@
-"""One micro-batch's forward and backward: :func:`loss_grads`, and what it reuses (:class:`Workspace`). For every
-local rank: the forward of the step's loss, the loss scaled (``scaled``: the step's :func:`fzero.scale`), backward, and
-each bucket's gradient handed to ``on_ready`` (the step's :func:`fzero.reduce_scatter_grads`) as soon as backward
-completes it, which is where overlap comes from. Eagerly, stages 1-2 hook each parameter (:mod:`fzero.buckets`) and
-stage 3 goes unit by unit (:func:`fzero.units.unit_grads`); traced (hooks do not trace), the whole backward, then
-``on_ready`` of every flat group (stage 3 with a single backward regathers each unit in it:
-:class:`fzero.units.CompiledUnits`).
+"""One micro-batch's forward and backward: :func:`loss_grads`, and what it reuses (:class:`Workspace`). For every local
+rank: the forward of the step's loss, the loss scaled (``scaled``: the step's :func:`fzero.scale`), backward, and each
+bucket's gradient handed to ``on_ready`` (the step's :func:`fzero.reduce_scatter_grads`) as soon as backward completes
+it, which is where overlap comes from. Eagerly, stages 1-2 hook each parameter (:mod:`fzero.buckets`) and stage 3 goes
+unit by unit (:func:`fzero.units.unit_grads`); traced (hooks do not trace), the whole backward, then ``on_ready`` of
+every flat group (stage 3 with a single backward regathers each unit in it: :class:`fzero.units.CompiledUnits`).
 
 Imports: buckets, comm, layout, module, rng, sharding, state, units.
 """
@@ -34,13 +33,12 @@ OnReady = Callable[[FlatGrads], Sequence[torch.Tensor]]
 
 
 class Grads(NamedTuple):
-    """One micro-batch's gradients, losses and what the forward left, per local rank.
-
-    ``grads``: what ``on_ready`` gave (each rank's averaged shards ``[R, shard_numel]``, one per flat group), or without
-    ``on_ready`` each rank's whole gradient (a :class:`~fzero.layout.FlatGrads` of every flat group). ``losses``:
-    ``[R]`` fp32, unscaled. ``buffers``: the module buffers the forward left; ``rng``: the generator states it left.
-    ``used``: ``[R, T]`` float64, 1 where the rank's loss reached trainable parameter ``t``; ``every``: all of ``used``
-    is 1 (known in Python; traced: when tracing)."""
+    """One micro-batch's gradients, losses and what the forward left, per local rank. ``grads``: what ``on_ready`` gave
+    (each rank's averaged shards ``[R, shard_numel]``, one per flat group), or without ``on_ready`` each rank's whole
+    gradient (a :class:`~fzero.layout.FlatGrads` of every flat group). ``losses``: ``[R]`` fp32, unscaled. ``buffers``:
+    the module buffers the forward left; ``rng``: the generator states it left. ``used``: ``[R, T]`` float64, 1 where
+    the rank's loss reached trainable parameter ``t``; ``every``: all of ``used`` is 1 (known in Python; traced: when
+    tracing)."""
 
     grads: tuple[torch.Tensor, ...]
     losses: torch.Tensor
@@ -71,8 +69,7 @@ class Workspace:
 
 
 def micro_batch(batch: Any, k: int, accum_steps: int) -> Any:
-    """Micro-batch ``k`` of a batch whose leaves are ``[R, K, ...]`` (``accum_steps=K > 1``):
-    leaves ``[R, ...]``; with one micro-batch, the batch itself."""
+    """Micro-batch ``k`` (leaves ``[R, ...]``) of a batch with leaves ``[R, K, ...]``; ``K == 1``: the batch itself."""
     if accum_steps == 1:
         return batch
     return tp.tree_map(lambda x: x[:, k] if isinstance(x, torch.Tensor) else x, batch)
@@ -103,15 +100,13 @@ def loss_grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicato
                scaled: Callable[[torch.Tensor], torch.Tensor], on_ready: Optional[OnReady] = None,
                broadcast_buffers: bool = True) -> Grads:
     """Each local rank's gradient of ``scaled(loss)`` on its part of ``batch``, handed to ``on_ready`` bucket by bucket
-    as backward completes it.
-
-    ``loss_fn(params, batch_r)``: a 0-d loss for one rank's micro-batch, ``params`` in the structure given to
-    :func:`~fzero.state.init_train_state` (stage 3: a :func:`fzero.module_loss`). ``batch``: leaves ``[R, ...]``. The
-    forward runs under each rank's generator state on fresh copies of the module buffers. ``on_ready(FlatGrads) ->
-    shards``: the step's reduction of one bucket (stages 1-2) or unit (stage 3), through ``workspace.runner``; ``None``
-    (stages 1-2 only, else ``ValueError``): no collective, each rank's whole gradient. Stage 3 also gathers the units.
-    ``broadcast_buffers`` (DDP's default): every rank's forward starts from rank 0's module buffers (one ``broadcast``
-    per buffer dtype); otherwise from its own."""
+    as backward completes it. ``loss_fn(params, batch_r)``: a 0-d loss for one rank's micro-batch, ``params`` in the
+    structure given to :func:`~fzero.state.init_train_state` (stage 3: a :func:`fzero.module_loss`). ``batch``: leaves
+    ``[R, ...]``. The forward runs under each rank's generator state on fresh copies of the module buffers.
+    ``on_ready(FlatGrads) -> shards``: the step's reduction of one bucket (stages 1-2) or unit (stage 3), through
+    ``workspace.runner``; ``None`` (stages 1-2 only, else ``ValueError``): no collective, each rank's whole gradient.
+    Stage 3 also gathers the units. ``broadcast_buffers`` (DDP's default): every rank's forward starts from rank 0's
+    module buffers (one ``broadcast`` per buffer dtype); otherwise from its own."""
     if isinstance(loss_fn, ModuleLoss) and not comm.traced:  # traced: checked on the host (fzero.compiled)
         loss_fn.check_trainable(state.module)
     if broadcast_buffers and state.buffers:
@@ -156,11 +151,9 @@ def _grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicator, w
 def _rank_grads(loss_fn: LossFn, state: TrainState, params: Sequence[torch.Tensor], batch: Any,
                 comm: Communicator, scaled: Callable[[torch.Tensor], torch.Tensor],
                 reduction: Optional[BucketReduction] = None) -> Grads:
-    """Each local rank's gradient of its scaled loss, its loss, buffers and generator.
-
-    Rank ``r``'s parameters are leaf tensors viewing row ``r`` of ``params``, one per parameter (one
-    flat leaf would be zero-filled once per slice). A :class:`ModuleLoss` stays bound until backward
-    has finished, so that activation checkpointing recomputes with the same tensors. ``reduction``
+    """Each local rank's gradient of its scaled loss, its loss, buffers and generator. Rank ``r``'s parameters are leaf
+    tensors viewing row ``r`` of ``params``, one per parameter (one flat leaf would be zero-filled once per slice). A
+    :class:`ModuleLoss` stays bound until backward ends (checkpointing recomputes with the same tensors). ``reduction``
     (eager): each bucket goes to it as backward completes it (``Grads.grads`` then empty)."""
     lay, traced, dtype, device = state.layout, comm.traced, state.precision.param_dtype, params[0].device
     names, train_slots = state.module.buffers, lay.trainable_slots
@@ -202,8 +195,7 @@ def _rank_grads(loss_fn: LossFn, state: TrainState, params: Sequence[torch.Tenso
         if watcher is not None:
             watcher.finish()
             used.append([float(i in watcher.used) for i in train_index])
-        else:
-            # which parameters the loss reached is known when tracing: a constant of the graph
+        else:  # which parameters the loss reached is known when tracing: a constant of the graph
             used.append([float(g is not None) for g in grads])
             got = {s.path: g if g is not None else torch.zeros(s.shape, dtype=v.dtype, device=device)
                    for s, v, g in zip(train_slots, leaves, grads)}

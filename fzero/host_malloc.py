@@ -1,8 +1,7 @@
-"""The host allocator's policy for large blocks. glibc's dynamic mmap threshold rises to the largest block freed, so
-a step's 10-30 MiB blocks come from the heap, which fragments (a 40.7M-parameter model: 801 -> 1031 MiB resident over
-200 steps; 326 -> 337 MiB pinned at 4 MiB, ``design.md``). :func:`tune_host_allocator`, called once by a CPU training
-program, pins it and the trim threshold unless the environment chose (fzero itself never does);
-:func:`large_pages` says whether large tensors get transparent huge pages.
+"""The host allocator's policy for large blocks. glibc's dynamic mmap threshold rises to the largest block freed, so a
+step's 10-30 MiB blocks come from the heap, which fragments (a 40.7M-parameter model: 801 -> 1031 MiB resident over 200
+steps; 326 -> 337 MiB pinned at 4 MiB, ``design.md``). :func:`tune_host_allocator` pins it and the trim threshold unless
+the environment chose (fzero never calls it); :func:`large_pages` says whether large tensors get transparent huge pages.
 
 Imports: none of fzero.
 """

@@ -1,8 +1,7 @@
 """The flat parameter layout: trainable parameters packed, in tree order, into one flat buffer per *flat group*
-(parameters sharing a bucket, optimizer group, dtype and ``keep_dtype``), zero-padded to split into ``world_size``
-equal shards (rank ``r`` owns the ``r``-th), each a multiple of ``alignment`` long; frozen parameters stay whole, or
-(stage 3: ``shard_frozen``) are packed alike into *frozen groups*, per bucket, dtype and ``keep_dtype``.
-The layout is static: hashable, kept as pytree metadata of the state.
+(parameters sharing a bucket, optimizer group, dtype and ``keep_dtype``), zero-padded to split into ``world_size`` equal
+shards, each a multiple of ``alignment`` long; frozen parameters stay whole, or (stage 3: ``shard_frozen``) are packed
+alike into *frozen groups*. The layout is static: hashable, kept as pytree metadata of the state.
 
 Imports: none of fzero.
 """
@@ -101,9 +100,8 @@ class FlatGroup:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Layout:
-    """Where every parameter of a tree lives, for one world size: ``slots`` (every leaf in tree order), ``groups``
-    (the flat buffers), ``spec`` (the tree's structure), ``frozen_groups`` (stage 3's sharded frozen parameters).
-    Equality and hash use :attr:`fingerprint`."""
+    """Where every parameter of a tree lives: ``slots`` (every leaf in tree order), ``groups`` (flat buffers), ``spec``
+    (tree structure), ``frozen_groups`` (stage 3's sharded frozen parameters); eq/hash: :attr:`fingerprint`."""
 
     slots: tuple[ParamSlot, ...]
     groups: tuple[FlatGroup, ...]
@@ -162,8 +160,8 @@ class Layout:
         return first_difference(self.describe(), other.describe())
 
     def with_world_size(self, world_size: int, shard_frozen: Optional[bool] = None) -> "Layout":
-        """The same parameters laid out for another world size (for resharding); ``shard_frozen``: in frozen groups
-        (default: as here)."""
+        """The same parameters laid out for another world size; ``shard_frozen``: in frozen groups (default: as
+        here)."""
         unpacked = [dataclasses.replace(s, group=self.groups[s.group].opt_group if s.group >= 0 else -1,
                                         frozen_group=-1) for s in self.slots]
         shard_frozen = bool(self.frozen_groups) if shard_frozen is None else shard_frozen
@@ -191,8 +189,7 @@ def first_difference(mine: Sequence[tuple[Any, ...]], theirs: Sequence[tuple[Any
 
 def _pack(slots: Iterable[ParamSlot], spec: tp.TreeSpec, world_size: int, alignment: int,
           shard_frozen: bool = False) -> Layout:
-    """Assign flat groups and offsets to slots whose ``group`` is an opt-group index (-1: frozen; ``shard_frozen``:
-    frozen ones get frozen groups)."""
+    """Give slots (``group``: opt-group index, -1 frozen) flat groups and offsets; ``shard_frozen``: frozen ones too."""
     slots = list(slots)
     keys: dict[tuple[int, int, torch.dtype, bool], list[int]] = {}
     for i, s in enumerate(slots):
@@ -216,12 +213,12 @@ def build_layout(params: Any, world_size: int, *, trainable: Optional[Callable[[
                  group_of: Optional[Callable[[str], int]] = None, bucket_of: Optional[Callable[[str], int]] = None,
                  keep_dtype: Optional[Callable[[str], bool]] = None, alignment: int = 16,
                  shard_frozen: bool = False) -> Layout:
-    """Lay out ``params`` (an ``nn.Module`` or a pytree of tensors) for ``world_size`` ranks. ``trainable(path)``:
-    which leaves the optimizer updates (default: every pytree leaf, a module's ``requires_grad`` parameters);
+    """Lay out ``params`` (an ``nn.Module`` or a pytree of tensors) for ``world_size`` ranks. ``trainable(path)``: which
+    leaves the optimizer updates (default: every pytree leaf, a module's ``requires_grad`` parameters);
     ``group_of(path)``: a trainable leaf's optimizer group (default 0); ``bucket_of(path)``: its shard unit (default 0,
     the root); ``keep_dtype(path)``: whether it keeps its own dtype for compute (default: none); ``shard_frozen``:
     frozen leaves in frozen groups (stage 3). ``TypeError`` names a non-tensor, sparse or non-floating leaf;
-    ``ValueError`` when nothing is trainable."""
+    ``ValueError`` if nothing is trainable."""
     for name, value in (("world_size", world_size), ("alignment", alignment)):
         if not (isinstance(value, int) and value >= 1):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -242,8 +239,7 @@ def build_layout(params: Any, world_size: int, *, trainable: Optional[Callable[[
 
 
 def compute_dtype(x: "ParamSlot | FlatGroup", param_dtype: Optional[torch.dtype]) -> torch.dtype:
-    """The dtype a parameter or flat group is gathered and computed in under ``param_dtype``: its own when
-    ``param_dtype`` is None or ``x.keep_dtype``, else ``param_dtype``."""
+    """``x``'s gather/compute dtype: its own if ``param_dtype`` is None or ``x.keep_dtype``, else ``param_dtype``."""
     return x.dtype if param_dtype is None or x.keep_dtype else param_dtype
 
 
@@ -277,8 +273,7 @@ def group_views(layout: Layout, group: FlatGroup, flat: torch.Tensor) -> list[to
 
 
 def split_views(layout: Layout, group: FlatGroup, flat: torch.Tensor) -> list[torch.Tensor]:
-    """:func:`group_views` by one ``split``: backward through them gives ``flat`` one gradient, one ``cat`` (views
-    by slicing would zero-fill a whole flat gradient per parameter)."""
+    """:func:`group_views` by one ``split``: backward gives ``flat`` one gradient by one ``cat`` (not one per view)."""
     sizes = [layout.slots[i].numel for i in group.slots] + ([group.padding] if group.padding else [])
     return [p.view(layout.slots[i].shape) for i, p in zip(group.slots, flat.split(sizes))]
 
@@ -312,8 +307,7 @@ def shard_pieces(layout: Layout, group: FlatGroup, rank: int,
 
 
 class FlatGrads(tuple):
-    """One ``[R, padded_numel]`` gradient buffer per flat group of ``groups`` (a bucket's or the layout's): what
-    :func:`fzero.reduce_scatter_grads` takes from a gradient-ready hook."""
+    """One ``[R, padded_numel]`` gradient buffer per flat group of ``groups`` (a bucket's or the layout's)."""
 
     groups: tuple[FlatGroup, ...]
 

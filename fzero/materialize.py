@@ -1,9 +1,7 @@
-"""Models larger than one rank: ``init_train_state(model, ..., init=...)`` with a meta-device model.
-
-The init runs in ``model.apply``'s order; each tensor is created on the CPU (under all its tied names) just
-before its first module, and cut into this process's rows and dropped once its piece (a stage-3 unit, or a
-largest subtree outside the units) is done; the module stays on meta. Random inits draw from the global
-generator as ``model.apply(fn)`` does: seed every rank alike. Weights files: :class:`InitSource`. See ``design.md``.
+"""Models larger than one rank: ``init_train_state(model, ..., init=...)`` with a meta-device model. The init runs in
+``model.apply``'s order; each tensor is created on the CPU just before its first module, and cut into this process's
+rows and dropped once its piece (:func:`piece_of`) is done; the module stays on meta. Random inits draw from the global
+generator as ``model.apply(fn)`` does: seed every rank alike. Weights files: :class:`InitSource`.
 
 Imports: comm, layout, sharding.
 """
@@ -31,9 +29,8 @@ RESET = "reset_parameters"
 
 @dataclasses.dataclass(frozen=True)
 class Materialized:
-    """``master``: per flat group ``[R, shard_numel]`` in its master dtype (zero padding); ``frozen``: the frozen
-    parameters whole, in layout order (stage 3: per frozen group ``[R, shard_numel]``);
-    ``buffers``: every buffer ``[R, *shape]``, in ``named_buffers`` order."""
+    """``master``: per flat group ``[R, shard_numel]``, master dtype, zero padded; ``frozen``: frozen parameters, layout
+    order (stage 3: ``[R, shard_numel]`` per frozen group); ``buffers``: ``[R, *shape]``, ``named_buffers`` order."""
 
     master: tuple[torch.Tensor, ...]
     frozen: tuple[torch.Tensor, ...]
@@ -124,9 +121,8 @@ def agree(comm: Communicator, failure: Optional[Exception], digest: Optional[lis
 
 
 class ShardRows:
-    """This process's master rows, filled one parameter at a time: ``rows[g]``, ``[R, shard_numel]`` in the group's
-    master dtype, zero padded (``frozen``: stage 3's frozen group rows, in their dtype); :meth:`write` copies as
-    :func:`fzero.layout.flat_shard` does (the same bits)."""
+    """This process's master rows: ``rows[g]``, ``[R, shard_numel]``, master dtype, zero padded (``frozen``: stage 3's
+    frozen group rows, in their dtype); :meth:`write` copies as :func:`fzero.layout.flat_shard` does."""
 
     def __init__(self, layout: Layout, ranks: Sequence[int]):
         self.layout = layout
@@ -237,8 +233,7 @@ def _apply_order(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 
 def piece_of(name: str, units: Sequence[str]) -> str:
-    """The top module of the piece holding module ``name``'s own tensors: its unit, else the
-    largest subtree containing it that holds no unit (below the root), else itself."""
+    """Top of ``name``'s piece: its unit, else its largest unit-free subtree below the root, else ``name``."""
     for u in units:
         if name == u or name.startswith(u + "."):
             return u
@@ -298,9 +293,8 @@ def _walk(module: torch.nn.Module, fn: InitFn, who: str, units: Sequence[str],
 
 def materialize(module: torch.nn.Module, layout: Layout, comm: Communicator, init: Init,
                 units: Sequence[str] = ()) -> Materialized:
-    """This process's shards, frozen parameters and buffers of ``module`` filled by ``init`` (``units``: stage-3
-    units). ``ValueError`` for an init that leaves a meta tensor unwritten, writes a finished piece, breaks ties
-    or replaces a tensor by another shape or dtype. Collective: :func:`agree`."""
+    """The :class:`Materialized` of ``module`` filled by ``init``. ``ValueError`` if the init leaves a meta tensor
+    unwritten, writes a finished piece, breaks ties or changes a shape or dtype. Collective: :func:`agree`."""
     digest = None if isinstance(init, InitSource) else generator_digest()
     try:
         made = (init.materialize(module, layout, comm, units) if isinstance(init, InitSource)
@@ -348,9 +342,8 @@ def materialized_shard(module: torch.nn.Module, comm: Communicator, init: Init, 
 
 def init_buffers_of(module: torch.nn.Module, names: Iterable[str], fn: InitFn, who: str,
                     hint: str = _WHAT_TO_PASS) -> dict[str, torch.Tensor]:
-    """Buffers ``names`` (canonical, e.g. a rotary ``inv_freq`` weight files lack) made on the CPU by ``fn`` on their
-    modules, in ``apply`` order with the generator forked; the module is left as it was. ``ValueError`` (``who``,
-    ``hint``: as for errors of :func:`materialize`) for a meta buffer ``fn`` did not write."""
+    """Buffers ``names`` (e.g. a rotary ``inv_freq``) made on CPU by ``fn`` on their modules, in ``apply`` order,
+    generator forked, module unchanged. ``ValueError`` if ``fn`` left one unwritten."""
     wanted = set(names)
     entries = [e for e in _entries(module) if not e.is_param and e.name in wanted]
     out = {e.name: e.original.detach().clone() for e in entries if not e.original.is_meta}
@@ -373,8 +366,7 @@ def init_buffers_of(module: torch.nn.Module, names: Iterable[str], fn: InitFn, w
 
 
 def to_empty_tied(module: torch.nn.Module, device: Union[str, torch.device] = "cpu") -> torch.nn.Module:
-    """``module.to_empty(device=device)`` for its meta tensors, keeping tied names tied; returns ``module``.
-    Values are uninitialised: load them next (:func:`fzero.write_back` does)."""
+    """``module.to_empty(device=device)`` for its meta tensors, ties kept; returns ``module`` (values uninitialised)."""
     device = torch.device(device)
     for e in _entries(module):
         if e.original.is_meta:

@@ -1,12 +1,12 @@
 """Memory per rank, from the layout: :func:`memory_report`. First ZeRO's model of the training state (Rajbhandari et
 al., 2020) on the actual padded layout: compute-dtype parameters, the gradient the optimizer consumes, the fp32 master
-and the moments (with Adam and 16-bit compute and communication the paper's ``4Ψ + 12Ψ/N``, ``2Ψ + 14Ψ/N`` and
-``16Ψ/N`` bytes at stages 1-3), and the frozen parameters, each kind split into what the state *holds* between steps
-and what lives only *inside* a step. Then ``step_buffers``: the eager step's own buffers at their peak, by the
-profiler scope they are allocated in (:mod:`fzero.scopes`), in a few terms of the layout:
+and the moments (with Adam and 16-bit compute and communication the paper's ``4Ψ + 12Ψ/N``, ``2Ψ + 14Ψ/N`` and ``16Ψ/N``
+bytes at stages 1-3), and the frozen parameters, each split into what the state *holds* between steps and what lives
+only *inside* a step. Then ``step_buffers``: the eager step's own buffers at their peak, by profiler scope
+(:mod:`fzero.scopes`):
 
-* ``fzero::grad_buckets`` (stages 1-2): the ``MAX_IN_FLIGHT + 1`` largest buckets in the compute dtype, ``[R,
-  padded]`` each (two reductions under way, one bucket filling);
+* ``fzero::grad_buckets`` (stages 1-2): the ``MAX_IN_FLIGHT + 1`` largest buckets in the compute dtype, ``[R, padded]``
+  each (two reductions under way, one bucket filling);
 * ``fzero::grad_reduction``: the averaged gradient shards and, for the reductions under way, the communicator's
   declared ``reduce_scatter_buffers``/``all_reduce_buffers`` times their input;
 * ``fzero::gather`` (stage 3): the root and the three largest units gathered at once.
@@ -43,11 +43,9 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
-    """Bytes per rank. ``by_kind``: params, grads, master, moments (the paper's model on the
-    padded layout) and the frozen parameters; ``held`` and ``transient``: the part of each kind the state keeps between
-    steps and the part that lives only inside one (``held + transient == by_kind``);
-    ``padding``: the part of the total that is padding, averaged over ranks; ``step_buffers``:
-    the eager step's own buffers at their peak by profiler scope; ``step_peak``: those together."""
+    """Bytes per rank. ``by_kind``: params, grads, master, moments and the frozen parameters; ``held``/``transient``:
+    each kind's part kept between steps / only inside one (sum: ``by_kind``); ``padding``: total padding, averaged over
+    ranks; ``step_buffers``: the eager step's buffers' peaks by scope; ``step_peak``: those together."""
 
     stage: int
     world_size: int
@@ -81,9 +79,9 @@ def _size(dtype: torch.dtype) -> int:
 def memory_report(layout: Layout, optimizer: Optimizer, *, stage: int, precision: MixedPrecision = MixedPrecision(),
                   world_size: Optional[int] = None, local_ranks: int = 1,
                   comm: Optional[Communicator] = None) -> MemoryReport:
-    """Bytes per rank for ``layout``'s parameters at ``stage`` (module doc). ``world_size``: the parameters laid out for
-    that many ranks instead (default: the layout's own). ``local_ranks``: ranks this process simulates; ``comm``: the
-    communicator the step runs on (its ``local_ranks`` and ``buffer_factor`` then apply). No collective."""
+    """Bytes per rank for ``layout``'s parameters at ``stage`` (module doc). ``world_size``: laid out for that many
+    ranks instead (default: the layout's own). ``local_ranks``: ranks this process simulates; ``comm``: the step's
+    communicator (its ``local_ranks`` and ``buffer_factor`` then apply). No collective."""
     if stage not in (1, 2, 3):
         raise ValueError(f"memory_report: stage must be 1, 2 or 3, got {stage!r}")
     if comm is not None:
@@ -120,8 +118,7 @@ def _bytes(groups: tuple[FlatGroup, ...], dtype_of) -> int:  # noqa: ANN001 - Fl
 
 def _step_buffers(layout: Layout, precision: MixedPrecision, stage: int, rows: int,
                   comm: Optional[Communicator]) -> tuple[dict[str, float], float]:
-    """Per rank, the eager step's own buffers at their peak by scope, and their joint peak (the
-    process's, ``rows`` local ranks sharing it, divided by ``rows``)."""
+    """Per rank, the eager step's own buffers at their peak by scope, and their joint peak (process's / ``rows``)."""
     compute = lambda g: precision.compute_dtype(g)  # noqa: E731
     reduce = lambda g: precision.reduce_dtype or g.master_dtype  # noqa: E731
     world = layout.world_size
@@ -144,8 +141,7 @@ def _step_buffers(layout: Layout, precision: MixedPrecision, stage: int, rows: i
     if stage < 3:
         same = all(_size(compute(g)) == _size(reduce(g)) == _size(g.master_dtype) for g in layout.groups)
         kept = world == 1 and same and stage == 2  # one rank's reduce-scatter is its input: buckets kept as shards
-        # in launch order (the last bucket first); a bucket of one parameter that fills its flat
-        # group takes autograd's gradient on a real rank (no buffer)
+        # launch order (last first); on a real rank a one-parameter bucket filling its group is autograd's gradient
         order = list(range(len(buckets) - 1, -1, -1))
         size = [0 if rows == 1 and len(b) == 1 and len(b[0].slots) == 1 and not b[0].padding
                 else rows * _bytes(b, compute) for b in buckets]
@@ -153,13 +149,12 @@ def _step_buffers(layout: Layout, precision: MixedPrecision, stage: int, rows: i
         held = peak = done = 0.0
         pool: list[float] = []  # bucket buffers given back, the largest kept (MAX_IN_FLIGHT + 1)
         for k, i in enumerate(order):
-            # the simulated world's ranks run one after another: every bucket waits for the last
-            # rank; a real rank fills each bucket just before it is launched
+            # simulated ranks run in turn: every bucket waits for the last; a real rank fills each just in time
             waiting = sum(size[j] for j in order[k:]) if rows > 1 else size[i]
             buckets_live = waiting + sum(pool)
             held = max(held, buckets_live)
-            # a reduce-scatter sums into its result while its buffers are held; ZeRO-1's all-reduce
-            # cuts the rank's chunk out of its sum once the cast it started from is gone
+            # reduce-scatter sums into its result, buffers held; ZeRO-1's all-reduce cuts its chunk once the cast is
+            # gone
             reducing = 0 if kept else cost[i] + shard[i] if stage == 2 else \
                 max(cost[i], factor * _bytes(buckets[i], reduce) + shard[i])
             peak = max(peak, buckets_live + done + reducing)
@@ -183,9 +178,8 @@ def _step_buffers(layout: Layout, precision: MixedPrecision, stage: int, rows: i
             # the master shards cast to the compute dtype to be sent: every row's ([R, n]) at once
             gathered += max(by.values()) * (1 if rows > 1 else 1 / world)
         out = {GATHER: float(gathered), GRAD_REDUCTION: reduction}
-        # backward, unit by unit from the last: its reduction under way beside the root, the two
-        # units before it (regathered or prefetched) and the shards reduced so far; at the end the
-        # root's reduction (with the first unit's) beside every shard
+        # backward, last unit first: its reduction, the root, the two units before it, the shards so far; last the
+        # root's
         shard_of = {b[0].bucket: rows * sum(_size(g.master_dtype) * g.shard_numel for g in b) for b in buckets}
         cost_of = dict(zip([b[0].bucket for b in launches], cost))
         done, peak = 0.0, gathered
@@ -198,15 +192,13 @@ def _step_buffers(layout: Layout, precision: MixedPrecision, stage: int, rows: i
 
 
 def zero_paper_bytes(num_params: int, stage: int, world_size: int, k: int = 12) -> float:
-    """The ZeRO paper's per-rank bytes with 16-bit parameters and gradients and ``k`` bytes of
-    optimizer state per parameter (12 for mixed-precision Adam)."""
+    """ZeRO paper's per-rank bytes (16-bit params and grads, ``k`` optimizer bytes per parameter; 12: mixed Adam)."""
     psi, n = num_params, world_size
     return {1: 4 * psi + k * psi / n, 2: 2 * psi + (2 + k) * psi / n, 3: (4 + k) * psi / n}[stage]
 
 
 def format_memory_table(reports: list[MemoryReport]) -> str:
-    """A plain-text table of reports (MiB per rank): each kind, what the state holds between
-    steps, what lives only inside a step, the total, and the step's own buffers at their peak."""
+    """A plain-text table of reports (MiB per rank): each kind, held, in-step, total, the step's buffers at peak."""
     mib = 2.0**20
     head = (f"{'stage':>5} {'ranks':>5} " + " ".join(f"{k:>9}" for k in KINDS)
             + f" {'padding':>9} {'held':>9} {'in-step':>9} {'total':>9} {'buffers':>9}")

@@ -30,10 +30,9 @@ OUTPUTS = ("logits", "whole")  # what module_loss hands a criterion
 
 @dataclasses.dataclass(frozen=True)
 class ModuleSpec:
-    """Static facts about a module that its parameter layout does not hold: ``buffers`` (names, ``named_buffers``
-    order) and whether each is ``persistent`` (in the ``state_dict``); ``aliases``, ``(alias, canonical)`` names of
-    tied parameters and buffers; ``state_dict_keys`` in order; ``units``, the stage-3 shard units' names;
-    ``requires_grad``, each parameter's flag (``named_parameters`` order) when the state was built."""
+    """A module beyond its layout: ``buffers`` (names, ``named_buffers`` order) and whether each is ``persistent`` (in
+    the ``state_dict``); ``aliases``, ``(alias, canonical)`` names of tied tensors; ``state_dict_keys`` in order;
+    ``units``, the stage-3 shard units' names; ``requires_grad``, each parameter's flag at build time."""
 
     buffers: tuple[str, ...] = ()
     persistent: tuple[bool, ...] = ()
@@ -49,8 +48,7 @@ def _canonical(module: torch.nn.Module) -> dict[int, str]:
 
 
 def module_spec(module: torch.nn.Module) -> ModuleSpec:
-    """The :class:`ModuleSpec` of ``module``; ``TypeError`` naming a buffer fzero cannot carry per rank (sparse or
-    non-strided, or requiring grad)."""
+    """The :class:`ModuleSpec` of ``module``; ``TypeError`` for a non-strided or grad-requiring buffer."""
     buffers = []
     for name, b in module.named_buffers():
         if b.layout != torch.strided:
@@ -76,8 +74,7 @@ def init_buffers(module: torch.nn.Module, spec: ModuleSpec, rows: int) -> tuple[
 
 
 def broadcast_buffers(buffers: Sequence[torch.Tensor], comm: Communicator) -> tuple[torch.Tensor, ...]:
-    """Rank 0's buffers on every rank (DDP's ``broadcast_buffers``): one ``broadcast`` per dtype, of the buffers of
-    that dtype flattened into one ``[R, n]`` row."""
+    """Rank 0's buffers on every rank (DDP's ``broadcast_buffers``): one ``broadcast`` per dtype, as one ``[R, n]``."""
     rows = buffers[0].shape[0] if buffers else 0
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, b in enumerate(buffers):
@@ -184,9 +181,8 @@ class ModuleLoss:
 
     def forward_loss(self, tensors: Mapping[str, torch.Tensor], batch: Any,
                      dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """The loss, with the module already :meth:`bound` to ``tensors``. ``dtype``: floating inputs' cast
-        (default: the first parameter's; the step passes its ``param_dtype``, as a first parameter may keep its own
-        dtype). ``ValueError`` for a batch or loss of the wrong form."""
+        """The loss, the module already :meth:`bound` to ``tensors``. ``dtype``: floating inputs' cast (default: the
+        first parameter's; the step passes ``param_dtype``). ``ValueError`` for a batch or loss of the wrong form."""
         if dtype is None:
             dtype = next((tensors[n].dtype for n in self._param_names if n in tensors), None)
         if self.criterion is None:
@@ -211,16 +207,13 @@ def _upcast(x: Any) -> Any:
 
 def module_loss(module: torch.nn.Module, criterion: Optional[Callable[..., torch.Tensor]] = None, *,
                 output: str = "logits") -> ModuleLoss:
-    """``loss_fn(tensors, batch)`` for ``module`` (``tensors``: its parameters and buffers by name), as
-    :func:`fzero.make_train_step` takes it.
-
-    With a ``criterion``, ``batch = (inputs, target)`` and the loss is ``criterion(output, target)``: the model's
-    tensor, a tuple's first element or a dict's/``ModelOutput``'s ``logits`` (``output="logits"``), or the whole
-    output as returned (``output="whole"``: several heads, an auxiliary loss). Without one, ``batch = inputs`` and
-    the loss is the model's own (``output.loss``, or a 0-d tensor it returns). ``inputs``: a tensor, a tuple of
-    positional arguments or a dict of keyword arguments (checked against the forward's signature unless it takes
-    ``**kwargs``). Floating inputs are cast to the compute dtype (FSDP2's ``cast_forward_inputs``); a 16-bit output
-    is upcast to float32 before the criterion."""
+    """A step's ``loss_fn(tensors, batch)`` for ``module`` (``tensors``: its parameters and buffers by name). With a
+    ``criterion``, ``batch = (inputs, target)`` and the loss is ``criterion(output, target)``: the model's tensor, a
+    tuple's first element or a dict's/``ModelOutput``'s ``logits`` (``output="logits"``), or the whole output
+    (``output="whole"``: several heads, an auxiliary loss). Without, ``batch = inputs`` and the loss is the model's own
+    (``output.loss``, or a 0-d tensor it returns). ``inputs``: a tensor, a tuple of positional or a dict of keyword
+    arguments (checked against the forward's signature unless ``**kwargs``). Floating inputs are cast to the compute
+    dtype (as FSDP2); a 16-bit output is upcast to float32 before the criterion."""
     return ModuleLoss(module, criterion, output)
 
 
@@ -244,11 +237,9 @@ _RELEASED = "_fzero_released"
 
 def hand_over_parameters(module: torch.nn.Module, layout: Layout, gathered: Sequence[torch.Tensor],
                          groups: Optional[Sequence[FlatGroup]] = None) -> set[str]:
-    """Make the state own the module's trainable parameters at stages 1-2 (one copy in memory): each parameter whose
-    dtype is its compute dtype becomes a view of row 0 of the gathered buffers (a donating step gathers into them, so
-    the module follows the training); ``groups``: only these flat groups, ``gathered`` holding their buffers in order.
-    (Stage 3: :func:`release_parameters`.) Returns the names of the parameters that now view the state. ``ValueError``
-    if a parameter's shape or dtype is not its view's. No collective."""
+    """At stages 1-2, make the state own the module's trainable parameters: each whose dtype is its compute dtype
+    becomes a view of row 0 of the gathered buffers; ``groups``: only these flat groups, ``gathered`` their buffers in
+    order. Returns the names now viewing the state; ``ValueError`` if a shape or dtype is not its view's."""
     named = dict(module.named_parameters())
     adopted = set()
     with torch.no_grad():
@@ -268,9 +259,8 @@ def hand_over_parameters(module: torch.nn.Module, layout: Layout, gathered: Sequ
 
 def hand_over_frozen(module: Any, layout: Layout, frozen: list[torch.Tensor],
                      dtype_of: Callable[[Any], torch.dtype]) -> tuple[torch.Tensor, ...]:
-    """``ShardState.frozen`` (``frozen``: each frozen parameter, or stage 3's frozen group rows) cast to ``dtype_of``
-    (of the slot or group), and a module's (not a pytree's) whole frozen parameters made to hold the cast copy, one at
-    a time: each entry is dropped, so the original is freed as it is cast."""
+    """``ShardState.frozen`` (each frozen parameter, or stage 3's frozen group rows) cast to ``dtype_of`` (slot or
+    group) one at a time, each original freed as cast; a module's whole frozen parameters hold the copy."""
     named = dict(module.named_parameters()) if isinstance(module, torch.nn.Module) else {}  # a pytree's: copies
     out = []
     for i, s in enumerate(layout.frozen_groups or layout.frozen_slots):
@@ -315,8 +305,7 @@ def release_parameters(module: torch.nn.Module, names: Sequence[str]) -> None:
 
 
 def restore_parameters(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> None:
-    """Give every released (meta) parameter of ``module`` memory of its own holding ``values[name]`` and remove the
-    guard :func:`release_parameters` installed."""
+    """Give released (meta) parameters memory holding ``values[name]``; remove :func:`release_parameters`' guard."""
     for name, p in module.named_parameters():
         if p.is_meta and name in values:
             torch.utils.swap_tensors(p, torch.nn.Parameter(

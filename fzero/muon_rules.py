@@ -163,8 +163,7 @@ class Muon(ShardRule):
 
 
 def _scatter_into(out: torch.Tensor, offset: int, values: torch.Tensor) -> None:
-    """Write ``values`` at flat positions ``[offset, offset + len)`` of a buffer held as ``out``
-    ``[W, shard_numel]``."""
+    """Write ``values`` into flat ``[offset, offset + len)`` of the ``[W, shard_numel]`` buffer ``out``."""
     width = out.shape[1]
     lo, hi = offset, offset + values.numel()
     for q in range(lo // width, (hi - 1) // width + 1):

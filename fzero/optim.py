@@ -250,8 +250,7 @@ class SGD(Optimizer):
     def moment_names(self) -> tuple[str, ...]:  # type: ignore[override]
         return ("momentum_buffer",) if self.momentum_buffer else ()
 
-    def manifest(self) -> dict[str, Any]:
-        # fzero's first checkpoints' manifest, so that they keep loading
+    def manifest(self) -> dict[str, Any]:  # fzero's first checkpoints' manifest, so that they keep loading
         return {"kind": "sgd", "nesterov": self.nesterov, "maximize": self.maximize, "amsgrad": False,
                 "momentum_buffer": self.momentum_buffer}
 
@@ -290,8 +289,7 @@ class Adam(Optimizer):
     def moment_names(self) -> tuple[str, ...]:  # type: ignore[override]
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
 
-    def manifest(self) -> dict[str, Any]:
-        # fzero's first checkpoints' manifest, so that they keep loading
+    def manifest(self) -> dict[str, Any]:  # fzero's first checkpoints' manifest, so that they keep loading
         return {"kind": self.name, "nesterov": False, "maximize": self.maximize, "amsgrad": self.amsgrad,
                 "momentum_buffer": False}
 
@@ -341,8 +339,7 @@ _LIB.define("fused_adam_(Tensor(a!)[] p, Tensor[] g, Tensor(b!)[] m, Tensor(c!)[
 
 
 def _fused_adam(p, g, m, v, vmax, hyper, step, skip, decoupled, amsgrad, maximize) -> None:  # noqa: ANN001
-    """``fzero::fused_adam_``: torch's fused Adam(W) kernel in place, skipped where ``skip == 1.0``; ``hyper``:
-    ``_FUSED_HYPER`` (float64, read on the host). An operator, so a compiled step gathers from the updated shards."""
+    """``fzero::fused_adam_``: torch's fused Adam(W), skipped where ``skip`` is 1; ``hyper``: ``_FUSED_HYPER``."""
     lr, beta1, beta2, weight_decay, eps = hyper.tolist()
     (torch._fused_adamw_ if decoupled else torch._fused_adam_)(
         p, g, m, v, vmax, [step] * len(p), lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
@@ -380,7 +377,7 @@ def adamw(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: floa
 class OptState:
     """State of this process's shards: ``step`` (0-d int64); ``hyper`` (per group, 0-d float64 on CPU); ``moments``;
     ``missed`` (``()`` or ``[T]`` int64: steps each parameter sat out); ``scalars`` (``[T]`` float64); ``vectors``.
-    Static: the optimizer; ``all_stepped`` (``missed`` was all zero: a compiled step takes the plain update)."""
+    Static: the optimizer; ``all_stepped`` (``missed`` all zero)."""
 
     step: torch.Tensor
     hyper: tuple[dict[str, torch.Tensor], ...]

@@ -23,13 +23,12 @@ _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 @dataclasses.dataclass(frozen=True)
 class MixedPrecision:
     """``param_dtype``: compute dtype of gathered parameters (None: each parameter's own). ``reduce_dtype``: gradient
-    communication dtype (None: the master dtype; fp16/bf16 use FSDP's pre/post-divide factors). ``keep_dtype``:
-    ``nn.Module`` classes whose own parameters (not their submodules') compute in their own dtype when ``param_dtype``
-    is set (default every ``_BatchNorm``, as FSDP1 and autocast: torch's ``batch_norm`` rejects 16-bit weights with
-    float32 statistics; ``()``: none); their gradients are reduced in ``reduce_dtype``. ``frozen_dtype``: the dtype
-    frozen parameters are held in (None: their own; ``keep_dtype`` ones keep theirs), rounded once at init; meant equal
-    to ``param_dtype`` (bf16 holds half fp32's bytes, as QLoRA's base; another compute dtype casts them at each step).
-    ``TypeError``: a non-floating dtype, or ``keep_dtype`` not a tuple of classes."""
+    communication dtype (None: master dtype; 16 bits: FSDP's divide factors). ``keep_dtype``: ``nn.Module`` classes
+    whose own parameters (not their submodules') compute in their own dtype when ``param_dtype`` is set (default every
+    ``_BatchNorm``, as FSDP1: ``batch_norm`` rejects 16-bit weights with fp32 statistics; ``()``: none); their gradients
+    are reduced in ``reduce_dtype``. ``frozen_dtype``: frozen parameters' held dtype (None: their own; ``keep_dtype``
+    ones keep theirs), rounded once at init; meant equal to ``param_dtype`` (bf16: half fp32's bytes, as QLoRA; else
+    cast each step). ``TypeError``: a non-floating dtype, or ``keep_dtype`` not a tuple of classes."""
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
@@ -61,10 +60,10 @@ class MixedPrecision:
         return slot.dtype if self.frozen_dtype is None or slot.keep_dtype else self.frozen_dtype
 
     def keeps(self, params: object) -> Optional[Callable[[str], bool]]:
-        """Which parameters of ``params`` keep their own dtype, by ``named_parameters`` path: those of
-        a ``keep_dtype`` module whose dtype differs from ``param_dtype``. ``None`` when none is (no
-        ``param_dtype``, a pytree, no such module). ``ValueError`` for a BatchNorm left out of
-        ``keep_dtype`` whose running statistics are not in ``param_dtype`` (``batch_norm`` rejects it)."""
+        """Which parameters of ``params`` (``named_parameters`` paths) keep their own dtype: a ``keep_dtype`` module's,
+        if their dtype differs from ``param_dtype``; ``None`` when none does (no ``param_dtype``, pytree, no such
+        module). ``ValueError`` for a BatchNorm outside ``keep_dtype`` with running statistics not in
+        ``param_dtype``."""
         dtype = self.param_dtype or self.frozen_dtype  # the dtype a parameter would change to
         if dtype is None or not isinstance(params, torch.nn.Module):
             return None

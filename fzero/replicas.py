@@ -45,8 +45,8 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Divergence:
-    """One replicated item that differs: ``agree`` holds the majority value (ties: the lowest rank's),
-    ``differ`` the other ranks; ``located``: for a parameter buffer, the parameters that differ."""
+    """A differing replicated item: ``agree`` ranks hold the majority value (ties: lowest rank's), ``differ`` the
+    others; ``located``: a parameter buffer's differing parameters."""
 
     item: str
     agree: tuple[int, ...]
@@ -129,8 +129,7 @@ def replica_items(state: Any, *, buffers: Policy = "local", rng: Policy = "local
 
 
 def _words(x: torch.Tensor, rows: int, traced: bool = False) -> torch.Tensor:
-    """The bit pattern of each row of ``x`` as int64 words ``[rows, n]``: 64-bit words when a row's
-    byte length allows (a view not 8-byte aligned is copied first, eagerly), else its own words."""
+    """Each row of ``x``'s bits as int64 words ``[rows, n]``: 64-bit words if a row's length allows, else its own."""
     x = x.detach().reshape(rows, -1)
     x = (x.view(torch.uint8) if x.dtype == torch.bool else x).contiguous()
     es = x.element_size()
@@ -145,8 +144,8 @@ def _words(x: torch.Tensor, rows: int, traced: bool = False) -> torch.Tensor:
 
 
 def _fold(words: torch.Tensor) -> torch.Tensor:
-    """``[rows, n]`` int64 words -> ``[rows]`` hashes ``K1 * sum(words) + K2 * sum(i * block_i)``
-    over blocks of 64 words, mod 2**64: exact (order-free), and any one changed word changes it."""
+    """``[rows, n]`` int64 words -> ``[rows]`` hashes ``K1 * sum(words) + K2 * sum(i * block_i)`` (64-word blocks, mod
+    2**64): exact, and any one changed word changes it."""
     rows, n = words.shape
     m = n - n % _BLOCK
     nb = m // _BLOCK
@@ -164,8 +163,7 @@ def _to_columns(h: torch.Tensor) -> torch.Tensor:
 
 
 def _hashes(items: list[Item], state: Any, rows: int, traced: bool = False) -> torch.Tensor:
-    """``[rows, k]`` int64: one 64-bit hash per item; "static" and other 0-d replicated items are
-    their bit patterns (stacked per word size), the others :func:`_fold` of their words."""
+    """``[rows, k]`` int64, a hash per item: 0-d replicated ones (and "static") their bits, others :func:`_fold`."""
     device = (*state.params, *state.shard.master, state.opt.step)[0].device
     static = (getattr(state.shard, "layout", None), getattr(state.opt, "optimizer", None),
               tuple(getattr(state.scaler, k, None) for k in _SCALER_STATIC), getattr(state, "precision", None))
@@ -197,24 +195,22 @@ def _hashes(items: list[Item], state: Any, rows: int, traced: bool = False) -> t
 
 
 def replica_digest(state: Any, comm: Communicator, *, buffers: Policy = "local", rng: Policy = "local") -> torch.Tensor:
-    """Each local rank's digest of its replicated items: ``[R, 2k]`` float64, the low and high
-    32 bits of each item's 64-bit hash (:func:`replica_items` order). No collective, no host sync."""
+    """Each local rank's digest: ``[R, 2k]`` float64, low and high 32 bits of each item's hash. No collective or
+    sync."""
     return _to_columns(_hashes(replica_items(state, buffers=buffers, rng=rng), state, comm.local_ranks, comm.traced))
 
 
 def replicas_differ(state: Any, comm: Communicator, *, buffers: Policy = "local",
                     rng: Policy = "local") -> torch.Tensor:
-    """0-d bool tensor, True on every rank iff some replicated item differs between ranks: one
-    ``all_reduce(max)`` of ``[digest, -digest]`` (``[R, 4k]`` float64), equal iff ``max == -max(-x)``
-    in every column. No host sync; traces under ``torch.compile(fullgraph=True)``."""
+    """0-d bool tensor, True on every rank iff some replicated item differs between ranks: one ``all_reduce(max)`` of
+    ``[digest, -digest]`` (``[R, 4k]`` float64). No host sync; traces under ``torch.compile(fullgraph=True)``."""
     d = replica_digest(state, comm, buffers=buffers, rng=rng)
     m = comm.all_reduce(torch.cat([d, -d], dim=1), "max")
     return (m[:, : d.shape[1]] != -m[:, d.shape[1] :]).any()
 
 
 def _compare(comm: Communicator, h: torch.Tensor) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """One ``all_gather`` of the ``[R, k]`` hashes ``h``; per column ``(agree, differ)``: the ranks
-    holding the majority value (ties: the lowest rank's) and the others."""
+    """One ``all_gather`` of the ``[R, k]`` hashes ``h``; per column ``(agree, differ)`` as in :class:`Divergence`."""
     w, k = comm.world_size, h.shape[1]
     table = comm.all_gather(_to_columns(h))[0].reshape(w, k, 2).tolist()
     out = []
@@ -228,8 +224,7 @@ def _compare(comm: Communicator, h: torch.Tensor) -> list[tuple[tuple[int, ...],
 
 
 def _locate(state: Any, comm: Communicator, groups: list[int]) -> dict[int, list[tuple[str, tuple[int, ...]]]]:
-    """Per flat group of ``groups``: the parameters (and ``<padding>``) whose slices differ, and on
-    which ranks. One ``all_gather``; every rank calls it with the same ``groups``."""
+    """Per flat group of ``groups``: the parameters (and ``<padding>``) that differ, and where. One ``all_gather``."""
     layout, rows = state.shard.layout, comm.local_ranks
     hashes, where = [], []
     for g in groups:
@@ -246,9 +241,8 @@ def _locate(state: Any, comm: Communicator, groups: list[int]) -> dict[int, list
 
 
 def digest_parts(state: Any, comm: Communicator, *, buffers: Policy = "local", rng: Policy = "local") -> torch.Tensor:
-    """``[R, 8k]`` float64 to ride on a step's existing ``all_reduce(sum)`` (no collective of its own):
-    each item hash cut into four 16-bit values ``d``, then ``d*d``. Summed over ranks, ``W * sum(d*d)
-    == sum(d)**2`` in every column iff every rank's ``d`` is the same (:func:`parts_differ`)."""
+    """``[R, 8k]`` float64 to ride on a step's ``all_reduce(sum)`` (no collective of its own): each item hash as four
+    16-bit values ``d``, then ``d*d``; summed, ``W * sum(d*d) == sum(d)**2`` iff all ranks agree."""
     h = _hashes(replica_items(state, buffers=buffers, rng=rng), state, comm.local_ranks, comm.traced)
     d = torch.stack([(h >> s) & 0xFFFF for s in (0, 16, 32, 48)], dim=2).reshape(h.shape[0], -1).to(torch.float64)
     return torch.cat([d, d * d], dim=1)

@@ -1,9 +1,9 @@
 """Randomness as state: ``init_train_state(..., seed=s)`` gives rank ``r`` the state of
-``torch.Generator().manual_seed(rank_seed(s, r))`` on the parameters' device, in ``TrainState.rng`` (``[R, n]``
-uint8). Eagerly the step installs rank ``r``'s state for that rank's forward and backward and keeps what it leaves: a
-rank's masks depend only on ``(s, r)`` and the draws before them, in a simulated world, on real ranks and in plain
-torch. Dynamo cannot trace ``set_rng_state``: a compiled step installs row 0's state around the call (exact on a real
-rank; in a compiled simulated world every rank draws from that one stream, and fzero warns).
+``torch.Generator().manual_seed(rank_seed(s, r))`` on the parameters' device, in ``TrainState.rng`` (``[R, n]`` uint8).
+Eagerly the step installs rank ``r``'s state for its forward and backward and keeps what it leaves: a rank's masks
+depend only on ``(s, r)`` and the draws before them, alike in a simulated world, on real ranks and in plain torch.
+Dynamo cannot trace ``set_rng_state``: a compiled step installs row 0's state around the call (exact on a real rank; a
+compiled simulated world's ranks all draw from that stream, with a warning).
 
 Imports: none of fzero.
 """

@@ -23,10 +23,9 @@ __all__ = ["ScalerState", "init_scaler", "static_scaler", "scale", "unscale_and_
 
 @pytree_dataclass
 class ScalerState:
-    """Loss-scale state. Leaves (0-d, identical on every rank): ``scale`` (float32), ``growth_tracker`` (int32, clean
-    steps since the last growth or overflow) and ``hysteresis_left`` (int32, overflows still tolerated; 1 without
-    hysteresis). Static: the rule's configuration; ``dynamic=False``: the scale never changes (bf16/fp32, or a fixed
-    fp16 scale), but non-finite gradients still skip the step."""
+    """Leaves (0-d, alike on all ranks): ``scale`` (float32), ``growth_tracker`` (int32, clean steps since growth or
+    overflow), ``hysteresis_left`` (int32, overflows still tolerated; 1 without hysteresis). Static: the configuration;
+    ``dynamic=False``: a fixed scale (bf16/fp32, fixed fp16), yet non-finite gradients skip the step."""
 
     scale: torch.Tensor
     growth_tracker: torch.Tensor
@@ -42,9 +41,9 @@ class ScalerState:
 def init_scaler(init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                 growth_interval: int = 2000, *, min_scale: Optional[float] = None, hysteresis: Optional[int] = None,
                 device: torch.device | str | None = None) -> ScalerState:
-    """A dynamic scaler with ``torch.amp.GradScaler``'s defaults. ``min_scale``: the scale's floor.
-    ``hysteresis``: back off only on the ``hysteresis``-th overflow since the last growth
-    (DeepSpeed's ``delayed_shift``; ``None``: on every one). ``ValueError`` for a bad setting."""
+    """A dynamic scaler (``GradScaler``'s defaults); ``min_scale``: floor; ``hysteresis``: back off at the
+    ``hysteresis``-th overflow since growth (DeepSpeed's ``delayed_shift``; ``None``: each). Bad settings:
+    ``ValueError``."""
     if not init_scale > 0:
         raise ValueError(f"init_scale must be positive, got {init_scale}")
     if not growth_factor > 1.0:
@@ -90,9 +89,8 @@ def scale(scaler: ScalerState, tree: Any) -> Any:
 
 
 def local_sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-rank sum of squares of ``[R, ...]`` gradients: ``[R]`` float64, each norm taken in the
-    gradient's dtype (no float64 copy) and squared in float64: a non-finite value, or an fp32 norm
-    that overflows (as ``clip_grad_norm_`` finds), gives a non-finite sum. No collective."""
+    """Per-rank sum of squares of ``[R, ...]`` gradients, ``[R]`` float64: norms in gradient dtype, squared in float64;
+    a non-finite value or an overflowing fp32 norm (as ``clip_grad_norm_``) makes it inf/nan. No collective."""
     return sum(torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).double().square() for g in grads)
 
 

@@ -88,10 +88,9 @@ def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, final: float
 
 
 def apply_schedules(opt: Any, schedules: Mapping[str, Schedule]) -> Any:
-    """``opt`` (an :class:`~fzero.optim.OptState`) with its hyperparameters set from its step count by ``schedules``
-    (``{hyperparameter: schedule}``): group 0 takes ``schedule(step)``, a group whose base value differs that times
-    ``base_group / base_default`` (as ``LambdaLR``). ``ValueError`` names a hyperparameter the rule lacks. No
-    collective."""
+    """``opt`` (:class:`~fzero.optim.OptState`) with hyperparameters set by ``schedules`` (``{hyperparameter:
+    schedule}``) at its step count: group 0 takes ``schedule(step)``, other groups that times ``base_group /
+    base_default`` (as ``LambdaLR``). ``ValueError``: a hyperparameter the rule lacks. No collective."""
     if not schedules:
         return opt
     hyper = [dict(h) for h in opt.hyper]

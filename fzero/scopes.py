@@ -1,9 +1,8 @@
-"""``record_function`` scopes an eager step allocates its own transient buffers in, so a memory census
-(:class:`fzero.testing.census.Census`, any ``profile_memory=True`` trace) tells them from activations and checks
-:func:`fzero.memory.memory_report`. ``fzero::grad_buckets`` (stages 1-2): backward's gradient buckets;
-``fzero::grad_reduction``: the gradient collectives' buffers; ``fzero::gather`` (stage 3): gathering a unit's
-parameters, prefetches included; ``fzero::update``: norm, unscale, clip, the optimizer step and stages 1-2's
-all-gather. A traced step enters none.
+"""``record_function`` scopes an eager step allocates its buffers in, so a memory census (:class:`fzero.testing.Census`,
+any ``profile_memory=True`` trace) tells them from activations and checks :func:`fzero.memory.memory_report`.
+``fzero::grad_buckets`` (stages 1-2): backward's gradient buckets; ``fzero::grad_reduction``: the gradient collectives'
+buffers; ``fzero::gather`` (stage 3): a unit's gather, prefetches included; ``fzero::update``: norm, unscale, clip, the
+optimizer step and stages 1-2's all-gather. A traced step enters none.
 
 Imports: none of fzero.
 """

@@ -1,8 +1,8 @@
 """This rank's shards of the flat layout (:class:`ShardState`) and three pure pieces of a step:
-:func:`reduce_scatter_grads` (gradients in, this rank's averaged shards out), :func:`shard_step` (shards and
-gradients in, the next shards and optimizer state out), :func:`all_gather_params` (shards in, the gathered
-compute-dtype flat buffers out). Each starts every collective it needs before waiting for any, when its caller
-chooses (:mod:`fzero.grads`: e.g. as a bucket's gradient completes).
+:func:`reduce_scatter_grads` (gradients in, averaged shards out), :func:`shard_step` (shards and gradients in, next
+shards and optimizer state out), :func:`all_gather_params` (shards in, gathered compute-dtype buffers out). Each starts
+all its collectives before waiting for any, when its caller chooses (:mod:`fzero.grads`: as a bucket's gradient
+completes).
 
 Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.optim``, ``fzero.pytree``, ``fzero.scaler``, ``fzero.scopes``.
 """
@@ -29,10 +29,9 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 @pytree_dataclass
 class ShardState:
-    """This process's shards of the flat layout. Leaves: ``master``, one ``[R, shard_numel]`` tensor per flat
-    group in its master dtype (float32; float64 for float64 parameters); ``frozen``, the frozen parameters in full
-    (replicated, no rank axis), or at stage 3 (``layout.frozen_groups``) one ``[R, shard_numel]`` per frozen group,
-    in the dtype they are held in. Static: the :class:`~fzero.layout.Layout`."""
+    """This process's shards. Leaves: ``master``, per flat group one ``[R, shard_numel]`` in its master dtype (float32,
+    or float64 for float64); ``frozen``, the frozen parameters whole (replicated), or at stage 3 one ``[R,
+    shard_numel]`` per frozen group in its held dtype. Static: the :class:`~fzero.layout.Layout`."""
 
     master: tuple[torch.Tensor, ...]
     frozen: tuple[torch.Tensor, ...]
@@ -42,8 +41,7 @@ class ShardState:
 def shard_layout(params: Any, comm: Communicator, *, trainable: Optional[Any] = None,
                  optimizer: Optional[Optimizer] = None, bucket_of: Optional[Any] = None,
                  keep_dtype: Optional[Any] = None, alignment: int = 16, shard_frozen: bool = False) -> Layout:
-    """The layout of ``params`` for ``comm``'s world (shapes only: a meta module is laid out as it is), checked
-    across ranks (``comm.check_layout``: one ``all_gather_object``)."""
+    """The layout of ``params`` (shapes only) for ``comm``'s world, checked across ranks (one ``all_gather_object``)."""
     layout = build_layout(params, comm.world_size, trainable=trainable,
                           group_of=optimizer.group_of if optimizer is not None else None, bucket_of=bucket_of,
                           keep_dtype=keep_dtype, alignment=alignment, shard_frozen=shard_frozen)
@@ -114,8 +112,7 @@ def check_world(shard: ShardState, comm: Communicator) -> None:
 
 def _average_start(flat: torch.Tensor, comm: Communicator, reduce_dtype: torch.dtype, out_dtype: torch.dtype,
                    via_all_reduce: bool) -> Callable[[], torch.Tensor]:
-    """Start averaging one flat gradient ``[R, padded]`` over ranks into this rank's shard; in 16 bits
-    FSDP's pre/post divide factors keep the sum in range."""
+    """Start averaging one flat gradient ``[R, padded]`` into this rank's shard (16 bits: FSDP's divide factors)."""
     x = flat.to(reduce_dtype)
     low = reduce_dtype in LOW_PRECISION
     pre, post = gradient_divide_factors(comm.world_size) if low else (1, 1)
@@ -129,13 +126,10 @@ def _average_start(flat: torch.Tensor, comm: Communicator, reduce_dtype: torch.d
 def reduce_scatter_grads(shard: ShardState, grads: Any, comm: Communicator, *,
                          reduce_dtype: Optional[torch.dtype] = None, via_all_reduce: bool = False
                          ) -> tuple[torch.Tensor, ...]:
-    """Gradients averaged over ranks: this rank's shard of each flat group.
-
-    ``grads``: a tree shaped like the parameters (each leaf ``[R, *shape]``; frozen ones absent or None), or a
-    :class:`~fzero.layout.FlatGrads` of some flat groups (a bucket's, as backward completes it). Returns
-    ``[R, shard_numel]`` per flat group (of ``grads``' groups, or of the layout), in the master dtype, padding zero.
-
-    Collectives: one ``reduce_scatter`` per flat group (``via_all_reduce``: ZeRO-1's ``all_reduce``), all started
+    """Gradients averaged over ranks: this rank's shard of each flat group. ``grads``: a tree shaped like the parameters
+    (leaves ``[R, *shape]``; frozen ones absent or None), or a :class:`~fzero.layout.FlatGrads` of some flat groups (a
+    bucket's). Returns ``[R, shard_numel]`` per flat group (``grads``' or the layout's), in the master dtype, padding
+    zero. Collectives: one ``reduce_scatter`` per flat group (``via_all_reduce``: ZeRO-1's ``all_reduce``), all started
     before any is waited for, in ``reduce_dtype`` (default: the master dtype; 16 bits: FSDP's divide factors)."""
     check_world(shard, comm)
     if not isinstance(grads, FlatGrads):
@@ -158,8 +152,7 @@ def reduce_scatter_grads(shard: ShardState, grads: Any, comm: Communicator, *,
         return tuple(done() for done in started)
 
 
-# Flat groups of up to this many padded elements in all travel joined in one collective (one latency, not one
-# per group); larger ones go one each, straight into their own buffers (joining costs two buffers and a copy).
+# Flat groups of up to this many padded elements in all share one collective: one latency, for two buffers and a copy
 JOIN_NUMEL = 1 << 22
 
 
@@ -181,13 +174,11 @@ def _cut(whole: torch.Tensor, groups: Sequence[FlatGroup]) -> list[torch.Tensor]
 def all_gather_params(shard: ShardState, comm: Communicator, dtype: Optional[torch.dtype] = None, *,
                       groups: Optional[Sequence[FlatGroup]] = None, into: Optional[Sequence[torch.Tensor]] = None
                       ) -> tuple[torch.Tensor, ...]:
-    """The gathered flat parameter buffers ``[R, padded_numel]`` of every flat group (or of ``groups``: a
-    stage-3 unit's, frozen groups too), in the compute dtype ``dtype`` (a group that keeps its own dtype gets it,
-    :func:`fzero.layout.compute_dtype`): what a stage 1-2 state keeps in ``params`` and a stage-3 unit computes
-    with. ``into``: write them into these buffers (a donated state's, which the module's parameters view).
-
-    Collectives: one ``all_gather`` per flat group of the master shard cast before it (16-bit compute moves
-    16-bit data), all started before any is waited for."""
+    """The gathered flat parameter buffers ``[R, padded_numel]`` of every flat group (or of ``groups``: a stage-3
+    unit's, frozen groups too) in the compute dtype ``dtype`` (a group keeping its own dtype gets it,
+    :func:`fzero.layout.compute_dtype`): a stage 1-2 state's ``params``, a stage-3 unit's compute buffers. ``into``:
+    write into these buffers (a donated state's, which the module's parameters view). Collectives: one ``all_gather``
+    per flat group of the master shard cast first (16-bit compute moves 16-bit data), all started before any waits."""
     check_world(shard, comm)
     groups = shard.layout.groups if groups is None else groups
     with step_scope(GATHER, comm.traced):
@@ -206,8 +197,7 @@ def all_gather_params(shard: ShardState, comm: Communicator, dtype: Optional[tor
 
 def full_params(shard: ShardState, comm: Communicator, dtype: Optional[torch.dtype] = None) -> Any:
     """Every parameter in the model's structure, each leaf ``[R, *shape]`` in ``dtype`` (:func:`all_gather_params`'
-    buffers viewed per parameter; frozen ones broadcast views of their replicated copy). For exports, tests and
-    evaluation."""
+    buffers viewed per parameter; frozen ones broadcast views of their replicated copy)."""
     frozen = {s.path: f for s, f in frozen_params(shard, comm)}
     return param_tree(shard.layout, all_gather_params(shard, comm, dtype), frozen, dtype)
 
@@ -231,18 +221,14 @@ def _rows_ranks(layout: Layout, master: Sequence[torch.Tensor], comm: Optional[C
 def shard_step(shard: ShardState, opt_state: OptState, grads: Sequence[torch.Tensor],
                found_inf: Optional[torch.Tensor] = None, *, used: Optional[torch.Tensor] = None,
                comm: Optional[Communicator] = None, donate: bool = False) -> tuple[ShardState, OptState]:
-    """The update rule on every flat group's master shard: the next ``(ShardState, OptState)``.
-
-    ``grads``: per flat group ``[R, shard_numel]``, unscaled (:func:`fzero.unscale_and_check`). ``found_inf``:
-    0-d, agreed across ranks; nonzero keeps every value bitwise (selection, no host sync) and the step count.
-    ``used`` (``[T]`` bool, agreed, ``Layout.trainable_slots`` order; ``None``: all): which parameters some rank
-    had a gradient for; one without keeps its value and moments, and ``opt_state.missed`` counts the steps it sat
-    out (its own step count, torch.optim's per-parameter ``step``, is ``step - missed``). Such parameters get their
-    own step scalars in one pass over the shard (traced, unless ``OptState.all_stepped``).
-
-    ``donate``: update the shards and moments in place (consuming the inputs), else copies of them; both run the
-    rule's in-place form (torch's fused Adam(W)), eagerly and traced, and give the same bits. ``comm``: the rows'
-    ranks, and the collectives of a rule that needs them (:func:`fzero.muon`)."""
+    """The update rule on every flat group's master shard: the next ``(ShardState, OptState)``. ``grads``: per flat
+    group ``[R, shard_numel]``, unscaled (:func:`fzero.unscale_and_check`). ``found_inf``: 0-d, agreed; nonzero keeps
+    every value bitwise and the step count (selection, no host sync). ``used`` (``[T]`` bool, agreed,
+    ``Layout.trainable_slots`` order; ``None``: all): parameters some rank had a gradient for; one without keeps its
+    value and moments, and ``opt_state.missed`` counts the steps it sat out (its own step count, torch.optim's ``step``,
+    is ``step - missed``); their own step scalars take one pass (traced unless ``OptState.all_stepped``). ``donate``:
+    update shards and moments in place (consuming the inputs), else copies; both run the rule's in-place form (fused
+    Adam(W)) and give the same bits. ``comm``: the rows' ranks (and :func:`fzero.muon`'s collectives)."""
     lay, opt = shard.layout, opt_state.optimizer
     if len(grads) != len(lay.groups):
         raise ValueError(f"shard_step: got {len(grads)} gradient shards for {len(lay.groups)} flat groups")
@@ -298,10 +284,9 @@ def _update_by_element(opt: Optimizer, layout: Layout, group: FlatGroup, p: torc
                        moments: tuple[torch.Tensor, ...], hyper: Any, step: torch.Tensor, per_slot: torch.Tensor,
                        take_all: torch.Tensor, ranks: Sequence[int], where: dict[int, int],
                        donate: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """One flat group's update with each parameter's own step scalars (``per_slot[k]``:
-    :meth:`~fzero.optim.Optimizer.step_scalars`, then its used flag), taken only where its parameter is used and
-    ``take_all`` holds; padding left alone. Each element finds its row by a ``bucketize`` of the static piece ends:
-    one pass, which a compiled step fuses into the update (spreading the scalars over the shard costs memory)."""
+    """One flat group's update, each parameter with its own step scalars (``per_slot[k]``, then its used flag), only
+    where used and ``take_all``; padding left alone. Rows found by ``bucketize`` of the static piece ends: one pass,
+    fused when compiled."""
     names = opt.step_scalar_names
     table = torch.cat([per_slot, per_slot.new_zeros(1, per_slot.shape[1])])  # last row: the padding's
     index = []
@@ -326,9 +311,8 @@ def _update_by_element(opt: Optimizer, layout: Layout, group: FlatGroup, p: torc
 def _step_in_place(shard: ShardState, opt_state: OptState, grads: Sequence[torch.Tensor],
                    found_inf: Optional[torch.Tensor], used: Optional[torch.Tensor], comm: Optional[Communicator],
                    donate: bool, missed: torch.Tensor) -> tuple[ShardState, OptState]:
-    """:func:`shard_step` for a rule that is not elementwise (:meth:`~fzero.optim.ShardRule.update_shards`), eagerly:
-    ``found_inf`` and ``used`` are read on the host (as torch.optim's loop reads its ``found_inf``), and only the
-    parameters that take the step are updated, at their own step counts, with their own scalar state."""
+    """Eager :func:`shard_step` of a ``ShardRule``: ``found_inf`` and ``used`` read on the host (as torch.optim reads
+    ``found_inf``); only the parameters that take the step are updated, at their own step counts and scalar state."""
     opt, lay = opt_state.optimizer, shard.layout
     n = len(lay.trainable_slots)
     ranks = _rows_ranks(lay, shard.master, comm)

@@ -1,8 +1,6 @@
-"""The training state and how it is built: :class:`TrainState`, :func:`init_train_state`. A :class:`TrainState` is
-everything a step carries to the next: this process's shards and master copy, the optimizer state, the loss scale, the
-gathered parameters (stages 1-2), the module's buffers and each local rank's generator state. Building it hands the
-module's parameters to the state (:func:`fzero.module.hand_over_parameters`); a donating step consumes the state it is
-given (:func:`consume`, :func:`ensure_live`). :mod:`fzero.step` imports this module, never the reverse.
+"""The training state and how it is built: :class:`TrainState`, :func:`init_train_state`. Building it hands the module's
+parameters to the state (:func:`fzero.module.hand_over_parameters`); a donating step consumes the state it is given
+(:func:`consume`, :func:`ensure_live`). :mod:`fzero.step` imports this module, never the reverse.
 
 Imports: buckets, comm, materialize, module, optim, precision, pytree, rng, scaler, sharding.
 """
@@ -31,14 +29,13 @@ __all__ = ["TrainState", "init_train_state", "ensure_live", "consume"]
 
 @pytree_dataclass
 class TrainState:
-    """Everything a training step carries from one step to the next.
+    """Everything a step carries to the next.
 
-    ``params``: the gathered compute-dtype flat buffers ``[R, padded_numel]``, one per flat group (``()`` at stage 3).
-    ``buffers``: the module's buffers, ``[R, *shape]`` each in its own dtype, in ``ModuleSpec.buffers`` order. ``rng``:
-    ``()`` or one ``[R, n]`` uint8 tensor (:mod:`fzero.rng`). ``calls``: ``()`` or one 0-d int64 CPU tensor, the step
-    calls seen, skipped ones included (the host-side schedules count from it, so a resumed run keeps them; on the CPU:
-    read without a device sync). Static: the ZeRO ``stage`` (1, 2 or 3; the one place that says it), the
-    :class:`MixedPrecision` policy and the :class:`ModuleSpec`."""
+    ``params``: gathered compute-dtype flat buffers ``[R, padded_numel]``, one per flat group (stage 3: ``()``).
+    ``buffers``: module buffers ``[R, *shape]``, own dtypes, ``ModuleSpec.buffers`` order. ``rng``: ``()`` or one ``[R,
+    n]`` uint8 tensor (:mod:`fzero.rng`). ``calls``: ``()`` or one 0-d int64 CPU tensor, step calls seen, skipped
+    included (host-side schedules count from it, so a resumed run keeps them; on CPU: no sync). Static: the ZeRO
+    ``stage`` (1-3; only here), :class:`MixedPrecision` and :class:`ModuleSpec`."""
 
     shard: ShardState
     opt: OptState
@@ -68,12 +65,11 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
     -> bool``; allowed at stages 1-2 too): one bucket per unit, the rest and tied parameters to the root. Stage 3
     without it: the blocks a ``transformers`` model names in ``_no_split_modules`` (:func:`fzero.module.default_units`).
     ``bucket_numel`` (stages 1-2 without ``units``; default :func:`fzero.buckets.default_bucket_numel`): gradients are
-    reduced in buckets of about this many elements as backward completes them (DDP's ``bucket_cap_mb``), each a flat
-    group. ``scaler``: default dynamic in fp16, a static 1 otherwise. ``precision``: ``keep_dtype`` parameters get flat
-    groups of their own (:meth:`MixedPrecision.keeps`). A module's buffers become ``state.buffers``, one copy per rank.
-    ``seed``: rank ``r``'s generator starts from ``rank_seed(seed, r)``; ``None``: the step draws from the caller's
-    generator. ``ValueError``/``TypeError`` for a bad stage, units or bucket_numel. Collectives: ``comm.check_layout``;
-    stages 1-2 one ``all_gather`` per flat group."""
+    reduced in buckets (flat groups) of about this many elements as backward completes them (DDP's ``bucket_cap_mb``).
+    ``scaler``: default dynamic in fp16, a static 1 otherwise. ``precision``: ``keep_dtype`` parameters get flat groups
+    of their own (:meth:`MixedPrecision.keeps`). ``seed``: rank ``r``'s generator starts from ``rank_seed(seed, r)``;
+    ``None``: the step draws from the caller's generator. ``ValueError``/``TypeError`` for a bad stage, units or
+    bucket_numel. Collectives: ``comm.check_layout``; stages 1-2 one ``all_gather`` per flat group."""
     if stage not in (1, 2, 3):
         raise ValueError(f"init_train_state: stage must be 1, 2 or 3, got {stage!r}")
     is_module = isinstance(params, torch.nn.Module)
@@ -129,9 +125,8 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
         buffers = init_buffers(params, spec, comm.local_ranks) if made_buffers is None else made_buffers
         if stage == 3:  # the state holds the only copy, in shards: the module's parameters go to meta
             release_parameters(params, list(layout.paths))
-    # stages 1-2: gathered group by group, and a module's parameters made views of their group at once,
-    # so the module's own copy of a group is freed before the next is gathered (init peak: one model
-    # and one group, not two models)
+    # stages 1-2: gathered group by group, a module's parameters made views of their group at once, so the module's own
+    # copy of a group is freed before the next is gathered (init peak: one model and one group, not two models)
     gathered: list[torch.Tensor] = []
     for g in layout.groups if stage < 3 else ():
         gathered += all_gather_params(shard, comm, precision.param_dtype, groups=(g,))
@@ -153,9 +148,9 @@ def ensure_live(state: TrainState) -> None:
 
 
 def consume(old: TrainState, new: TrainState) -> TrainState:
-    """Hand ``old``'s donated buffers (master shards, moments, gathered parameters) to ``new`` and
-    make ``old`` unusable: each is emptied with ``set_()``, after ``new``'s reference to the very
-    same object is replaced by a fresh tensor sharing its storage. No copy, no collective."""
+    """Hand ``old``'s donated buffers (master shards, moments, gathered parameters) to ``new`` and make ``old``
+    unusable: each emptied by ``set_()`` once ``new`` holds a fresh tensor sharing its storage instead. No copy, no
+    collective."""
     donated = {id(t): t for t in [*old.shard.master, *(m for ms in old.opt.moments for m in ms), *old.params]}
 
     def keep(x: Any) -> Any:

@@ -65,22 +65,21 @@ def make_train_step(loss_fn: LossFn, comm: Communicator, *, stage: Optional[int]
                     schedules: Optional[Mapping[str, Schedule]] = None, donate: bool = False, compile: Compile = False,
                     broadcast_buffers: bool = True, check_replicas_every: int = 0, replica_check: str = "raise",
                     unused: str = "skip") -> StepFn:
-    """A step ``(state, batch) -> (state, metrics)`` for the ZeRO stage the state was built for.
-    ``loss_fn(params, batch)``: a 0-d loss for one rank's micro-batch, ``params`` in the structure given to
-    :func:`~fzero.state.init_train_state` (stage 3: a :func:`fzero.module_loss`). ``batch``: leaves ``[R, ...]``
-    (``comm.split_batch``); with ``accum_steps=K``, ``[R, K, ...]``: the K micro-batches' gradients averaged, one
-    optimizer step (stage 1, and 2 with ``defer_reduce``, reduce once). ``stage``: optional, checked against the
-    state's. ``clip_norm``: the global norm clipped as ``clip_grad_norm_`` does. ``schedules``:
-    ``{hyperparameter: schedule(step)}``, evaluated inside the step (other groups get the value scaled by their ratio to
-    the default). ``donate=True``: shards and moments updated in place, the given state consumed (using it again raises
-    ``ValueError``). ``compile``: ``True`` or torch.compile's ``backend``/``mode``/``options``. ``broadcast_buffers``
-    (DDP's default): every rank's forward starts from rank 0's module buffers. ``check_replicas_every=N``: a digest of
-    what ranks must hold alike rides on the step's all-reduce (``metrics["replicas_differ"]``);
-    ``replica_check="raise"`` reads it every N-th call and raises :class:`fzero.ReplicaDivergenceError`, ``"flag"`` only
-    reports. ``unused`` (a parameter no loss reached): ``"skip"`` (as DDP) leaves it and its step count, ``"zeros"``
-    gives a zero gradient. Bad options raise ``ValueError``; a failed collective :class:`fzero.CollectiveError`. Metrics
-    (0-d): ``loss`` (mean over ranks, unscaled), ``found_inf``, ``scale`` (this step's), ``grad_norm`` (unscaled, before
-    clipping), ``lr`` (the default group's)."""
+    """A step ``(state, batch) -> (state, metrics)`` for the state's ZeRO stage. ``loss_fn(params, batch)``: a 0-d loss
+    for one rank's micro-batch, ``params`` structured as given to :func:`~fzero.state.init_train_state` (stage 3: a
+    :func:`fzero.module_loss`). ``batch``: leaves ``[R, ...]`` (``comm.split_batch``); with ``accum_steps=K``, ``[R, K,
+    ...]``: the K micro-batches' gradients averaged, one optimizer step (stage 1, and 2 with ``defer_reduce``, reduce
+    once). ``stage``: optional, checked against the state's. ``clip_norm``: the global norm clipped as
+    ``clip_grad_norm_`` does. ``schedules``: ``{hyperparameter: schedule(step)}``, evaluated inside the step (other
+    groups get the value times their ratio to the default). ``donate=True``: shards and moments updated in place, the
+    given state consumed (reuse raises ``ValueError``). ``compile``: ``True`` or torch.compile's
+    ``backend``/``mode``/``options``. ``broadcast_buffers`` (DDP's default): every rank's forward starts from rank 0's
+    module buffers. ``check_replicas_every=N``: a digest of what ranks must hold alike rides on the step's all-reduce
+    (``metrics["replicas_differ"]``); ``replica_check="raise"`` reads it every N-th call and raises
+    :class:`fzero.ReplicaDivergenceError`, ``"flag"`` only reports. ``unused`` (a parameter no loss reached): ``"skip"``
+    (as DDP) leaves it and its step count, ``"zeros"`` gives a zero gradient. Bad options raise ``ValueError``; a failed
+    collective :class:`fzero.CollectiveError`. Metrics (0-d): ``loss`` (mean over ranks, unscaled), ``found_inf``,
+    ``scale`` (this step's), ``grad_norm`` (unscaled, before clipping), ``lr`` (the default group's)."""
     if stage not in (None, 1, 2, 3):
         raise ValueError(f"make_train_step: stage must be 1, 2 or 3, got {stage!r}")
     if unused not in UNUSED:

@@ -1,7 +1,7 @@
-"""Any per-element ``torch.optim`` class as an fzero update rule: :func:`from_torch_optim` wraps a class (as
-``ZeroRedundancyOptimizer(optimizer_class=...)``) and runs its ``step()`` on views of this rank's shards, one torch
-"parameter" per parameter piece, its state injected: shaped state a (sharded) moment, 0-d state a scalar, ``step`` the
-parameter's own step count. Eager only.
+"""Per-element ``torch.optim`` classes as rules: :func:`from_torch_optim` wraps one (as
+``ZeroRedundancyOptimizer(optimizer_class=...)``) and runs its ``step()`` on views of the shards, one torch "parameter"
+per parameter piece, its state injected: shaped state a (sharded) moment, 0-d state a scalar, ``step`` its own step
+count. Eager only.
 
 Imports: optim, layout, adafactor_rules.
 """
@@ -60,10 +60,9 @@ def update_by_piece(rule: "TorchOptimRule", layout: Layout, group: FlatGroup, p:
 
 @dataclasses.dataclass(frozen=True)
 class TorchOptimRule(ShardRule):
-    """A ``torch.optim`` class run on each parameter's piece of the shards (built by :func:`from_torch_optim`).
-    ``static``: the other constructor arguments, sorted; ``tuples``: tuple hyperparameters ``(name, length)``
-    (:func:`tuple_names`); ``state``: ``(key, "element" | "scalar" | "step")`` as probed; ``scalar_dtype``: the dtype of
-    0-d state tensors (``None``: Python numbers)."""
+    """A ``torch.optim`` class run on each parameter's shard pieces (:func:`from_torch_optim`). ``static``: other
+    constructor arguments, sorted; ``tuples``: tuple hyperparameters ``(name, length)``; ``state``: ``(key, "element" |
+    "scalar" | "step")`` as probed; ``scalar_dtype``: 0-d state tensors' dtype (``None``: Python numbers)."""
 
     torch_cls: Optional[type] = None
     static: tuple[tuple[str, Any], ...] = ()
@@ -160,8 +159,8 @@ def tuple_names(key: str, n: int) -> tuple[str, ...]:
 
 def _split(cls: type, values: Mapping[str, Any]
            ) -> tuple[list[tuple[str, float]], list[tuple[str, int]], list[tuple[str, Any]]]:
-    """The constructed class's defaults its constructor takes (AdamW records Adam's ``decoupled_weight_decay``) as
-    (hyperparameters, tuples, static arguments)."""
+    """The class's defaults its constructor takes (not AdamW's ``decoupled_weight_decay``) as (hyper, tuples,
+    static)."""
     params = inspect.signature(cls.__init__).parameters
     takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
     # arguments annotated as floats are hyperparameters even given as ints (``weight_decay: float = 0``)
@@ -226,12 +225,11 @@ def probe_state(cls: type, kwargs: Mapping[str, Any]) -> tuple[tuple[tuple[str, 
 
 
 def from_torch_optim(optimizer_class: type, *, groups: Sequence[GroupSpec] = (), **kwargs: Any) -> Optimizer:
-    """An fzero rule running ``optimizer_class`` (an elementwise ``torch.optim.Optimizer`` subclass: Adam, NAdam,
-    RMSprop, Adagrad, SGD...) on the shards, ``kwargs`` its constructor arguments. Float arguments (and tuples of them:
-    ``betas`` -> ``beta1``/``beta2``) are hyperparameters, schedulable and per group (``groups`` as for
-    :func:`fzero.adamw`). ``TypeError`` for a non-optimizer; ``ValueError`` naming the class when it cannot run on
-    shards (LBFGS's closure, SparseAdam, state neither per-element nor 0-d). ``torch.optim.Adafactor`` gives
-    :func:`fzero.adafactor`."""
+    """A rule running ``optimizer_class`` (an elementwise ``torch.optim.Optimizer`` subclass: Adam, NAdam, RMSprop,
+    Adagrad, SGD...) on shards, ``kwargs`` its constructor arguments. Float arguments (and their tuples: ``betas`` ->
+    ``beta1``/``beta2``) are hyperparameters, schedulable and per group (``groups`` as for :func:`fzero.adamw`).
+    ``TypeError`` for a non-optimizer; ``ValueError`` naming the class when it cannot run on shards (LBFGS's closure,
+    SparseAdam, state neither per-element nor 0-d). ``torch.optim.Adafactor`` gives :func:`fzero.adafactor`."""
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"from_torch_optim: {optimizer_class!r} is not a torch.optim.Optimizer subclass")
     if optimizer_class is getattr(torch.optim, "Adafactor", None):  # factored and norm-based: fzero's own rule

@@ -1,10 +1,9 @@
-"""ZeRO stage 3 for any ``nn.Module``: shard units chosen by a wrap policy, no recomputed forward. A wrap policy
-(module classes, a predicate on ``(name, module)``, or :func:`default_units`) picks submodules as shard units, as FSDP2
-applies ``fully_shard`` per block: unit ``i`` is bucket ``i + 1``; the root (bucket 0) holds every parameter no unit
-claims and every tied one. Units may not nest. :func:`unit_grads` gathers a unit (prefetched) for its forward and
-again for its backward, and reduces it once backward completes it: at most the root and two units are gathered at
-once, and each forward runs once (stage 3 equals stage 2 bitwise). All ranks must call the same units in the same
-order (:class:`UnitCallError`). :class:`CompiledUnits` regathers by selective recomputation.
+"""ZeRO stage 3 for any ``nn.Module``, no recomputed forward. A wrap policy (module classes, a predicate on ``(name,
+module)``, or :func:`default_units`) picks submodules as shard units, as FSDP2 applies ``fully_shard`` per block
+(buckets: :func:`unit_buckets`; units may not nest). :func:`unit_grads` gathers a unit (prefetched) for its forward and
+again for its backward, and reduces it once backward completes it: at most the root and two units gathered at once, each
+forward run once (stage 3 equals stage 2 bitwise). All ranks must call the same units in the same order
+(:class:`UnitCallError`). :class:`CompiledUnits` regathers by selective recomputation.
 
 Imports: buckets, comm, layout, module, rng, sharding, state.
 """
@@ -105,11 +104,9 @@ class _PreBackward(torch.autograd.Function):
 
 
 class UnitCallError(RuntimeError):
-    """The ranks called different shard units, or in another order, in one stage-3 forward.
-
-    ``call``: the 1-based index of the first unit call (of this micro-batch's forward) that differs; ``calls``:
-    ``{rank: unit name, or None where the rank's forward called no further unit}``. Raised on every rank (and by
-    the simulated world, which compares its ranks' calls) before any collective whose size depends on that call."""
+    """The ranks called different shard units, or in another order, in one stage-3 forward. ``call``: the 1-based index
+    of the first differing unit call; ``calls``: ``{rank: unit name, or None where its forward called no further
+    unit}``. Raised on every rank (simulated world too) before any collective whose size depends on that call."""
 
     def __init__(self, call: int, calls: Mapping[int, Optional[str]]):
         self.call, self.calls = call, dict(calls)
@@ -138,9 +135,8 @@ def _tags(comm: Communicator, tag: Sequence[int]) -> list[list[int]]:
 
 
 class _CallCheck:
-    """Checks that every rank calls the same units in the same order in one micro-batch's forward. Its *events*: the
-    unit calls (bucket ``b >= 1``) and its end (:data:`_END`); a real rank all-gathers ``(index, previous event,
-    event)`` per event (:meth:`compare`), the simulated world compares each rank's with rank 0's (:meth:`record`)."""
+    """Checks that all ranks call the same units in one forward: *events* (unit calls, :data:`_END`) all-gathered as
+    ``(index, previous, event)`` (:meth:`compare`), or compared with rank 0's when simulated (:meth:`record`)."""
 
     def __init__(self, comm: Communicator, names: Sequence[str]):
         self.names, self.rows, self.ranks = names, comm.local_ranks, tuple(comm.ranks)  # names[0]: unused
@@ -198,9 +194,8 @@ class _Plan:
 
     def views(self, bucket: int, flats: Iterable[torch.Tensor],
               used: Optional[set[int]] = None) -> dict[str, torch.Tensor]:
-        """``{path: view}`` of the bucket's trainable parameters by one ``split`` per flat buffer (its backward is
-        one ``cat``, not a zero-filled gradient per view). ``used``: gets the slots whose view had a gradient (a
-        plain set: the hooks hold no reference back to the run that holds the views)."""
+        """``{path: view}`` of the bucket's parameters by one ``split`` per flat buffer (backward: one ``cat``).
+        ``used``: gets the slots whose view had a gradient (a plain set: hooks hold no reference to the run)."""
         tensors = {}
         for g, flat in zip(self.gathered(bucket), flats):
             for i, view in zip(g.slots, split_views(self.layout, g, flat)):
@@ -211,11 +206,10 @@ class _Plan:
 
 
 class _RankRun:
-    """One local rank's forward and backward at stage 3. The root is gathered with the first unit and held until the
-    rank's backward ends. A unit's forward pre-hook binds views of its gathered buffers (:class:`_Gather`) as its
-    parameters; its forward hook puts back the :class:`_Released` placeholders and passes its outputs through
-    :class:`_PreBackward`, whose backward regathers and binds the unit. Saved views of a unit are packed as
-    :class:`_Token`: nothing holds it from its forward to its backward (but the last two, whose backward is near)."""
+    """One local rank's stage-3 forward and backward. The root is gathered with the first unit, held to the end. A
+    unit's forward pre-hook binds views of its gathered buffers (:class:`_Gather`); its forward hook puts back the
+    :class:`_Released` placeholders and passes its outputs through :class:`_PreBackward`, whose backward regathers it.
+    Saved views are packed as :class:`_Token` (no unit held from forward to backward but the last two)."""
 
     def __init__(self, plan: _Plan, state: TrainState, comm: Communicator, row: int, reduction: BucketReduction,
                  runner: Runner, released: Mapping[str, torch.Tensor], check: _CallCheck):
@@ -238,8 +232,7 @@ class _RankRun:
         self.frozen_flats: _Tensors = ()  # the frozen groups' buffers of the last _Gather
 
     def start(self, *buckets: int) -> None:
-        """Start gathering ``buckets`` in one :func:`fzero.all_gather_params` through the runner (small groups
-        travel in one collective); :attr:`ahead` then gives each one's flat buffers."""
+        """Start gathering ``buckets`` (one :func:`fzero.all_gather_params`, via the runner) into :attr:`ahead`."""
         groups = [g for b in buckets for g in self.plan.gathered(b)]
         done = self.runner.submit(self.comm.overlaps, all_gather_params, self.state.shard, self.comm,
                                   self.state.precision.param_dtype, groups=groups)
@@ -255,8 +248,7 @@ class _RankRun:
         return self.ahead.pop(bucket)()
 
     def event(self, event: int) -> None:
-        """A unit call (its bucket) or the forward's end (:data:`_END`): checked against the other ranks (the
-        previous event first, so that the prefetch is the same everywhere), and the next unit's gather started."""
+        """A unit call or the end (:data:`_END`): checked against the other ranks, the next unit's gather started."""
         self.verify()
         nxt = (self.events[-1] if self.events else 0) + 2  # the unit after the last one called: a chain of blocks
         if nxt >= len(self.plan.groups) or nxt in self.events or self.held(nxt):
@@ -332,8 +324,7 @@ class _RankRun:
         return self.cache[bucket]
 
     def bind_for_backward(self, bucket: int) -> None:
-        """Bind the unit's regathered parameters before autograd enters it (a checkpointed forward recomputed
-        in backward finds them), and prefetch the unit backward reaches next."""
+        """Bind the unit's regathered parameters before autograd enters it; prefetch the unit backward reaches next."""
         flats, n = self.regathered(bucket), len(self.plan.groups[bucket])
         with torch.enable_grad():  # autograd runs backward with grad mode off
             tensors = self.plan.views(bucket, [f.detach().requires_grad_(i < n) for i, f in enumerate(flats)],
@@ -394,8 +385,7 @@ class _RankRun:
 
 
 def check_module_matches(module: torch.nn.Module, layout: Layout) -> None:
-    """Raise ``ValueError`` if ``module``'s parameters are no longer those the state was built from (names,
-    shapes, dtypes): a layer replaced or resized after ``init_train_state``."""
+    """``ValueError`` if ``module``'s parameter names, shapes or dtypes differ from the state's (changed since)."""
     have = {n: (tuple(p.shape), p.dtype) for n, p in module.named_parameters()}
     for s in layout.slots:
         got, want = have.pop(s.path, None), (s.shape, s.dtype)
@@ -411,11 +401,10 @@ def check_module_matches(module: torch.nn.Module, layout: Layout) -> None:
 def unit_grads(loss_fn: ModuleLoss, state: TrainState, comm: Communicator, batch: Any,
                scaled: Callable[[torch.Tensor], torch.Tensor], on_ready: Callable[[FlatGrads], Sequence[torch.Tensor]],
                runner: Runner) -> tuple:
-    """Stage 3's forward and backward of one micro-batch for every local rank (module doc):
-    ``(shards, losses, buffers, rng, used, every)`` as :class:`fzero.grads.Grads`. Collectives, per rank: the
-    root's and every unit's gather in forward, again in backward but for the last two units, a tag per unit call
-    on real ranks, and ``on_ready`` per unit (the root's with the first unit's), all through ``runner``. Raises
-    :class:`UnitCallError` if the ranks called different units, ``ValueError`` if the module changed since."""
+    """Stage 3's forward and backward of one micro-batch for every local rank: ``(shards, losses, buffers, rng, used,
+    every)`` as :class:`fzero.grads.Grads`. Collectives, per rank, through ``runner``: the root's and every unit's
+    gather in forward, again in backward but for the last two units, a tag per unit call on real ranks, ``on_ready`` per
+    unit (the root's with the first unit's). Raises :class:`UnitCallError`, or ``ValueError`` if the module changed."""
     module, lay = loss_fn.module, state.layout
     units, dtype = state.module.units, state.precision.param_dtype
     check_module_matches(module, lay)
@@ -469,9 +458,8 @@ def unit_grads(loss_fn: ModuleLoss, state: TrainState, comm: Communicator, batch
             torch.tensor(used, dtype=torch.float64, device=device), all(all(row) for row in used))
 
 
-# -- compiled stage 3: hooks do not trace, so each unit's ``forward`` runs inside ``torch.utils.checkpoint``
-# (:meth:`CompiledUnits.installed`) with a selective policy: the gather (collectives, casts, copies) and views
-# MUST_RECOMPUTE, the unit's compute MUST_SAVE; AOT autograd's remat pass then regathers just before backward.
+# -- compiled stage 3: hooks do not trace, so each unit's ``forward`` runs inside ``torch.utils.checkpoint`` with a
+# selective policy (gather and views MUST_RECOMPUTE, the rest MUST_SAVE): the remat pass regathers before backward.
 
 _REGATHER_OPS = frozenset({torch.ops.aten.repeat.default, torch.ops.aten._to_copy.default,
                            torch.ops.aten.clone.default})
@@ -492,8 +480,7 @@ def _backward_phase() -> Any:
 
 
 class _GatherShard(torch.autograd.Function):
-    """``master shard [shard_numel] -> the rank's flat buffer [padded]`` of one flat group; its backward hands
-    the gradient to the step's ``on_ready`` (this rank's averaged shard)."""
+    """``master shard [shard_numel] -> flat buffer [padded]`` of one flat group; backward: ``on_ready`` of the grad."""
 
     @staticmethod
     def forward(ctx: Any, leaf: torch.Tensor, run: _CompiledRun,  # type: ignore[override]
@@ -529,9 +516,9 @@ class _CompiledRun:
 
 
 class CompiledUnits:
-    """Compiled stage 3 on one rank (one local rank, one micro-batch): the unit forwards that gather and regather,
-    which :func:`compiled_unit_grads` runs. ``installed(units)`` puts them on the unit modules around a compiled
-    call (the same function objects every call, so dynamo's guards hold) and restores the modules' own after."""
+    """Compiled stage 3 (one local rank, one micro-batch): the unit forwards that gather and regather.
+    ``installed(units)`` puts them on the units around a compiled call (the same objects each call: dynamo's guards
+    hold)."""
 
     _NO_FORWARD = object()  # a unit without a forward of its own in its __dict__
 
@@ -572,11 +559,10 @@ class CompiledUnits:
 def compiled_unit_grads(units_run: CompiledUnits, loss_fn: ModuleLoss, state: TrainState, comm: Communicator,
                         batch: Any, scaled: Callable[[torch.Tensor], torch.Tensor],
                         on_ready: Callable[[FlatGrads], Sequence[torch.Tensor]]) -> tuple:
-    """Stage 3's forward and backward of one micro-batch inside a compiled step on one local rank, with
-    ``units_run``'s forwards installed: ``(shards, losses, buffers, rng, used, every)``. Every flat group's master
-    shard is a leaf; ``torch.autograd.grad`` of the scaled loss with respect to them gives the averaged shards.
-    Collectives: one ``all_gather`` per flat group in forward (the root's held) and again in backward for units
-    whose backward reads them, ``on_ready`` per flat group where backward completes it."""
+    """Stage 3's forward and backward of one micro-batch inside a compiled step on one local rank, with ``units_run``'s
+    forwards installed: ``(shards, losses, buffers, rng, used, every)``; the averaged shards are the gradients of
+    master-shard leaves. Collectives: one ``all_gather`` per flat group in forward (the root's held) and again in
+    backward for units whose backward reads them, ``on_ready`` per flat group where backward completes it."""
     lay, dtype = state.layout, state.precision.param_dtype
     plan = _Plan.of(lay, state.module.units, loss_fn)
     leaves = [m[0].detach().requires_grad_(True) for m in state.shard.master]

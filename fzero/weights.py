@@ -1,10 +1,9 @@
-"""Pretrained weights as an init source: ``init_train_state(model, ..., init=fzero.pretrained(path))``.
-
-``path``: a ``save_pretrained`` directory, a ``.safetensors`` file or index ``.json``, or a ``torch.save`` state dict,
-keyed by ``state_dict`` names (any one of a tied tensor's names fills it). Files are untrusted and the model may
-exceed one rank: ``torch.save`` files load with ``weights_only=True, mmap=True``; safetensors are opened by header and
-each rank reads only the rows it owns. Every key is checked before any data are read (:class:`WeightsFileError`). The
-shards equal, bit for bit, those of the full model after ``load_state_dict`` of the same file.
+"""Pretrained weights as an init source: ``init_train_state(model, ..., init=fzero.pretrained(path))``. ``path``: a
+``save_pretrained`` directory, a ``.safetensors`` file or index ``.json``, or a ``torch.save`` state dict, keyed by
+``state_dict`` names (any one of a tied tensor's names fills it). Files are untrusted and the model may exceed one rank:
+``torch.save`` files load with ``weights_only=True, mmap=True``; safetensors are opened by header and each rank reads
+only the rows it owns. Every key is checked before any data are read (:class:`WeightsFileError`). The shards equal, bit
+for bit, those of the full model after ``load_state_dict`` of the same file.
 
 Imports: comm, layout, materialize, module.
 """
@@ -177,8 +176,7 @@ class _Want(NamedTuple):  # a tensor the module needs: its canonical name, every
 
 
 def _wanted(module: torch.nn.Module, layout: Layout) -> tuple[list[_Want], list[str], set[str]]:
-    """What the file must hold (parameters, persistent buffers), the non-persistent buffers (from the
-    init), and every ``state_dict`` key the module has."""
+    """What the file must hold, the non-persistent buffers (from the init), and the module's ``state_dict`` keys."""
     spec = module_spec(module)
     also: dict[str, list[str]] = {}
     for alias, canonical in spec.aliases:
@@ -263,8 +261,8 @@ def _rows(t: torch.Tensor, reps: int) -> torch.Tensor:
 
 def pretrained(path: Union[str, os.PathLike], *, init: Optional[Union[str, InitFn]] = None,
                cast: bool = False) -> Pretrained:
-    """An init source reading ``path`` (the module's docstring says which files). ``init``: what
-    computes the non-persistent buffers (``"reset_parameters"`` or ``fn(module)``, run on the modules
-    registering them; default: the model's ``_init_weights``, else ``reset_parameters``). ``cast``:
-    convert floating tensors of another dtype (default: an error). Nothing is opened until used."""
+    """An init source reading ``path`` (files: module doc). ``init``: what computes the non-persistent buffers
+    (``"reset_parameters"`` or ``fn(module)``, run on their modules; default: the model's ``_init_weights``, else
+    ``reset_parameters``). ``cast``: convert floating tensors of another dtype (default: an error). Nothing is opened
+    until used."""
     return Pretrained(Path(path), init, cast)

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .errors import CheckpointCorruptError, corrupt
-from .files import Files, checksums_limit
+from .files import Files
 from .metadata import (CHECKSUMS_FILE, FZERO_KEY, METADATA_FILE, _first_line, check_metadata, fzero_marks,
                        read_bytes, unpickle_metadata)
 
@@ -219,12 +219,7 @@ class CheckedDir:
     dir: Path
     metadata: Metadata
     checksums: Optional[Checksums]
-    files: Optional[Files] = None  # how its files are opened (default: inside ``dir``)
-
-    def open(self, name: str) -> Any:
-        """Data file ``name`` opened for reading (:meth:`~.files.Files.open`)."""
-        return (self.files or Files.of(self.dir)).open(self.dir / name)
-
+    files: Files  # how its files are opened
 
 def read_checksums(d: Path, files: Optional[Files] = None, limit: Optional[int] = None) -> Optional[Checksums]:
     """``d/checksums.json`` (read as ``files`` allows, at most ``limit`` bytes), or None; damaged (its own CRC covers
@@ -265,11 +260,11 @@ def read_checksums(d: Path, files: Optional[Files] = None, limit: Optional[int] 
 def open_checked(d: Path, files: Optional[Files] = None) -> CheckedDir:
     """Read ``d``'s metadata without running code, check it and bind it to the checksum file: the digest of
     ``.metadata`` (before unpickling), :mod:`.metadata`'s checks, the checksum file it was saved with, one
-    checksum record per listed record and no other. Each file is read as ``files`` allows (:class:`~.files.Files`;
-    the checksum file within :func:`~.files.checksums_limit` of the metadata's size). Raises
+    checksum record per listed record and no other. Files read as ``files`` allows (:class:`~.files.Files`). Raises
     :class:`CheckpointCorruptError`."""
     blob = read_bytes(d, METADATA_FILE, files)
-    sums = read_checksums(d, files, checksums_limit(len(blob)))
+    # a checksum record per entry .metadata lists, no longer in JSON than in the pickle, and a header
+    sums = read_checksums(d, files, 4 * len(blob) + (64 << 10))
     if sums is not None and sums.metadata_sha256 is not None:
         if hashlib.sha256(blob).hexdigest() != sums.metadata_sha256:
             raise corrupt(d, f"file {METADATA_FILE} is not the one {CHECKSUMS_FILE} was written for (its digest "
@@ -285,7 +280,7 @@ def open_checked(d: Path, files: Optional[Files] = None) -> CheckedDir:
                              f"version {marks.get('checksums_version')!r}")
     if sums is not None:
         _bind_records(d, metadata, sums)
-    return CheckedDir(d, metadata, sums, files)
+    return CheckedDir(d, metadata, sums, Files.of(d) if files is None else files)
 
 
 def _bind_records(d: Path, metadata: Metadata, sums: Checksums) -> None:
@@ -379,7 +374,7 @@ def verify_checkpoint_dir(checked: CheckedDir) -> int:
     records = sorted(checked.checksums.records.values(), key=lambda r: (r.file, r.offset))
     for f, group in itertools.groupby(records, key=lambda r: r.file):
         try:
-            with checked.open(f) as stream:
+            with checked.files.open(d / f) as stream:
                 for record in group:
                     check_decodes(checked, record, _read_checked(stream, checked, record))
                     total += record.length

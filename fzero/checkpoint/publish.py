@@ -72,9 +72,8 @@ def _shown(name: object) -> str:
 
 
 def _read_latest(root: Path, files: Optional[Files] = None) -> Optional[str]:
-    """The name ``root/LATEST`` holds; None without one. :class:`CheckpointCorruptError` naming it if it is not a
-    regular file inside the root (``files``: default, ``root``'s), holds more than one name can, or no checkpoint
-    name."""
+    """The name ``root/LATEST`` holds (read as ``files`` allows); None without one; damaged: a
+    :class:`CheckpointCorruptError` naming it."""
     files = Files.of(root) if files is None else files
     try:
         raw = files.read(root / LATEST, LATEST_LIMIT)

@@ -219,14 +219,13 @@ def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *,
     would have. A rank the saved run did not have, or every rank for a checkpoint saved without generators, keeps the
     template's; a template with ``seed=None`` keeps none.
 
-    Nothing in the checkpoint runs (:mod:`.metadata`); its files are read only if they are regular files within their
-    size limits and, unless ``follow_symlinks``, resolve inside ``path`` (:class:`~.files.Files`). Raises, checked
-    first on every rank alike:
-    :class:`CheckpointCorruptError` for damaged metadata or checksums (or ``LATEST`` naming another checkpoint's files),
-    :class:`IncompleteCheckpointError` for a missing or truncated file, :class:`CheckpointMismatchError` naming the
-    first difference of model/optimizer/scaler/precision; while reading, :class:`CheckpointCorruptError` naming the
-    entry and data file of a record failing its checksum; all are :class:`CheckpointError`. Collectives: DCP's load
-    (plans scatter, a final gather), then the gathers."""
+    Nothing in the checkpoint runs (:mod:`.metadata`); only regular files within their limits are read, inside ``path``
+    unless ``follow_symlinks`` (:class:`~.files.Files`). Raises (checked first, on every rank alike)
+    :class:`CheckpointCorruptError` for damaged metadata, checksums or files (or ``LATEST`` naming another checkpoint's
+    files), :class:`IncompleteCheckpointError` for a missing or truncated file, :class:`CheckpointMismatchError` naming
+    the first difference of model/optimizer/scaler/precision; while reading, :class:`CheckpointCorruptError` naming the
+    entry and data file of a record failing its checksum. Collectives: DCP's load (plans scatter, a final gather), then
+    the gathers."""
     if hyperparams not in HYPERPARAMS:
         raise ValueError(f"load_checkpoint: hyperparams must be one of {HYPERPARAMS}, got {hyperparams!r}")
     ensure_live(template)

@@ -1,8 +1,7 @@
 """A census of live CPU tensor storage at a block's peak: inside a :class:`Census` block PyTorch's profiler records the
-c10 CPU allocator's allocations and frees on this thread; on exit they are replayed: the peak and what was live at it,
-named by the ``known`` tensors, plus the ``baseline`` of known storages from before the block. Not counted: Python
-objects, memory outside the c10 allocator (oneDNN/MKL, malloc overhead), threads the profiler does not follow (their
-frees unseen until the address is reused). The first profiler session costs ~2 s.
+c10 CPU allocator's allocations and frees on this thread, replayed on exit: the peak and what was live at it, named by
+``known`` tensors. Not counted: Python objects, memory outside the c10 allocator (oneDNN/MKL, malloc overhead), threads
+the profiler does not follow (their frees unseen until the address is reused). The first profiler session costs ~2 s.
 
 Imports: none of fzero.
 """
@@ -79,12 +78,11 @@ def _sums(pairs: Iterable[tuple[str, int]]) -> dict[str, int]:
 
 
 class Census:
-    """Live CPU storage bytes of a block: peak, end, and what was live at the peak. ``known``: category -> tensors, an
-    iterable read at entry (its storages are the ``baseline``) or a zero-argument callable read at exit; an in-block
-    allocation holding a known storage belongs to the first category naming it, the rest to ``"other"``
-    (``categories=True``: the profiler's kinds). ``scopes``: ``record_function`` name prefixes naming an allocation's
-    ``scope``. After the block: ``peak_bytes`` (first at ``peak_ns``), ``end_bytes`` (live at exit), ``allocations``,
-    ``missed_frees`` (address reused) and the breakdowns below."""
+    """Live CPU storage of a block. ``known``: category -> tensors, an iterable read at entry (its storages are the
+    ``baseline``) or a zero-argument callable read at exit; an in-block allocation holding a known storage belongs to
+    the first category naming it, the rest to ``"other"`` (``categories=True``: the profiler's kinds). ``scopes``:
+    ``record_function`` name prefixes naming an allocation's ``scope``. After the block: ``peak_bytes`` (first at
+    ``peak_ns``), ``end_bytes`` (live at exit), ``allocations``, ``missed_frees`` (address reused) and breakdowns."""
 
     def __init__(self, known: Mapping[str, KnownTensors] = {}, *, categories: bool = False,
                  scopes: tuple[str, ...] = SCOPE_PREFIXES):

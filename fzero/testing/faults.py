@@ -37,8 +37,8 @@ class GradFault:
 
 @dataclasses.dataclass(frozen=True)
 class CorruptResult:
-    """Element ``index`` of rank ``rank``'s result of the ``call``-th ``op`` of step ``step`` becomes ``value``
-    (``None``: its lowest bit is flipped)."""
+    """Rank ``rank``'s ``call``-th ``op`` result at step ``step``: element ``index`` set to ``value`` (``None``: low bit
+    flipped)."""
 
     step: int
     rank: int
@@ -50,8 +50,7 @@ class CorruptResult:
 
 @dataclasses.dataclass(frozen=True)
 class Delay:
-    """Rank ``rank`` sleeps ``seconds`` at step ``step``, before its first collective of the step (``op=None``) or
-    before the ``call``-th ``op``."""
+    """``rank`` sleeps ``seconds`` at step ``step`` before its ``call``-th ``op`` (``None``: first collective)."""
 
     step: int
     rank: int

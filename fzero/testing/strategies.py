@@ -187,9 +187,8 @@ _decays = st.sampled_from([0.0, 1e-2, 0.1])
 @st.composite
 def optimizers(draw: Any, paths: Sequence[str] = (), kinds: Sequence[str] = ("sgd", "adam", "adamw"),
                max_groups: int = 2) -> Optimizer:
-    """SGD (momentum, dampening, nesterov, maximize), Adam and AdamW (amsgrad, maximize) specs with
-    random hyperparameters; with ``paths``, up to ``max_groups`` parameter groups over random
-    subsets of them (:class:`PathIn`), each overriding the learning rate and/or weight decay."""
+    """SGD (momentum, dampening, nesterov, maximize), Adam and AdamW (amsgrad, maximize) randomly configured; with
+    ``paths``, up to ``max_groups`` groups over random subsets (:class:`PathIn`) overriding lr and/or weight decay."""
     kind = draw(st.sampled_from(tuple(kinds)))
     groups = []
     if paths and max_groups:
