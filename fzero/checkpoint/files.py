@@ -43,8 +43,10 @@ class Files:
         return Files(Path(path).resolve(), bool(follow_symlinks))
 
     def check_inside(self, path: Path) -> None:
+        if self.follow_symlinks:
+            return
         real = path.resolve()
-        if not self.follow_symlinks and real != self.root and self.root not in real.parents:
+        if real != self.root and self.root not in real.parents:
             raise CheckpointCorruptError(f"{path} resolves to {real}, outside the checkpoint root {self.root}: files "
                                          "are read only inside it (follow_symlinks=True follows links out of it)")
 

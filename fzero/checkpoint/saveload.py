@@ -284,10 +284,10 @@ def _frozen_destinations(template: TrainState, comm: Communicator, saved: Mappin
            for s in lay.frozen_slots):
         frozen = tuple(map(torch.zeros_like, template.shard.frozen))
         return frozen, _frozen(lay, frozen, comm), None
-    held = [f.dtype for f in template.shard.frozen]
-    dtype = iter(held) if not lay.frozen_groups else None
-    whole = [None if s.group >= 0 else torch.empty(s.shape, dtype=next(dtype) if dtype else held[s.frozen_group])
-             for s in lay.slots]
+    frozen = template.shard.frozen  # stage 3: one per frozen group, else one per frozen parameter
+    held = {s.path: frozen[s.frozen_group].dtype for s in lay.frozen_slots} if lay.frozen_groups else \
+        {s.path: f.dtype for s, f in zip(lay.frozen_slots, frozen)}
+    whole = [None if s.group >= 0 else torch.empty(s.shape, dtype=held[s.path]) for s in lay.slots]
     return None, {FROZEN_PREFIX + s.path: w for s, w in zip(lay.slots, whole) if w is not None and s.numel}, whole
 
 
