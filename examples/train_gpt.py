@@ -63,7 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--comm", choices=["auto", "sim", "torch"], default="auto",
                    help="simulated world in this process, or torch.distributed under torchrun "
                         "(auto: torch when a launcher started this process, else sim)")
-    p.add_argument("--world-size", type=int, default=2, help="ranks of the simulated world")
+    p.add_argument("--world-size", type=int, default=0, help="ranks of the simulated world (default 2, or the mesh's)")
+    p.add_argument("--mesh", type=lambda s: tuple(int(x) for x in s.split(",")), metavar="R,S",
+                   help="HSDP: shard the state over groups of S ranks, replicated R times (R*S ranks)")
     p.add_argument("--stage", type=int, choices=[1, 2, 3], default=2, help="ZeRO stage")
     p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="compute dtype (the master copy stays fp32; fp16 uses dynamic loss scaling); "
@@ -273,13 +275,14 @@ def run(args: argparse.Namespace) -> dict:
 
         bound = {"timeout": datetime.timedelta(seconds=args.timeout)} if args.timeout else {}
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **bound)
-        comm: fzero.Communicator = TorchCommunicator(timeout=args.timeout or None)
+        comm: fzero.Communicator = TorchCommunicator(timeout=args.timeout or None, mesh=args.mesh)
     else:
-        comm = fzero.SimulatedWorld(args.world_size)
+        world_size = args.world_size or (args.mesh[0] * args.mesh[1] if args.mesh else 2)
+        comm = fzero.SimulatedWorld(world_size, mesh=args.mesh)
     if not torch.cuda.is_available():
         fzero.host_malloc.tune_host_allocator()  # a CPU training program's allocator setting (README)
-    world = comm.world_size
-    lead = comm.ranks[0] == 0
+    world, shards = comm.data_world_size, comm.world_size  # ranks, and the ranks one copy of the state is sharded over
+    lead = comm.data_ranks[0] == 0
     say = print if lead else (lambda *a, **k: None)
     t_start = time.perf_counter()
     args.dtype, why = choose_dtype(args.dtype)
@@ -369,9 +372,9 @@ def run(args: argparse.Namespace) -> dict:
         f"uniform guess ln {text.vocab} = {math.log(text.vocab):.3f}), {skipped} skipped steps, "
         f"{done} steps in {elapsed:.1f} s ({done * tokens_per_step / max(elapsed, 1e-9):,.0f} tok/s)")
 
-    reports = [fzero.memory_report(lay, optimizer, stage=s, precision=precision, world_size=world)
+    reports = [fzero.memory_report(lay, optimizer, stage=s, precision=precision, world_size=shards)
                for s in (1, 2, 3)]
-    say(f"\ntraining-state memory per rank, {world} ranks, compute {args.dtype}, AdamW "
+    say(f"\ntraining-state memory per rank, {world} ranks (the state sharded over {shards}), compute {args.dtype}, AdamW "
         f"(this run: stage {args.stage}); held: kept between steps, in-step: only inside a step:")
     say(fzero.memory.format_memory_table(reports))
 

@@ -1,6 +1,8 @@
 """Communicators: the only way fzero's functions talk to other ranks. A tensor that differs between ranks has a leading
-*local-rank axis* of size ``R = comm.local_ranks``: ``R == W`` (the world size) in :class:`SimulatedWorld`, ``R == 1``
-on a real rank (``fzero.dist``). Collectives are methods over it: one step runs on both, eagerly or traced.
+*local-rank axis* of size ``R = comm.local_ranks``: every rank in :class:`SimulatedWorld`, 1 on a real rank
+(``fzero.dist``). Collectives are methods over it: one step runs on both, eagerly or traced. A *mesh* ``(replicas,
+shards)`` (HSDP) shards the state over each group of ``world_size`` ranks and replicates it ``replicas`` times: the
+collectives span one shard group, and :meth:`Communicator.all_reduce_replicas_start` the ranks that hold the same shard.
 
 Imports: torch only.
 """
@@ -10,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from typing import Any, Callable, ContextManager, Literal, Sequence
+from typing import Any, Callable, ContextManager, Literal, Optional, Sequence
 
 import torch
 import torch.utils._pytree as tp
 
 __all__ = ["CollectiveError", "Communicator", "SimulatedWorld", "CountingCommunicator", "CollectiveRecord",
-           "gradient_divide_factors", "rank_order_sum"]
+           "gradient_divide_factors", "rank_order_sum", "mesh_groups", "Mesh"]
+Mesh = Sequence[Any]  # a shape (replicas, shards), or the shard groups: replicas lists of shards global ranks
 ReduceOp = Literal["sum", "avg", "max"]
 
 
@@ -51,6 +54,43 @@ def gradient_divide_factors(world_size: int) -> tuple[float, float]:
     return float(pre), world_size / pre
 
 
+def mesh_groups(mesh: Mesh, world: int) -> tuple[tuple[int, ...], ...]:
+    """The shard groups of ``mesh`` over ``world`` ranks, each a tuple of global ranks (column ``j`` of them: the ranks
+    holding shard ``j``, a replica group). ``mesh``: a shape ``(R, S)``, ``R * S == world`` (group ``q``: ranks ``q*S``
+    to ``q*S + S - 1``, as ``init_device_mesh``), or ``R`` lists of ``S`` ranks (each sorted, as torch numbers a group's
+    ranks; the groups by their first rank). ``ValueError`` naming what is wrong (a
+    shape that does not multiply to ``world``, a rank in two groups or in none) before any collective."""
+    if len(mesh) == 2 and all(isinstance(n, int) for n in mesh):
+        r, s = mesh
+        if not (r >= 1 and s >= 1 and r * s == world):
+            raise ValueError(f"mesh {tuple(mesh)}: (replicas, shards) must be positive and multiply to the world size "
+                             f"{world}, but {r} * {s} = {r * s}")
+        return tuple(tuple(range(q * s, (q + 1) * s)) for q in range(r))
+    groups = tuple(tuple(int(x) for x in g) for g in mesh)
+    if not groups or len({len(g) for g in groups}) != 1 or not groups[0]:
+        raise ValueError(f"mesh {mesh!r}: give (replicas, shards) or replicas lists of as many ranks (shard groups), "
+                         f"got groups of sizes {[len(g) for g in groups]}")
+    seen: dict[int, int] = {}
+    for q, g in enumerate(groups):
+        for x in g:
+            if not 0 <= x < world:
+                raise ValueError(f"mesh: rank {x} in shard group {q} is not a rank of the world (size {world})")
+            if x in seen:
+                raise ValueError(f"mesh: rank {x} is in two shard groups ({seen[x]} and {q}); each rank must be in one")
+            seen[x] = q
+    if len(seen) != world:
+        raise ValueError(f"mesh: ranks {sorted(set(range(world)) - set(seen))} are in no shard group (world size "
+                         f"{world})")
+    return tuple(sorted(tuple(sorted(g)) for g in groups))  # as torch numbers a new group's ranks
+
+
+def mesh_text(groups: tuple[tuple[int, ...], ...]) -> str:
+    """How a mesh reads in a repr and a log: its shape, and what it degenerates to."""
+    r, s = len(groups), len(groups[0])
+    flat = ": flat, one shard group" if r == 1 else ": replicated only, as DDP" if s == 1 else ""
+    return f"mesh=({r}, {s}){flat}"
+
+
 def rank_order_sum(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     """A new ``rows[0] + rows[1] + ...``, one row at a time in rank order in the rows' dtype (as a ring adds on the
     wire): the one definition of a reduce-scatter's sum, so every communicator and path gives the same bits."""
@@ -64,9 +104,21 @@ class Communicator:
     """Base class: subclasses implement each of ``all_reduce``, ``reduce_scatter``, ``all_gather`` or its ``*_start``
     form (started now; the returned function waits, gives the result). Pieces read the capabilities below."""
 
-    world_size: int  # W
+    world_size: int  # W: the ranks the state is sharded over (a mesh's shard group)
     local_ranks: int  # R
-    ranks: tuple[int, ...]  # the global rank of each local row
+    ranks: tuple[int, ...]  # each local row's rank in its shard group: the shard it holds
+    replicas: int = 1  # copies of the sharded state (a mesh's replica axis); the batch is split world_size * replicas ways
+
+    @property
+    def data_ranks(self) -> tuple[int, ...]:
+        """Each local row's rank in the whole job (which part of the batch, which random stream)."""
+        inner = getattr(self, "inner", None)  # a wrapper's: its inner communicator's
+        return inner.data_ranks if isinstance(inner, Communicator) else self.ranks
+
+    @property
+    def data_world_size(self) -> int:
+        """The ranks the batch is split over: ``world_size * replicas``."""
+        return self.world_size * self.replicas
     traced: bool = False  # its collectives are being traced into a graph (see ``tracing``)
     overlaps: bool = False  # they may run on a thread of their own while backward goes on
     # what one gradient reduction allocates beside its result, per element of one rank's input (memory_report)
@@ -103,6 +155,15 @@ class Communicator:
         out = self.all_gather(x)
         return lambda: out
 
+    def all_reduce_replicas_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
+        """``[R, ...] -> [R, ...]`` over the ranks holding the same shard (a mesh's replica group; one rank: ``x``)."""
+        if self.replicas == 1:
+            return lambda: x
+        inner = getattr(self, "inner", None)
+        if isinstance(inner, Communicator):
+            return inner.all_reduce_replicas_start(x, op)
+        raise NotImplementedError
+
     def all_reduce_shard_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
         """ZeRO-1's reduction: ``all_reduce`` of ``x`` ``[R, W*n]``, each rank keeping its chunk ``[R, n]``."""
         self._chunk(x, "all_reduce_shard")
@@ -122,6 +183,8 @@ class Communicator:
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``[R, n] -> [R, n]``, any dtype: every row becomes rank ``src``'s (here: a gather, W times the traffic)."""
+        if self.replicas > 1:
+            raise NotImplementedError
         self._check_broadcast(x, src)
         n = x.shape[1]
         return self.all_gather(x)[:, src * n:(src + 1) * n].contiguous()
@@ -151,15 +214,15 @@ class Communicator:
     def split_batch(self, batch: Any, micro_batches: int = 1) -> Any:
         """A global batch cut per rank, as ``DistributedSampler`` (for examples and tests): ``[B, ...]`` (``B``
         divisible by ``W * K``, ``K = micro_batches``) -> ``[R, B // W, ...]``, or ``[R, K, B // (W K), ...]``."""
-        parts_n = self.world_size * micro_batches
+        parts_n, world = self.data_world_size * micro_batches, self.data_world_size
 
         def one(path: Any, x: torch.Tensor) -> torch.Tensor:
             if x.dim() == 0 or x.shape[0] % parts_n:
                 raise ValueError(f"split_batch: batch{tp.keystr(path)} has shape {tuple(x.shape)}; dim 0 must be "
-                                 f"divisible by the world size {self.world_size} times micro_batches {micro_batches}")
-            lead = (self.world_size,) if micro_batches == 1 else (self.world_size, micro_batches)
+                                 f"divisible by the world size {world} times micro_batches {micro_batches}")
+            lead = (world,) if micro_batches == 1 else (world, micro_batches)
             parts = x.reshape(*lead, x.shape[0] // parts_n, *x.shape[1:])
-            return parts[list(self.ranks)] if self.local_ranks < self.world_size else parts
+            return parts[list(self.data_ranks)] if self.local_ranks < world else parts
 
         return tp.tree_map_with_path(one, batch)
 
@@ -170,8 +233,8 @@ class Communicator:
 
     def _check_broadcast(self, x: torch.Tensor, src: int) -> None:
         self._check_rows(x, "broadcast")
-        if not 0 <= src < self.world_size:
-            raise ValueError(f"broadcast: src must be a rank in [0, {self.world_size}), got {src}")
+        if not 0 <= src < self.data_world_size:
+            raise ValueError(f"broadcast: src must be a rank in [0, {self.data_world_size}), got {src}")
 
     def _check_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
         self._check_rows(x, "all_gather_into_start")
@@ -188,16 +251,39 @@ class Communicator:
 
 class SimulatedWorld(Communicator):
     """All ``world_size`` ranks in one process: a reduce-scatter adds the rows in rank order (:func:`rank_order_sum`:
-    ``fzero.dist``'s point-to-point bits), an all-reduce sums over dim 0; one rank's reductions return their input."""
+    ``fzero.dist``'s point-to-point bits), an all-reduce sums over dim 0; one rank's reductions return their input.
+    ``mesh`` (:func:`mesh_groups`): rows are the job's ranks, each collective runs per shard group as a world of its
+    own, and :meth:`all_reduce_replicas_start` adds each shard's copies in replica order; ``broadcast`` spans all."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, *, mesh: Optional[Mesh] = None):
         if not (isinstance(world_size, int) and world_size >= 1):
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        self.world_size, self.local_ranks, self.ranks = world_size, world_size, tuple(range(world_size))
-        self.reduce_scatter_buffers, self.all_reduce_buffers = 0.0, float(world_size)  # the sum, one per row
+        groups = None if mesh is None else mesh_groups(mesh, world_size)
+        self._text = "" if groups is None else ", " + mesh_text(groups)
+        # one group in rank order: the flat world's code and bits
+        self._groups = None if groups is None or groups == (tuple(range(world_size)),) else groups
+        shards = world_size if self._groups is None else len(groups[0])
+        self.world_size, self.local_ranks, self.replicas = shards, world_size, world_size // shards
+        self.ranks = tuple(range(world_size)) if groups is None else \
+            tuple(sorted((r, j) for g in groups for j, r in enumerate(g))[i][1] for i in range(world_size))
+        self.reduce_scatter_buffers, self.all_reduce_buffers = 0.0, float(shards)  # the sum, one per row
+        self._flat = self if self._groups is None else SimulatedWorld(shards)
+
+    @property
+    def data_ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.local_ranks))
 
     def __repr__(self) -> str:
-        return f"SimulatedWorld({self.world_size})"
+        return f"SimulatedWorld({self.local_ranks}{self._text})"
+
+    def _per_group(self, x: torch.Tensor, op: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if self._groups is None:
+            return op(x)
+        parts = [(list(g), op(x[list(g)])) for g in self._groups]
+        out = parts[0][1].new_empty(self.local_ranks, *parts[0][1].shape[1:])
+        for rows, part in parts:
+            out[rows] = part
+        return out
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         self._check_rows(x, "all_reduce")
@@ -205,9 +291,22 @@ class SimulatedWorld(Communicator):
             raise ValueError(f"unknown reduce op {op!r}")
         if self.world_size == 1:  # the identity: no copy
             return x
+        if self._groups is not None:
+            return self._per_group(x, lambda rows: self._flat.all_reduce(rows, op))
         total = x.amax(dim=0) if op == "max" else x.sum(dim=0)  # new: averaged in place, the same bits
         total = total.div_(self.world_size) if op == "avg" else total
         return total.unsqueeze(0).repeat(self.world_size, *([1] * (x.dim() - 1)))
+
+    def all_reduce_replicas_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
+        self._check_rows(x, "all_reduce_replicas")
+        if self._groups is None:
+            return lambda: x
+        out = torch.empty_like(x)
+        for holders in zip(*self._groups):  # the ranks holding one shard, in replica order
+            rows = [x[r] for r in holders]
+            total = torch.stack(rows).amax(dim=0) if op == "max" else rank_order_sum(rows)
+            out[list(holders)] = total.div_(self.replicas) if op == "avg" else total
+        return lambda: out
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         self._check_rows(x, "reduce_scatter")
@@ -216,6 +315,8 @@ class SimulatedWorld(Communicator):
         n = self._chunk(x, "reduce_scatter")
         if self.world_size == 1:
             return x
+        if self._groups is not None:
+            return self._per_group(x, lambda rows: self._flat.reduce_scatter(rows, op))
         total = rank_order_sum(x.reshape(self.world_size, self.world_size, n).unbind(0))
         return total.div_(self.world_size) if op == "avg" else total
 
@@ -223,29 +324,33 @@ class SimulatedWorld(Communicator):
         self._check_rows(x, "all_gather")
         if x.dim() != 2:
             raise ValueError(f"all_gather: expected shape [R, n], got {tuple(x.shape)}")
+        if self._groups is not None:
+            return self._per_group(x, self._flat.all_gather)
         return x.reshape(1, -1).expand(self.world_size, -1).clone()  # a gather's output never aliases its input
 
     def all_gather_into_start(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], torch.Tensor]:
         self._check_into(x, out)
-        out.copy_(x.reshape(1, -1).expand(self.world_size, -1))
+        out.copy_(x.reshape(1, -1).expand(self.world_size, -1) if self._groups is None else self.all_gather(x))
         return lambda: out
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         self._check_broadcast(x, src)
-        return x[src].unsqueeze(0).repeat(self.world_size, *([1] * (x.dim() - 1)))
+        return x[src].unsqueeze(0).repeat(self.local_ranks, *([1] * (x.dim() - 1)))
 
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveRecord:
     """One collective as one rank saw it: ``elements`` of its buffer per rank (the input of all-reduce and
     reduce-scatter, the output of all-gather); ``moved``, the elements each rank sends (ring: ``2 (W-1)/W`` of them for
-    all-reduce, ``(W-1)/W`` otherwise; a tree broadcast: about all); ``bytes = moved * itemsize``."""
+    all-reduce, ``(W-1)/W`` otherwise; a tree broadcast: about all); ``bytes = moved * itemsize``. ``axis``: the ranks
+    it spans, ``"shard"`` (a shard group: W its size), ``"replica"`` (a mesh's copies of a shard) or ``"world"``."""
 
     op: str
     dtype: torch.dtype
     elements: int
     moved: float
     bytes: float
+    axis: str = "shard"
 
 
 class CountingCommunicator(Communicator):
@@ -255,7 +360,7 @@ class CountingCommunicator(Communicator):
         self.inner, self.overlaps = inner, inner.overlaps
         self.world_size, self.local_ranks, self.ranks = inner.world_size, inner.local_ranks, inner.ranks
         self.reduce_scatter_buffers, self.all_reduce_buffers = inner.reduce_scatter_buffers, inner.all_reduce_buffers
-        self.records: list[CollectiveRecord] = []
+        self.replicas, self.records = inner.replicas, []
 
     def __repr__(self) -> str:
         return f"CountingCommunicator({self.inner!r})"
@@ -263,15 +368,16 @@ class CountingCommunicator(Communicator):
     def reset(self) -> None:
         self.records.clear()
 
-    def _record(self, op: str, x: torch.Tensor) -> Communicator:
-        """Record collective ``op`` of ``x``; return the wrapped communicator, which runs it."""
+    def _record(self, op: str, x: torch.Tensor, axis: str = "shard") -> Communicator:
+        """Record collective ``op`` of ``x`` over ``axis``; return the wrapped communicator, which runs it."""
         if op == "reduce_scatter" and getattr(self.inner, "reduce_scatter_via", None) == "all_reduce":
             op = "all_reduce"  # what the backend really sends
-        w = self.world_size
+        axis = "world" if op == "broadcast" and self.replicas > 1 else axis
+        w = {"shard": self.world_size, "replica": self.replicas, "world": self.data_world_size}[axis]
         elements = x[0].numel() * (w if op == "all_gather" else 1)
         ring_factor = {"all_reduce": 2.0, "broadcast": w / max(w - 1, 1)}.get(op, 1.0)
         moved = elements * ring_factor * (w - 1) / w
-        self.records.append(CollectiveRecord(op, x.dtype, elements, moved, moved * x.element_size()))
+        self.records.append(CollectiveRecord(op, x.dtype, elements, moved, moved * x.element_size(), axis))
         return self.inner
 
     def all_reduce_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
@@ -279,6 +385,11 @@ class CountingCommunicator(Communicator):
 
     def reduce_scatter_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
         return self._record("reduce_scatter", x).reduce_scatter_start(x, op)
+
+    def all_reduce_replicas_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
+        if self.replicas == 1:
+            return lambda: x
+        return self._record("all_reduce", x, "replica").all_reduce_replicas_start(x, op)
 
     def all_reduce_shard_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
         return self._record("all_reduce", x).all_reduce_shard_start(x, op)
@@ -295,8 +406,10 @@ class CountingCommunicator(Communicator):
     def check_layout(self, layout: Any) -> None:
         self.inner.check_layout(layout)
 
-    def totals(self, ops: Sequence[str] | None = None, min_elements: int = 0) -> dict[str, float]:
-        """Sums over the records (optionally only ``ops``, only buffers of ``min_elements`` or more)."""
-        rows = [r for r in self.records if (ops is None or r.op in ops) and r.elements >= min_elements]
+    def totals(self, ops: Sequence[str] | None = None, min_elements: int = 0,
+               axis: str | None = None) -> dict[str, float]:
+        """Sums over the records (optionally only ``ops``, only buffers of ``min_elements`` or more, one ``axis``)."""
+        rows = [r for r in self.records if (ops is None or r.op in ops) and r.elements >= min_elements
+                and axis in (None, r.axis)]
         return {"calls": len(rows), "elements": sum(r.elements for r in rows),
                 "moved": sum(r.moved for r in rows), "bytes": sum(r.bytes for r in rows)}

@@ -105,10 +105,10 @@ def generator_digest() -> list[float]:
 def agree(comm: Communicator, failure: Optional[Exception], digest: Optional[list[float]]) -> None:
     """Raise on every rank if materialising failed on any rank (``failure`` as it is), or (``digest`` given) the
     ranks' generators differed. One ``all_reduce(max)`` of 9 float64, none when this process holds every rank."""
-    if comm.local_ranks < comm.world_size:
+    if comm.local_ranks < comm.data_world_size:
         parts = digest or [0.0] * 4
         x = torch.tensor([parts + [-p for p in parts] + [float(failure is not None)]], dtype=torch.float64)
-        top = comm.all_reduce(x.repeat(comm.local_ranks, 1), "max")[0]
+        top = comm.all_reduce_replicas_start(comm.all_reduce(x.repeat(comm.local_ranks, 1), "max"), "max")()[0]
         if failure is None and top[8] > 0:
             raise ValueError("init_train_state: another rank failed to fill the model (its error says why); this "
                              "rank stops too, rather than wait for it in the first step")

@@ -126,7 +126,7 @@ def unscale_and_check(scaler: ScalerState, grads: Any, comm: Communicator, *, cl
                       riders: Optional[torch.Tensor] = None, in_place: bool = False) -> Checked:
     """Unscale gradients (a tree of floating ``[R, ...]`` tensors: each times ``1/scale``, the float64 reciprocal
     rounded to float32 as ``torch.amp``, in float32 (fp64: float64), back in its dtype) and agree across ranks on
-    skipping the step. Alone: ``GradScaler``'s per-element ``found_inf``, one ``all_reduce(max)`` of ``R`` flags. The
+    skipping the step. On a mesh, first each shard's copies averaged (``all_reduce_replicas``, once a step). Alone: ``GradScaler``'s per-element ``found_inf``, one ``all_reduce(max)`` of ``R`` flags. The
     step's form (any of ``clip_norm``, ``losses`` ``[R]``, ``used`` ``[R, T]``, ``riders`` ``[R, k]``; ``grads`` this
     rank's disjoint shards): one ``all_reduce(sum)`` of ``[R, 2 + T + k]`` float64 (:func:`local_sq_norm`, loss, used
     flags, riders), ``found_inf`` if the norm is not finite, and one pass times ``1/scale`` and ``clip_grad_norm_``'s
@@ -141,18 +141,22 @@ def unscale_and_check(scaler: ScalerState, grads: Any, comm: Communicator, *, cl
             raise ValueError(f"unscale_and_check: grads{tp.keystr(path)} has shape {tuple(g.shape)}; "
                              f"expected a leading local-rank axis of size {comm.local_ranks}")
     leaves = [g for _, g in leaves_with_path]
+    # a mesh: each shard's copies averaged once a step, after every micro-batch (reduce_scatter_grads spans one group)
+    leaves = [done() for done in [comm.all_reduce_replicas_start(g, "avg") for g in leaves]]
     if clip_norm is None and losses is None and used is None and riders is None:
         inv = scaler.scale.double().reciprocal().float()
         bad = [(~torch.isfinite(g)).reshape(g.shape[0], -1).any(dim=1) for g in leaves]
         found = comm.all_reduce(functools.reduce(torch.logical_or, bad).to(torch.float32), "max")[0]
         out = [(g.to(_opmath(g.dtype)) * inv.to(device=g.device, dtype=_opmath(g.dtype))).to(g.dtype) for g in leaves]
         return Checked(tp.tree_unflatten(out, spec), found)
-    local = [local_sq_norm(leaves).unsqueeze(1),
-             (losses if losses is not None else torch.zeros(comm.local_ranks)).double().unsqueeze(1)]
+    norm_sq = local_sq_norm(leaves).unsqueeze(1)
+    data = [(losses if losses is not None else torch.zeros(comm.local_ranks)).double().unsqueeze(1)]
     n_used = 0 if used is None else used.shape[1]
-    local += [] if used is None else [used.to(local[0].device, torch.float64)]
-    local += [] if riders is None else [riders.to(local[0].device, torch.float64)]
-    sums = comm.all_reduce(torch.cat(local, dim=1), "sum")[0]
+    data += [] if used is None else [used.to(norm_sq.device, torch.float64)]
+    data += [] if riders is None else [riders.to(norm_sq.device, torch.float64)]
+    # the shards' norms over one shard group; what differs between ranks (loss, flags, riders) over every rank
+    sums = comm.all_reduce(torch.cat([norm_sq, comm.all_reduce_replicas_start(torch.cat(data, dim=1))()], dim=1),
+                           "sum")[0]
     scale64 = scaler.scale.double()
     norm64 = sums[0].sqrt() / scale64
     factor = scale64.reciprocal().float().double()
@@ -161,7 +165,7 @@ def unscale_and_check(scaler: ScalerState, grads: Any, comm: Communicator, *, cl
     mutate = in_place and not comm.traced  # traced: out of place, inductor fuses it
     out = [g.mul_(factor.to(g.dtype)) if mutate else g * factor.to(g.dtype) for g in leaves]
     return Checked(tp.tree_unflatten(out, spec), (~torch.isfinite(norm64)).float(), norm64,
-                   (sums[1] / comm.world_size).float(), None if used is None else sums[2:2 + n_used] > 0,
+                   (sums[1] / comm.data_world_size).float(), None if used is None else sums[2:2 + n_used] > 0,
                    None if riders is None else sums[2 + n_used:])
 
 

@@ -118,7 +118,7 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
         scaler = init_scaler() if precision.param_dtype == torch.float16 else static_scaler(1.0)
     # a meta model is materialised on the CPU (fzero.materialize)
     device = next((t.device for t in (*shard.master, *shard.frozen) if not t.is_meta), torch.device("cpu"))
-    rng = () if seed is None else (init_rng(seed, comm.ranks, device),)
+    rng = () if seed is None else (init_rng(seed, comm.data_ranks, device),)
     spec, buffers = ModuleSpec(), ()
     if is_module:
         spec = replace(module_spec(params), units=unit_names)

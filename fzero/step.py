@@ -155,7 +155,7 @@ def train_step(loss_fn: LossFn, *, stage: Optional[int] = None, clip_norm: Optio
         if "lr" in state.opt.hyper[0]:  # a user's rule may have no learning rate
             metrics["lr"] = state.opt.hyper[0]["lr"].float()
         if digest is not None:
-            metrics["replicas_differ"] = parts_differ(checked.riders, comm.world_size).float()
+            metrics["replicas_differ"] = parts_differ(checked.riders, comm.data_world_size).float()
         return new_state, metrics
 
     return step

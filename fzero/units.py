@@ -139,7 +139,7 @@ class _CallCheck:
     ``(index, previous, event)`` (:meth:`compare`), or compared with rank 0's when simulated (:meth:`record`)."""
 
     def __init__(self, comm: Communicator, names: Sequence[str]):
-        self.names, self.rows, self.ranks = names, comm.local_ranks, tuple(comm.ranks)  # names[0]: unused
+        self.names, self.rows, self.ranks = names, comm.local_ranks, tuple(comm.data_ranks)  # names[0]: unused
         self.tagged = self.rows == 1 and comm.world_size > 1  # a real rank among others
         self.reference: list[int] = []  # the simulated world's rank 0 events
 

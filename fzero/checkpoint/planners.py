@@ -73,6 +73,8 @@ def _param_pieces(layout: Layout, rows: Sequence[torch.Tensor], ranks: Sequence[
                 continue  # nothing to save; DCP would record no chunk for it
             pieces = []
             for row, r in enumerate(ranks):
+                if r in ranks[:row]:
+                    continue  # a mesh's second copy of a shard
                 lo, hi = max(r * n, s.offset), min((r + 1) * n, s.offset + s.numel)
                 if lo < hi:
                     pieces.append((lo - s.offset, buf[row, lo - r * n : hi - r * n]))

@@ -31,8 +31,8 @@ def _process_group(comm: Communicator) -> Optional[dist.ProcessGroup]:
     while isinstance(inner, CountingCommunicator):
         inner = inner.inner
     if isinstance(inner, TorchCommunicator):
-        return inner.group
-    if comm.local_ranks == comm.world_size:
+        return inner.group if inner.replica is None else dist.group.WORLD  # a mesh: every rank of the job
+    if comm.local_ranks == comm.data_world_size:
         return None
     raise TypeError(f"checkpoints need a communicator that holds every rank in one process or a "
                     f"TorchCommunicator; got {comm!r}")

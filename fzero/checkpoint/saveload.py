@@ -115,7 +115,7 @@ def _rng_destinations(template: TrainState, comm: Communicator, metadata: Metada
     if not template.rng:
         return {}
     rows = {}
-    for i, r in enumerate(comm.ranks):
+    for i, r in enumerate(comm.data_ranks):
         key, mine = f"{RNG_PREFIX}{r}", template.rng[0][i]
         md = metadata.state_dict_metadata.get(key)
         if md is None:
@@ -189,7 +189,7 @@ def save_checkpoint(state: TrainState, root: PathLike, comm: Communicator, *, na
     state_dict.update(_sharded(state, comm, state.shard.master, state.opt.moments))
     state_dict.update({**_replicated(state), **(_frozen(state.layout, state.shard.frozen, comm) if frozen else {})})
     if state.rng:
-        state_dict.update({f"{RNG_PREFIX}{r}": state.rng[0][i] for i, r in enumerate(comm.ranks)})
+        state_dict.update({f"{RNG_PREFIX}{r}": state.rng[0][i] for i, r in enumerate(comm.data_ranks)})
     if extra:
         state_dict.update(_flatten_extra(extra))
     _on_coordinator(pg, "preparing the checkpoint directory", lambda: _prepare_tmp(root, tmp))
@@ -254,6 +254,11 @@ def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *,
     sd: dict[str, Any] = {**_sharded(template, comm, masters, moments), **frozen_sd, **replicated, **extra}
     sd.update(_rng_destinations(template, comm, metadata))
     dcp_load(sd, checked, pg)
+    first = [comm.ranks.index(r) for r in comm.ranks]  # a simulated mesh reads each shard once: the copies follow
+    if first != list(range(len(first))):
+        held = frozen if template.layout.frozen_groups and left_out is None and whole is None else ()
+        for rows in (*masters, *(m for ms in moments for m in ms), *held):
+            rows.copy_(rows[first])
     if whole is not None:  # saved whole in their shapes: cut as the template holds them
         frozen = frozen_rows(template.layout, whole, comm.ranks, lambda t: t,
                              lambda g: template.shard.frozen[g.index].dtype)
@@ -265,7 +270,7 @@ def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *,
     # donating, the parameters are regathered into the template's own buffers: nothing of their size allocated
     state = _assemble(template, comm, masters, moments, frozen, replicated, into=template.params if donate else None)
     if template.rng:
-        rows = [sd.get(f"{RNG_PREFIX}{r}", template.rng[0][i].clone()) for i, r in enumerate(comm.ranks)]
+        rows = [sd.get(f"{RNG_PREFIX}{r}", template.rng[0][i].clone()) for i, r in enumerate(comm.data_ranks)]
         state = replace(state, rng=(torch.stack(rows),))
     if donate:
         state = consume(template, state)

@@ -181,8 +181,8 @@ def torch_equivalent(optimizer: Optimizer) -> TorchEquivalent:
 def _gathered(layout: Layout, group: FlatGroup, rows: torch.Tensor, comm: Communicator) -> dict[int, torch.Tensor]:
     """``{slot index: full tensor}`` of ``group`` in each parameter's dtype from this process's rows."""
     # one all_gather, or a copy when this process holds every rank: exports never alias the state
-    if comm.local_ranks == comm.world_size:
-        flat = rows.reshape(-1).clone()
+    if comm.local_ranks == comm.data_world_size:  # one copy of each shard, in shard order
+        flat = rows[[comm.ranks.index(j) for j in range(comm.world_size)]].reshape(-1)
     elif comm.local_ranks != 1:
         raise TypeError(f"export: unsupported communicator: {comm.local_ranks} of {comm.world_size} ranks here")
     else:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from ..comm import Communicator, ReduceOp, rank_order_sum
+from ..comm import Communicator, Mesh, ReduceOp, mesh_groups, mesh_text, rank_order_sum
 from ..layout import Layout, first_difference
 from .gloo import (C10D_OP, Bound, ScratchPool, average_owned, point_to_point_gather,
                    point_to_point_reduce_scatter, waiter)
@@ -72,13 +72,29 @@ class TorchCommunicator(Communicator):
     when the communicator is built; ``float("inf")``: no bound but the process group's own) bounds each wait of a step,
     eager or compiled: a stalled or dead peer raises :class:`~fzero.comm.CollectiveError` (give
     ``init_process_group`` the same bound for what runs outside the step). ``self.timeout``: the bound in seconds, or
-    ``None`` for none."""
+    ``None`` for none. ``mesh`` (instead of ``group``; :func:`fzero.comm.mesh_groups`): HSDP over the world, a process
+    group per shard group and per replica group (every rank creates them all, in one order; a wrong mesh raises
+    ``ValueError`` before any collective); the replica axis is a ``TorchCommunicator`` of its own, ``self.replica``."""
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, reduce_scatter_via: Optional[str] = None,
-                 timeout: Optional[Union[float, datetime.timedelta]] = None, all_gather_via: Optional[str] = None):
+                 timeout: Optional[Union[float, datetime.timedelta]] = None, all_gather_via: Optional[str] = None,
+                 mesh: Optional[Mesh] = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchCommunicator needs an initialised default process group: call "
                                "torch.distributed.init_process_group (e.g. under torchrun) first")
+        self.replica: Optional[TorchCommunicator] = None
+        self._mesh, self._data_rank, self._groups = "", dist.get_rank(group), ()
+        if mesh is not None:
+            if group is not None:
+                raise ValueError("TorchCommunicator: give a group or a mesh, not both")
+            groups = self._groups = mesh_groups(mesh, dist.get_world_size())
+            shard_groups = [dist.new_group(list(g)) for g in groups]
+            replica_groups = [dist.new_group(list(c)) for c in zip(*groups)]
+            q = next(i for i, g in enumerate(groups) if self._data_rank in g)
+            group, self._mesh = shard_groups[q], ", " + mesh_text(groups)
+            if len(groups) > 1:
+                self.replica = TorchCommunicator(replica_groups[groups[q].index(self._data_rank)], timeout=timeout,
+                                                 reduce_scatter_via=reduce_scatter_via, all_gather_via=all_gather_via)
         # None, not the default group: holding it kept gloo's threads alive past shutdown, and could abort the process
         self._pg = group
         self._name = (group if group is not None else dist.group.WORLD).group_name
@@ -110,10 +126,20 @@ class TorchCommunicator(Communicator):
         self._ops = gloo and self.world_size > 1  # traced: fzero's operators (fzero.dist.gloo)
         self._tags = [0, 1]  # point to point: gathers even, reductions odd (stage 3 does both at once)
         self._pool: Optional[ScratchPool] = None
+        self.replicas = 1 if self.replica is None else self.replica.world_size
+
+    @property
+    def data_ranks(self) -> tuple[int, ...]:
+        return (self._data_rank,)
 
     def __repr__(self) -> str:
         bound = "" if self.timeout is None else f", timeout={self.timeout:g}s"
-        return f"TorchCommunicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend}{bound})"
+        return (f"TorchCommunicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend}{bound}"
+                f"{self._mesh})")
+
+    def all_reduce_replicas_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
+        self._check_rows(x, "all_reduce_replicas")
+        return (lambda: x) if self.replica is None else self.replica.all_reduce_start(x, op)
 
     @property
     def group(self) -> Optional[dist.ProcessGroup]:
@@ -122,7 +148,7 @@ class TorchCommunicator(Communicator):
 
     def tracing(self) -> "TorchCommunicator":
         out = super().tracing()
-        out.overlaps = False
+        out.overlaps, out.replica = False, None if self.replica is None else self.replica.tracing()
         return out
 
     @contextlib.contextmanager
@@ -259,7 +285,14 @@ class TorchCommunicator(Communicator):
         return waiter(work, result, self._bound(f"all_gather of {out.numel()} {out.dtype}"), sent)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """On a mesh from job rank ``src`` to every rank: over each replica group from its rank in ``src``'s shard
+        group, then over each shard group from ``src``'s place in it."""
         self._check_broadcast(x, src)
+        if self.replica is not None:
+            home = next(g for g in self._groups if src in g)
+            mine = next(g for g in self._groups if self._data_rank in g).index(self._data_rank)
+            x = self.replica.broadcast(x, sorted(g[mine] for g in self._groups).index(home[mine]))
+            src = home.index(src)
         if self.timeout is not None and not self.traced:  # c10d's work, so that the wait is bounded
             out = x[0].contiguous().clone()
             work = dist.broadcast(out, group_src=src, group=self._pg, async_op=True)
@@ -269,7 +302,9 @@ class TorchCommunicator(Communicator):
 
     def check_layout(self, layout: Layout) -> None:
         """Raise :class:`LayoutMismatchError` on every rank unless all built ``layout`` alike: one
-        ``all_gather_object`` every rank joins whatever it built (an error, not a hang)."""
+        ``all_gather_object`` every rank joins whatever it built (an error, not a hang); on a mesh, per axis."""
+        if self.replica is not None:
+            self.replica.check_layout(layout)
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, (layout.fingerprint, layout.describe()), group=self._pg)
         odd = next((r for r, g in enumerate(gathered) if g[0] != gathered[0][0]), None)
