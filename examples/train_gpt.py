@@ -98,7 +98,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=0, metavar="SECONDS",
                    help="--comm torch: a rank waits at most this long for a peer in a collective "
                         "(0: fzero.dist.DEFAULT_TIMEOUT, 10 minutes, in a step; torch's 30 minutes outside it)")
+    p.add_argument("--qwz", action="store_true", help="ZeRO++ qwZ: parameter all-gathers as int8 (eager only)")
+    p.add_argument("--qgz", type=int, choices=[4, 8], help="ZeRO++ qgZ: gradient reduce-scatters as int4 or int8")
     args = p.parse_args(argv)
+    if (args.qwz or args.qgz) and args.compile:
+        p.error("--qwz and --qgz quantize eagerly: drop --compile")
     if args.accum < 1 or args.steps < 1 or args.clip < 0:
         p.error("--accum and --steps must be >= 1 and --clip >= 0")
     if (args.resume or args.save_every) and not args.ckpt:
@@ -279,6 +283,10 @@ def run(args: argparse.Namespace) -> dict:
     else:
         world_size = args.world_size or (args.mesh[0] * args.mesh[1] if args.mesh else 2)
         comm = fzero.SimulatedWorld(world_size, mesh=args.mesh)
+    if args.qwz or args.qgz:
+        from fzero.quantized import QuantizedCommunicator
+
+        comm = QuantizedCommunicator(comm, weights=8 if args.qwz else None, grads=args.qgz)
     if not torch.cuda.is_available():
         fzero.host_malloc.tune_host_allocator()  # a CPU training program's allocator setting (README)
     world, shards = comm.data_world_size, comm.world_size  # ranks, and the ranks one copy of the state is sharded over

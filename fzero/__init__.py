@@ -19,7 +19,8 @@ checks), :func:`bind_step` (a composed step given its communicator and workspace
 :func:`module_loss` (a loss from a module and a criterion).
 
 Communicators (collectives are their methods, passed in explicitly): :class:`Communicator` (the protocol),
-:class:`SimulatedWorld` (N ranks in one process); ``fzero.dist.TorchCommunicator`` runs on ``torch.distributed``. Update
+:class:`SimulatedWorld` (N ranks in one process, flat or a mesh); ``fzero.dist.TorchCommunicator`` runs on
+``torch.distributed``; ``fzero.quantized.QuantizedCommunicator`` wraps either (ZeRO++'s qwZ and qgZ). Update
 rules (:class:`Optimizer` is the protocol): :func:`sgd`, :func:`adam`, :func:`adamw`, :func:`from_torch_optim` (any
 per-element ``torch.optim`` class), :func:`muon`, :func:`adafactor`. Mixed precision and schedules:
 :class:`MixedPrecision` (compute and reduce dtypes), :mod:`schedules`.

@@ -155,6 +155,11 @@ class Communicator:
         out = self.all_gather(x)
         return lambda: out
 
+    def all_to_all_start(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """``[R, W*n] -> [R, W*n]``, any dtype: chunk ``k`` of row ``r`` is what rank ``k`` sent as its chunk
+        ``ranks[r]`` (each rank's chunk ``j`` goes to rank ``j``)."""
+        raise NotImplementedError
+
     def all_reduce_replicas_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
         """``[R, ...] -> [R, ...]`` over the ranks holding the same shard (a mesh's replica group; one rank: ``x``)."""
         if self.replicas == 1:
@@ -333,6 +338,13 @@ class SimulatedWorld(Communicator):
         out.copy_(x.reshape(1, -1).expand(self.world_size, -1) if self._groups is None else self.all_gather(x))
         return lambda: out
 
+    def all_to_all_start(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        self._check_rows(x, "all_to_all")
+        n = self._chunk(x, "all_to_all")
+        w = self.world_size
+        out = self._per_group(x, lambda rows: rows.view(w, w, n).transpose(0, 1).reshape(w, w * n))
+        return lambda: out
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         self._check_broadcast(x, src)
         return x[src].unsqueeze(0).repeat(self.local_ranks, *([1] * (x.dim() - 1)))
@@ -396,6 +408,9 @@ class CountingCommunicator(Communicator):
 
     def all_gather_start(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
         return self._record("all_gather", x).all_gather_start(x)
+
+    def all_to_all_start(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return self._record("all_to_all", x).all_to_all_start(x)
 
     def all_gather_into_start(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], torch.Tensor]:
         return self._record("all_gather", x).all_gather_into_start(x, out)

@@ -13,20 +13,22 @@ import torch
 from fzero.checkpoint import save_checkpoint
 from fzero.comm import CountingCommunicator
 from fzero.dist import TorchCommunicator
+from fzero.quantized import QuantizedCommunicator
 from test_mesh import _params, _train
 
 
-def _trained(stage: int, accum: int = 1) -> dict:
+def _trained(stage: int, accum: int = 1, quantized: bool = False) -> dict:
     comm = CountingCommunicator(TorchCommunicator(mesh=(2, 2)))
-    state, metrics = _train(comm, stage, accum)
+    inner = QuantizedCommunicator(comm, weights=8, grads=4) if quantized else comm
+    state, metrics = _train(inner, stage, accum, param_dtype=torch.bfloat16 if quantized else None)
     return {"params": [p[0] for p in _params(state, comm)], "loss": [m["loss"] for m in metrics],
             "grad_norm": [m["grad_norm"] for m in metrics], "rng": state.rng[0][0], "repr": repr(comm.inner),
             "records": [(r.op, r.axis, r.elements, r.bytes) for r in comm.records], "state": state}
 
 
 def run_case(name: str, _flat) -> dict:
-    if name.startswith("train"):  # train{stage}[_accum]
-        out = _trained(int(name[5]), 4 if name.endswith("_accum") else 1)
+    if name.startswith("train"):  # train{stage}[_accum|_quantized]
+        out = _trained(int(name[5]), 4 if name.endswith("_accum") else 1, name.endswith("_quantized"))
         if name == "train2":
             out["ckpt"] = os.path.join(sys.argv[1], "ckpt")
             save_checkpoint(out["state"], out["ckpt"], TorchCommunicator(mesh=(2, 2)))

@@ -42,9 +42,9 @@ class Net(torch.nn.Module):
         return self.head(self.drop(self.b(self.a(x))))
 
 
-def _model(dropout: float = 0.2) -> Net:
+def _model(dropout: float = 0.2, dtype: torch.dtype = torch.float64) -> Net:
     torch.manual_seed(0)
-    return Net(dropout=dropout).double()
+    return Net(dropout=dropout).to(dtype)
 
 
 def _batches(steps: int, rows: int, dtype: torch.dtype = torch.float64) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -54,15 +54,16 @@ def _batches(steps: int, rows: int, dtype: torch.dtype = torch.float64) -> list[
 
 
 def _train(comm: fzero.Communicator, stage: int, accum: int = 1, steps: int = 3, compile=False, state=None,
-           clip_norm: float | None = 0.5, defer_reduce: bool = False, dropout: float = 0.2):
-    model = _model(dropout)
+           clip_norm: float | None = 0.5, defer_reduce: bool = False, dropout: float = 0.2, param_dtype=None):
+    model = _model(dropout, torch.float64 if param_dtype is None else torch.float32)  # 16-bit compute: float32 master
     if state is None:
         state = fzero.init_train_state(model, fzero.adamw(lr=1e-2, weight_decay=0.1), comm, stage=stage,
-                                       units=(Block,) if stage == 3 else None, seed=5)
+                                       units=(Block,) if stage == 3 else None, seed=5,
+                                       precision=fzero.MixedPrecision(param_dtype=param_dtype))
     step = fzero.make_train_step(fzero.module_loss(model, torch.nn.functional.mse_loss), comm, accum_steps=accum,
                                  clip_norm=clip_norm, compile=compile, defer_reduce=defer_reduce)
     metrics = []
-    for x, y in _batches(steps, 12 * accum):
+    for x, y in _batches(steps, 12 * accum, model.head.weight.dtype):
         state, m = step(state, comm.split_batch((x, y), micro_batches=accum))
         metrics.append(m)
     return state, metrics

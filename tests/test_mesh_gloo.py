@@ -12,10 +12,11 @@ import torch.utils._pytree as tp
 from dist_harness import run_torchrun
 from fzero.checkpoint import load_checkpoint
 from fzero.comm import CountingCommunicator, SimulatedWorld
+from fzero.quantized import QuantizedCommunicator
 import fzero
 import test_mesh as tm
 
-CASES = ["train1", "train2", "train3", "train2_accum", "wrong"]
+CASES = ["train1", "train2", "train3", "train2_accum", "train2_quantized", "train3_quantized", "wrong"]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -30,11 +31,13 @@ def _result(gloo, rank: int, case: str) -> dict:
     return got
 
 
-@pytest.mark.parametrize("case", ["train1", "train2", "train3", "train2_accum"])
+@pytest.mark.parametrize("case", ["train1", "train2", "train3", "train2_accum", "train2_quantized", "train3_quantized"])
 def test_gloo_mesh_equals_the_simulated_mesh_bitwise(gloo, case):
-    stage, accum = int(case[5]), 4 if case.endswith("_accum") else 1
+    """Also with qwZ (int8) and qgZ (int4) on bf16 parameters: the same codes on the wire, the same bits."""
+    stage, accum, quantized = int(case[5]), 4 if case.endswith("_accum") else 1, case.endswith("_quantized")
     comm = CountingCommunicator(SimulatedWorld(4, mesh=(2, 2)))
-    state, metrics = tm._train(comm, stage, accum)
+    inner = QuantizedCommunicator(comm, weights=8, grads=4) if quantized else comm
+    state, metrics = tm._train(inner, stage, accum, param_dtype=torch.bfloat16 if quantized else None)
     sim = tm._params(state, comm)
     for rank in range(4):
         got = _result(gloo, rank, case)

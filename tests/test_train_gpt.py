@@ -118,3 +118,24 @@ def test_main_job_resumes_exactly_under_torchrun_gloo(tmp_path):
                                timeout=240)
     assert "at step 5" in text and "timeout=120s" in text, text[-2000:]
     assert f"trained parameters: sha256 {full['params_sha256']}" in text, text[-2000:]
+
+
+def test_main_job_on_a_mesh_with_quantized_collectives(tmp_path, capsys):
+    """--mesh R,S: the log names the mesh (and says when it degenerates to flat); --qwz --qgz 4 quantize on a simulated
+    2x2 mesh and the job still learns; the quantized comparison script plots both runs together."""
+    mod = _train_gpt()
+    out = mod.main(["--mesh", "2,2", "--qwz", "--qgz", "4", "--steps", "40", "--out", str(tmp_path), *SMALL])
+    _check(out, 0.3)
+    log = capsys.readouterr().out
+    assert "QuantizedCommunicator(SimulatedWorld(4, mesh=(2, 2)), weights=8, grads=4" in log
+    assert "4 ranks x 1 micro-batch(es)" in log and "the state sharded over 2" in log
+    mod.main(["--mesh", "1,2", "--steps", "2", "--out", str(tmp_path), *SMALL])
+    assert "SimulatedWorld(2, mesh=(1, 2): flat, one shard group)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"mesh \(2, 2\).*world size 3"):
+        mod.main(["--mesh", "2,2", "--world-size", "3", "--steps", "2", "--out", str(tmp_path), *SMALL])
+    spec = importlib.util.spec_from_file_location("compare_quantized", EXAMPLES / "compare_quantized.py")
+    cmp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cmp)
+    result = cmp.main(["--steps", "12", "--out", str(tmp_path), *SMALL])
+    assert Path(result["plot"]).read_bytes()[:8] == PNG_MAGIC
+    assert abs(result["relative"]) < 0.05, result

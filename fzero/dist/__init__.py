@@ -255,6 +255,17 @@ class TorchCommunicator(Communicator):
         out = self._empty(self.world_size * x.shape[1], x)
         return self._gather_into(out, x[0].contiguous(), lambda: out.unsqueeze(0))
 
+    def all_to_all_start(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Eagerly c10d's ``all_to_all_single``; not traced (quantized collectives run in eager steps)."""
+        self._check_rows(x, "all_to_all")
+        self._chunk(x, "all_to_all")
+        if self.traced:
+            raise NotImplementedError("all_to_all runs eagerly only: quantized collectives need compile=False")
+        sent = x[0].contiguous()
+        out = torch.empty_like(sent)
+        work = dist.all_to_all_single(out, sent, group=self._pg, async_op=True)
+        return waiter(work, lambda: out.unsqueeze(0), self._bound(f"all_to_all of {out.numel()} {out.dtype}"), sent)
+
     def all_gather_into_start(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Eagerly c10d gathers straight into ``out``; traced, gloo's operator does, or the result is copied in."""
         self._check_into(x, out)
