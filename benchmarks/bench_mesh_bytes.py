@@ -6,7 +6,8 @@ replicas; block B = 256 values per float32 scale).
     python benchmarks/bench_mesh_bytes.py --size 58M
 
 Rows: HSDP ZeRO-2's replica axis, 2 Psi b (R-1)/(R S), at K=1 and K=4 micro-batches; qwZ's parameter all-gathers
-and qgZ's gradient reduce-scatters (int4 and int8) against bf16 collectives of the same step. What is counted is
+and qgZ's gradient reduce-scatters (int4 and int8) against bf16 collectives of the same step; stage 3's backward
+regathers across and within nodes, flat and with hpZ. What is counted is
 what one rank sends (ring: (W-1)/W of a gather's output, of a reduce-scatter's input; 2 (W-1)/W of an all-reduce).
 """
 
@@ -27,11 +28,12 @@ from fzero.quantized import QuantizedCommunicator, payload_bytes  # noqa: E402
 from models import build, make_criterion, random_batch  # noqa: E402
 
 
-def one_step(cfg, comm, counter, *, param_dtype=None, reduce_dtype=None, accum=1):
-    """Count one step (after a first, uncounted one) of stage 2; returns the layout."""
+def one_step(cfg, comm, counter, *, param_dtype=None, reduce_dtype=None, accum=1, stage=2):
+    """Count one step (after a first, uncounted one); returns the layout."""
     model = build("tiny", cfg)
     precision = fzero.MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    state = fzero.init_train_state(model, fzero.adamw(lr=1e-4), comm, stage=2, precision=precision)
+    units = (type(model.blocks[0]),) if stage == 3 else None
+    state = fzero.init_train_state(model, fzero.adamw(lr=1e-4), comm, stage=stage, precision=precision, units=units)
     step = fzero.make_train_step(fzero.module_loss(model, make_criterion(cfg.vocab)), comm, accum_steps=accum)
     batches = [random_batch(cfg, seed=i) for i in range(2)]
     batches = [tuple(torch.cat([t] * accum) for t in b) for b in batches]
@@ -78,13 +80,33 @@ def main() -> None:
     rows.append(("qwZ int8 parameter all-gathers", counted["int8"][0], q8, "W (n + 4 n/B) (W-1)/W"))
     rows.append(("qgZ int8 gradient all-to-all", counted["int8"][1], q8, "W (n + 4 n/B) (W-1)/W"))
     rows.append(("qgZ int4 gradient all-to-all", counted["int4"][1], q4, "W (n/2 + 4 n/B) (W-1)/W"))
+    # stage 3: gathers crossing nodes (2 nodes of 2), flat against hpZ; a simulated rank's run gathers every rank's
+    # rows, so the records over all runs are W times one rank's
+    gathered = {}
+    for hpz in (False, True):
+        counter = CountingCommunicator(SimulatedWorld(w, mesh=(2, 2), hpz=True) if hpz else SimulatedWorld(w))
+        one_step(cfg, counter, counter, param_dtype=torch.bfloat16, stage=3)
+        gathered[hpz] = {ax: sum(x.bytes for x in counter.records if x.op == "all_gather" and x.axis == ax) / w
+                         for ax in ("shard", "node")}
+    # the node gathers are the backward regathers, each moving (S-1)/S of its buffer where the flat world's moved
+    # (W-1)/W: what the flat world's backward moved across nodes, and what hpZ's world axis still carries beyond
+    # the flat world's forward
+    node = gathered[True]["node"]
+    backward = node * ((w - 1) / w) / ((2 - 1) / 2)
+    rows.append(("stage 3 all-gathers across nodes, flat W=4", gathered[False]["shard"], gathered[False]["shard"],
+                 "forward + backward"))
+    rows.append(("stage 3 all-gathers across nodes, hpZ 2x2", gathered[True]["shard"],
+                 gathered[False]["shard"] - backward, "flat's - its backward"))
+    rows.append(("stage 3 hpZ backward regathers across nodes", gathered[True]["shard"] - (gathered[False]["shard"]
+                 - backward), 0, "0"))
     print(f"TinyGPT {args.size} ({layout.num_params:,} parameters), bytes per rank and step:\n")
     print(f"| {'what':50s} | counted | formula | formula's value | x bf16 |")
     print("| --- | --- | --- | --- | --- |")
     for what, got, want, formula in rows:
-        ratio = got / counted["bf16"][0 if "gather" in what else 1] if "W=4" not in what and "HSDP" not in what else None
+        quantized = what.startswith("q")
+        ratio = f"{got / counted['bf16'][0 if 'gather' in what else 1]:.3f}" if quantized else ""
         mark = "" if math.isclose(got, want) else " (differs)"
-        print(f"| {what:50s} | {got:,.0f}{mark} | {formula} | {want:,.0f} | {'' if ratio is None else f'{ratio:.3f}'} |")
+        print(f"| {what:50s} | {got:,.0f}{mark} | {formula} | {want:,.0f} | {ratio} |")
 
 
 if __name__ == "__main__":

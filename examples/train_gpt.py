@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=0, help="ranks of the simulated world (default 2, or the mesh's)")
     p.add_argument("--mesh", type=lambda s: tuple(int(x) for x in s.split(",")), metavar="R,S",
                    help="HSDP: shard the state over groups of S ranks, replicated R times (R*S ranks)")
+    p.add_argument("--hpz", action="store_true", help="with --mesh: ZeRO++ hpZ instead (shard over all ranks, stage 3 "
+                   "regathers for backward within each group of S)")
     p.add_argument("--stage", type=int, choices=[1, 2, 3], default=2, help="ZeRO stage")
     p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="compute dtype (the master copy stays fp32; fp16 uses dynamic loss scaling); "
@@ -101,8 +103,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--qwz", action="store_true", help="ZeRO++ qwZ: parameter all-gathers as int8 (eager only)")
     p.add_argument("--qgz", type=int, choices=[4, 8], help="ZeRO++ qgZ: gradient reduce-scatters as int4 or int8")
     args = p.parse_args(argv)
-    if (args.qwz or args.qgz) and args.compile:
-        p.error("--qwz and --qgz quantize eagerly: drop --compile")
+    if (args.qwz or args.qgz or args.hpz) and args.compile:
+        p.error("--qwz, --qgz and --hpz run eagerly: drop --compile")
+    if args.hpz and not args.mesh:
+        p.error("--hpz needs --mesh R,S (its groups of S ranks are the nodes)")
     if args.accum < 1 or args.steps < 1 or args.clip < 0:
         p.error("--accum and --steps must be >= 1 and --clip >= 0")
     if (args.resume or args.save_every) and not args.ckpt:
@@ -279,10 +283,10 @@ def run(args: argparse.Namespace) -> dict:
 
         bound = {"timeout": datetime.timedelta(seconds=args.timeout)} if args.timeout else {}
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **bound)
-        comm: fzero.Communicator = TorchCommunicator(timeout=args.timeout or None, mesh=args.mesh)
+        comm: fzero.Communicator = TorchCommunicator(timeout=args.timeout or None, mesh=args.mesh, hpz=args.hpz)
     else:
         world_size = args.world_size or (args.mesh[0] * args.mesh[1] if args.mesh else 2)
-        comm = fzero.SimulatedWorld(world_size, mesh=args.mesh)
+        comm = fzero.SimulatedWorld(world_size, mesh=args.mesh, hpz=args.hpz)
     if args.qwz or args.qgz:
         from fzero.quantized import QuantizedCommunicator
 
@@ -382,7 +386,8 @@ def run(args: argparse.Namespace) -> dict:
 
     reports = [fzero.memory_report(lay, optimizer, stage=s, precision=precision, world_size=shards)
                for s in (1, 2, 3)]
-    say(f"\ntraining-state memory per rank, {world} ranks (the state sharded over {shards}), compute {args.dtype}, AdamW "
+    say(f"\ntraining-state memory per rank, {world} ranks (the state sharded over {shards}), compute {args.dtype}, "
+        "AdamW "
         f"(this run: stage {args.stage}); held: kept between steps, in-step: only inside a step:")
     say(fzero.memory.format_memory_table(reports))
 

@@ -107,7 +107,8 @@ class Communicator:
     world_size: int  # W: the ranks the state is sharded over (a mesh's shard group)
     local_ranks: int  # R
     ranks: tuple[int, ...]  # each local row's rank in its shard group: the shard it holds
-    replicas: int = 1  # copies of the sharded state (a mesh's replica axis); the batch is split world_size * replicas ways
+    replicas: int = 1  # copies of the sharded state (a mesh's replica axis); the batch: world_size * replicas parts
+    node: "Optional[Communicator]" = None  # hpZ: this rank's shard group (a node), where stage 3 regathers for backward
 
     @property
     def data_ranks(self) -> tuple[int, ...]:
@@ -195,7 +196,10 @@ class Communicator:
         return self.all_gather(x)[:, src * n:(src + 1) * n].contiguous()
 
     def tracing(self) -> "Communicator":
-        """A copy as a compiled step traces it: ``traced`` set (a wrapper's ``.inner`` too). No communication."""
+        """A copy as a compiled step traces it: ``traced`` set (a wrapper's ``.inner`` too). No communication.
+        ``NotImplementedError`` with hpZ (``node``): its secondary shards are kept by eager steps."""
+        if self.node is not None:
+            raise NotImplementedError(f"{self!r}: hpZ keeps secondary shards in eager stage-3 steps: compile=False")
         out = copy.copy(self)
         out.traced = True
         if isinstance(getattr(self, "inner", None), Communicator):
@@ -258,11 +262,20 @@ class SimulatedWorld(Communicator):
     """All ``world_size`` ranks in one process: a reduce-scatter adds the rows in rank order (:func:`rank_order_sum`:
     ``fzero.dist``'s point-to-point bits), an all-reduce sums over dim 0; one rank's reductions return their input.
     ``mesh`` (:func:`mesh_groups`): rows are the job's ranks, each collective runs per shard group as a world of its
-    own, and :meth:`all_reduce_replicas_start` adds each shard's copies in replica order; ``broadcast`` spans all."""
+    own, and :meth:`all_reduce_replicas_start` adds each shard's copies in replica order; ``broadcast`` spans all.
+    ``hpz=True`` (ZeRO++ hpZ, with a mesh): the state sharded over every rank, and ``node`` the mesh's shard groups,
+    within which stage 3 regathers each unit for backward from a secondary shard."""
 
-    def __init__(self, world_size: int, *, mesh: Optional[Mesh] = None):
+    def __init__(self, world_size: int, *, mesh: Optional[Mesh] = None, hpz: bool = False):
         if not (isinstance(world_size, int) and world_size >= 1):
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if hpz:
+            if mesh is None:
+                raise ValueError("SimulatedWorld(hpz=True) needs a mesh: its shard groups are the nodes")
+            self.__init__(world_size)
+            self.node = SimulatedWorld(world_size, mesh=mesh)
+            self._text = ", hpz " + mesh_text(mesh_groups(mesh, world_size))
+            return
         groups = None if mesh is None else mesh_groups(mesh, world_size)
         self._text = "" if groups is None else ", " + mesh_text(groups)
         # one group in rank order: the flat world's code and bits
@@ -355,7 +368,8 @@ class CollectiveRecord:
     """One collective as one rank saw it: ``elements`` of its buffer per rank (the input of all-reduce and
     reduce-scatter, the output of all-gather); ``moved``, the elements each rank sends (ring: ``2 (W-1)/W`` of them for
     all-reduce, ``(W-1)/W`` otherwise; a tree broadcast: about all); ``bytes = moved * itemsize``. ``axis``: the ranks
-    it spans, ``"shard"`` (a shard group: W its size), ``"replica"`` (a mesh's copies of a shard) or ``"world"``."""
+    it spans, ``"shard"`` (a shard group: W its size), ``"replica"`` (a mesh's copies of a shard), ``"world"``, or
+    ``"node"`` (hpZ's regathers within a shard group)."""
 
     op: str
     dtype: torch.dtype
@@ -368,24 +382,27 @@ class CollectiveRecord:
 class CountingCommunicator(Communicator):
     """Wraps a communicator and records every collective it runs, in the order issued (traced: once, while tracing)."""
 
-    def __init__(self, inner: Communicator):
+    def __init__(self, inner: Communicator, records: Optional[list[CollectiveRecord]] = None, axis: str = "shard"):
         self.inner, self.overlaps = inner, inner.overlaps
         self.world_size, self.local_ranks, self.ranks = inner.world_size, inner.local_ranks, inner.ranks
         self.reduce_scatter_buffers, self.all_reduce_buffers = inner.reduce_scatter_buffers, inner.all_reduce_buffers
-        self.replicas, self.records = inner.replicas, []
+        self.replicas, self.records, self._axis = inner.replicas, [] if records is None else records, axis
+        # hpZ's node: counted into the same records, on the "node" axis
+        self.node = None if inner.node is None else CountingCommunicator(inner.node, self.records, "node")
 
     def __repr__(self) -> str:
         return f"CountingCommunicator({self.inner!r})"
 
     def reset(self) -> None:
-        self.records.clear()
+        self.records.clear()  # in place: a node's counter shares the list
 
-    def _record(self, op: str, x: torch.Tensor, axis: str = "shard") -> Communicator:
+    def _record(self, op: str, x: torch.Tensor, axis: Optional[str] = None) -> Communicator:
         """Record collective ``op`` of ``x`` over ``axis``; return the wrapped communicator, which runs it."""
         if op == "reduce_scatter" and getattr(self.inner, "reduce_scatter_via", None) == "all_reduce":
             op = "all_reduce"  # what the backend really sends
-        axis = "world" if op == "broadcast" and self.replicas > 1 else axis
-        w = {"shard": self.world_size, "replica": self.replicas, "world": self.data_world_size}[axis]
+        axis = "world" if op == "broadcast" and self.replicas > 1 else axis or self._axis
+        w = {"shard": self.world_size, "node": self.world_size, "replica": self.replicas,
+             "world": self.data_world_size}[axis]
         elements = x[0].numel() * (w if op == "all_gather" else 1)
         ring_factor = {"all_reduce": 2.0, "broadcast": w / max(w - 1, 1)}.get(op, 1.0)
         moved = elements * ring_factor * (w - 1) / w

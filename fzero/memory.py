@@ -177,6 +177,8 @@ def _step_buffers(layout: Layout, precision: MixedPrecision, stage: int, rows: i
         if any(_size(compute(g)) != _size(g.master_dtype) for g in layout.groups):
             # the master shards cast to the compute dtype to be sent: every row's ([R, n]) at once
             gathered += max(by.values()) * (1 if rows > 1 else 1 / world)
+        if comm is not None and comm.node is not None:  # hpZ: each unit's node slice, from its forward to its backward
+            gathered += rank_rows * sum(units) / comm.node.world_size
         out = {GATHER: float(gathered), GRAD_REDUCTION: reduction}
         # backward, last unit first: its reduction, the root, the two units before it, the shards so far; last the
         # root's

@@ -52,7 +52,7 @@ def dequantize_blocks(payload: torch.Tensor, n: int, bits: int, block: int) -> t
     """The float32 ``[R, n]`` values a :func:`quantize_blocks` payload ``[R, m]`` stands for."""
     rows, blocks = payload.shape[0], math.ceil(n / block)
     code_bytes = blocks * block * bits // 8
-    scale = payload[:, code_bytes:].reshape(-1).clone().view(torch.float32).view(rows, blocks, 1)  # a fresh, aligned copy
+    scale = payload[:, code_bytes:].reshape(-1).clone().view(torch.float32).view(rows, blocks, 1)  # aligned copy
     data = payload[:, :code_bytes]
     if bits == 4:
         codes = torch.stack([data & 15, data >> 4], dim=2).to(torch.int8) - 8
@@ -80,7 +80,7 @@ class QuantizedCommunicator(Communicator):
             raise ValueError(f"QuantizedCommunicator: block must be an even int >= 2, got {block!r}")
         self.inner, self.weights, self.grads, self.block = inner, weights, grads, block
         self.world_size, self.local_ranks, self.ranks = inner.world_size, inner.local_ranks, inner.ranks
-        self.replicas, self.overlaps = inner.replicas, inner.overlaps
+        self.replicas, self.overlaps, self.node = inner.replicas, inner.overlaps, inner.node  # hpZ: not quantized
         self.reduce_scatter_buffers, self.all_reduce_buffers = inner.reduce_scatter_buffers, inner.all_reduce_buffers
 
     def __repr__(self) -> str:

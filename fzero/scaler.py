@@ -126,11 +126,13 @@ def unscale_and_check(scaler: ScalerState, grads: Any, comm: Communicator, *, cl
                       riders: Optional[torch.Tensor] = None, in_place: bool = False) -> Checked:
     """Unscale gradients (a tree of floating ``[R, ...]`` tensors: each times ``1/scale``, the float64 reciprocal
     rounded to float32 as ``torch.amp``, in float32 (fp64: float64), back in its dtype) and agree across ranks on
-    skipping the step. On a mesh, first each shard's copies averaged (``all_reduce_replicas``, once a step). Alone: ``GradScaler``'s per-element ``found_inf``, one ``all_reduce(max)`` of ``R`` flags. The
-    step's form (any of ``clip_norm``, ``losses`` ``[R]``, ``used`` ``[R, T]``, ``riders`` ``[R, k]``; ``grads`` this
-    rank's disjoint shards): one ``all_reduce(sum)`` of ``[R, 2 + T + k]`` float64 (:func:`local_sq_norm`, loss, used
-    flags, riders), ``found_inf`` if the norm is not finite, and one pass times ``1/scale`` and ``clip_grad_norm_``'s
-    ``min(1, clip_norm / (norm + 1e-6))``. ``in_place``: the caller owns the gradients (scaled in place eagerly).
+    skipping the step. On a mesh, first each shard's copies averaged (``all_reduce_replicas``, once a step). Alone:
+    ``GradScaler``'s per-element ``found_inf``, one ``all_reduce(max)`` of ``R`` flags. The step's form (any of
+    ``clip_norm``, ``losses`` ``[R]``, ``used`` ``[R, T]``, ``riders`` ``[R, k]``; ``grads`` this rank's disjoint
+    shards): one ``all_reduce(sum)`` of ``[R, 2 + T + k]`` float64 (:func:`local_sq_norm`, loss, used flags, riders;
+    on a mesh all but the norm first summed over replicas), ``found_inf`` if the norm is not finite, and one pass times
+    ``1/scale`` and ``clip_grad_norm_``'s ``min(1, clip_norm / (norm + 1e-6))``. ``in_place``: the caller owns the
+    gradients (scaled in place eagerly).
     ``ValueError``: an empty tree or no local-rank axis; ``TypeError``: a non-floating leaf."""
     leaves_with_path, spec = tp.tree_flatten_with_path(grads)
     if not leaves_with_path:

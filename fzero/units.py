@@ -5,7 +5,7 @@ again for its backward, and reduces it once backward completes it: at most the r
 forward run once (stage 3 equals stage 2 bitwise). All ranks must call the same units in the same order
 (:class:`UnitCallError`). :class:`CompiledUnits` regathers by selective recomputation.
 
-Imports: buckets, comm, layout, module, rng, sharding, state.
+Imports: buckets, comm, layout, module, rng, scopes, sharding, state.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from .comm import Communicator
 from .layout import FlatGrads, FlatGroup, Layout, compute_dtype, split_views, stack_rows
 from .module import ModuleLoss, UnitPolicy, _swapped, check_loss, default_units, row_of, select_units, unit_buckets
 from .rng import rank_rng
+from .scopes import GATHER, step_scope
 from .sharding import all_gather_params
 from .state import TrainState
 
@@ -230,17 +231,46 @@ class _RankRun:
         self.last_flats: _Tensors = ()  # those of the last bucket_tensors, for pre_forward
         self.used: set[int] = set()  # slot indices whose view got a gradient
         self.frozen_flats: _Tensors = ()  # the frozen groups' buffers of the last _Gather
+        self.secondary: dict[int, _Tensors] = {}  # hpZ: per unit, every row's slice of its gather within its node
 
     def start(self, *buckets: int) -> None:
-        """Start gathering ``buckets`` (one :func:`fzero.all_gather_params`, via the runner) into :attr:`ahead`."""
+        """Start gathering ``buckets`` (one :func:`fzero.all_gather_params`, via the runner) into :attr:`ahead`. hpZ
+        (``comm.node``): a forward gather keeps each row's slice within its node (:attr:`secondary`), and backward
+        regathers from those within the node (``node.all_gather``), never across nodes."""
         groups = [g for b in buckets for g in self.plan.gathered(b)]
-        done = self.runner.submit(self.comm.overlaps, all_gather_params, self.state.shard, self.comm,
-                                  self.state.precision.param_dtype, groups=groups)
+        node = self.comm.node
+        if node is not None and self.backward and all(b in self.secondary for b in buckets):
+            held = [s for b in buckets for s in self.secondary.pop(b)]
+            done = self.runner.submit(self.comm.overlaps, lambda: tuple(node.all_gather(s) for s in held))
+        else:
+            done = self.runner.submit(self.comm.overlaps, all_gather_params, self.state.shard, self.comm,
+                                      self.state.precision.param_dtype, groups=groups)
+            if node is not None and not self.backward:
+                done = self._keeping_secondary(done, [b for b in buckets if b])  # the root is held to the end
         lo = 0
         for b in buckets:
             hi = lo + len(self.plan.gathered(b))
             self.ahead[b] = lambda lo=lo, hi=hi: tuple(f[self.row] for f in done()[lo:hi])
             lo = hi
+
+    def _keeping_secondary(self, done: Callable[[], _Tensors], buckets: Sequence[int]) -> Callable[[], _Tensors]:
+        """``done``, which on its first call also keeps the node slices of ``buckets``' flats (after the root's)."""
+        node, kept = self.comm.node, []
+
+        def first() -> _Tensors:
+            if not kept:
+                kept.append(done())
+                rows, pos = torch.arange(len(node.ranks)), torch.tensor(node.ranks)
+                lo = len(kept[0]) - sum(len(self.plan.gathered(b)) for b in buckets)
+                with step_scope(GATHER):
+                    for b in buckets:
+                        hi = lo + len(self.plan.gathered(b))
+                        self.secondary[b] = tuple(f.view(f.shape[0], node.world_size, -1)[rows, pos]
+                                                  for f in kept[0][lo:hi])
+                        lo = hi
+            return kept[0]
+
+        return first
 
     def take(self, bucket: int) -> _Tensors:
         if bucket not in self.ahead:
@@ -355,6 +385,7 @@ class _RankRun:
         if self.delivered[bucket] == self.expected[bucket]:
             self.cache.pop(bucket, None)
             self.ahead.pop(bucket, None)
+            self.secondary.pop(bucket, None)
             self.bind(bucket, self.released)
             self.reduction.add(bucket, self.row, self.acc.pop(bucket))
             # prefetch the unit two before (backward reaches it after the next one) if the next is held: two at most
@@ -382,6 +413,7 @@ class _RankRun:
         self.acc.clear()
         self.cache.clear()
         self.ahead.clear()
+        self.secondary.clear()
 
 
 def check_module_matches(module: torch.nn.Module, layout: Layout) -> None:

@@ -17,8 +17,8 @@ from fzero.quantized import QuantizedCommunicator
 from test_mesh import _params, _train
 
 
-def _trained(stage: int, accum: int = 1, quantized: bool = False) -> dict:
-    comm = CountingCommunicator(TorchCommunicator(mesh=(2, 2)))
+def _trained(stage: int, accum: int = 1, quantized: bool = False, hpz: bool = False) -> dict:
+    comm = CountingCommunicator(TorchCommunicator(mesh=(2, 2), hpz=hpz))
     inner = QuantizedCommunicator(comm, weights=8, grads=4) if quantized else comm
     state, metrics = _train(inner, stage, accum, param_dtype=torch.bfloat16 if quantized else None)
     return {"params": [p[0] for p in _params(state, comm)], "loss": [m["loss"] for m in metrics],
@@ -27,8 +27,9 @@ def _trained(stage: int, accum: int = 1, quantized: bool = False) -> dict:
 
 
 def run_case(name: str, _flat) -> dict:
-    if name.startswith("train"):  # train{stage}[_accum|_quantized]
-        out = _trained(int(name[5]), 4 if name.endswith("_accum") else 1, name.endswith("_quantized"))
+    if name.startswith("train"):  # train{stage}[_accum|_quantized|_hpz]
+        out = _trained(int(name[5]), 4 if name.endswith("_accum") else 1, name.endswith("_quantized"),
+                       name.endswith("_hpz"))
         if name == "train2":
             out["ckpt"] = os.path.join(sys.argv[1], "ckpt")
             save_checkpoint(out["state"], out["ckpt"], TorchCommunicator(mesh=(2, 2)))

@@ -8,8 +8,6 @@ the same on four gloo ranks against this simulated world.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.utils._pytree as tp
@@ -32,14 +30,16 @@ class Block(torch.nn.Module):
 
 
 class Net(torch.nn.Module):
-    """Two shard units, BatchNorm buffers (broadcast from rank 0), dropout (each rank's own stream)."""
+    """Four shard units (stage 3 regathers all but the last two in backward), BatchNorm buffers (broadcast from rank
+    0), dropout (each rank's own stream)."""
 
     def __init__(self, d: int = 6, dropout: float = 0.2):
         super().__init__()
-        self.a, self.b, self.head, self.drop = Block(d), Block(d), torch.nn.Linear(d, 3), torch.nn.Dropout(dropout)
+        self.blocks = torch.nn.Sequential(*(Block(d) for _ in range(4)))
+        self.head, self.drop = torch.nn.Linear(d, 3), torch.nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.drop(self.b(self.a(x))))
+        return self.head(self.drop(self.blocks(x)))
 
 
 def _model(dropout: float = 0.2, dtype: torch.dtype = torch.float64) -> Net:
@@ -178,3 +178,46 @@ def test_checkpoints_move_between_shapes(tmp_path, stage):
     on, _ = _train(comm, stage, state=saved, steps=2)
     resumed, _ = _train(comm, stage, state=back, steps=2)
     _close(_params(on, comm), _params(resumed, comm), 0.0)
+
+
+def _gathers(comm: CountingCommunicator, axis: str) -> tuple[int, float]:
+    rows = [r for r in comm.records if r.op == "all_gather" and r.axis == axis]
+    return len(rows), sum(r.bytes for r in rows)
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (2, 3)])
+def test_hpz_regathers_within_the_node_and_changes_no_bit(shape):
+    """hpZ: the state sharded over all R*S ranks; each unit's backward regather reads the secondary slices held within
+    its node (a shard group of the mesh). Bitwise the flat world's results; every backward gather on the "node" axis
+    (none crosses nodes), moving the same elements as the flat world's backward gathers, (S-1)/S of each buffer."""
+    world = shape[0] * shape[1]
+    flat_comm = CountingCommunicator(SimulatedWorld(world))
+    flat, flat_metrics = _train(flat_comm, 3)
+    comm = CountingCommunicator(SimulatedWorld(world, mesh=shape, hpz=True))
+    hpz, hpz_metrics = _train(comm, 3)
+    assert repr(comm.inner) == f"SimulatedWorld({world}, hpz mesh={shape})"
+    assert comm.world_size == world and comm.replicas == 1 and comm.node.world_size == shape[1]
+    _close(_params(flat, flat_comm), _params(hpz, comm), 0.0)
+    assert [m["loss"].item() for m in flat_metrics] == [m["loss"].item() for m in hpz_metrics]
+    flat_n, flat_bytes = _gathers(flat_comm, "shard")
+    fwd_n, fwd_bytes = _gathers(comm, "shard")
+    node_n, node_bytes = _gathers(comm, "node")
+    assert node_n > 0 and fwd_n + node_n == flat_n
+    w, s = world, shape[1]
+    assert node_bytes == pytest.approx((flat_bytes - fwd_bytes) * (s - 1) / s * w / (w - 1))
+
+
+def test_hpz_secondary_memory_is_reported_and_eager_only():
+    """memory_report's gather buffers grow by the secondary slices (the units' gathered bytes / S, per rank); a
+    compiled step is refused by name; hpZ needs a mesh."""
+    plain, hpz = SimulatedWorld(4), SimulatedWorld(4, mesh=(2, 2), hpz=True)
+    state = fzero.init_train_state(_model(), fzero.adamw(lr=1e-2), plain, stage=3, units=(Block,))
+    lay = state.shard.layout
+    a = fzero.memory_report(lay, fzero.adamw(lr=1e-2), stage=3, comm=plain).step_buffers["fzero::gather"]
+    b = fzero.memory_report(lay, fzero.adamw(lr=1e-2), stage=3, comm=hpz).step_buffers["fzero::gather"]
+    units = sum(g.padded_numel * 8 for g in lay.groups if g.bucket > 0)
+    assert b - a == pytest.approx(4 * units / 2 / 4)  # every row's slices, per local rank
+    with pytest.raises(NotImplementedError, match="hpZ keeps secondary shards in eager stage-3 steps"):
+        fzero.make_train_step(fzero.module_loss(_model(), torch.nn.functional.mse_loss), hpz, compile=True)
+    with pytest.raises(ValueError, match="hpz=True.* needs a mesh"):
+        SimulatedWorld(4, hpz=True)

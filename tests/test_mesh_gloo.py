@@ -16,7 +16,7 @@ from fzero.quantized import QuantizedCommunicator
 import fzero
 import test_mesh as tm
 
-CASES = ["train1", "train2", "train3", "train2_accum", "train2_quantized", "train3_quantized", "wrong"]
+CASES = ["train1", "train2", "train3", "train2_accum", "train2_quantized", "train3_quantized", "train3_hpz", "wrong"]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -47,11 +47,31 @@ def test_gloo_mesh_equals_the_simulated_mesh_bitwise(gloo, case):
         assert torch.equal(state.rng[0][rank], got["rng"])
         assert [m["loss"] for m in metrics] == got["loss"]
         assert [m["grad_norm"] for m in metrics] == got["grad_norm"]
-        # bytes per axis: what one rank sends, as the simulated world counts it (not stage 3's shard axis: a real
-        # rank also all-gathers its unit-call tags, and gathers units fewer times than the simulated world counts)
+        # bytes per axis: what one rank sends, as the simulated world counts it; not stage 3's gathers: there each
+        # simulated rank's run gathers every rank's rows (counted once per rank), and a real rank all-gathers its
+        # unit-call tags
         axes = ("replica", "world") if stage == 3 else ("shard", "replica", "world")
         per_axis = {ax: sum(b for _, a, _, b in got["records"] if a == ax) for ax in axes}
         assert per_axis == {ax: comm.totals(axis=ax)["bytes"] for ax in axes}
+
+
+def test_gloo_hpz_equals_the_flat_world_bitwise_and_regathers_within_nodes(gloo):
+    """hpZ on four gloo ranks (2 nodes of 2): bitwise the simulated flat world's results; its backward regathers on
+    the node axis, as many bytes per rank as the simulated hpZ world counts per rank's run."""
+    flat = SimulatedWorld(4)
+    state, metrics = tm._train(flat, 3)
+    want = tm._params(state, flat)
+    sim = CountingCommunicator(SimulatedWorld(4, mesh=(2, 2), hpz=True))
+    tm._train(sim, 3)
+    sim_node = sum(r.bytes for r in sim.records if r.axis == "node")
+    for rank in range(4):
+        got = _result(gloo, rank, "train3_hpz")
+        assert "hpz mesh=(2, 2)" in got["repr"]
+        assert all(torch.equal(a[rank], b) for a, b in zip(want, got["params"]))
+        assert [m["loss"] for m in metrics] == got["loss"]
+        node = [(op, b) for op, a, _, b in got["records"] if a == "node"]
+        assert node and all(op == "all_gather" for op, _ in node)
+        assert 4 * sum(b for _, b in node) == sim_node
 
 
 def test_wrong_mesh_is_a_named_error_on_every_rank(gloo):

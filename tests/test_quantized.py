@@ -47,7 +47,8 @@ def test_a_value_is_off_by_at_most_half_its_blocks_step(data, bits, block, rows,
 
 
 @settings(deadline=None)
-@given(st.data(), st.sampled_from([4, 8]), st.sampled_from([2, 3, 4]), st.integers(1, 300), st.sampled_from(["sum", "avg"]))
+@given(st.data(), st.sampled_from([4, 8]), st.sampled_from([2, 3, 4]), st.integers(1, 300),
+       st.sampled_from(["sum", "avg"]))
 def test_reduce_scatter_is_off_by_at_most_the_ranks_half_steps(data, bits, world, n, op):
     """qgZ: each rank's chunk quantized once, on its way to the chunk's owner; the sum of the dequantized chunks in
     float32 is off from the exact sum by at most the sum of the ranks' half steps (over W for avg)."""
@@ -91,6 +92,10 @@ def test_non_finite_gradient_still_skips_the_step():
     assert all(torch.equal(a, b) for a, b in zip(state.shard.master, new.shard.master))
 
 
+def _token_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
 def _gpt_like(dim: int = 64) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Embedding(64, dim), torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
@@ -111,7 +116,7 @@ def test_bytes_on_the_wire_against_bf16(bits, most):
         model = _gpt_like()
         precision = fzero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
         state = fzero.init_train_state(model, fzero.adamw(lr=1e-3), comm, stage=2, precision=precision)
-        loss = fzero.module_loss(model, lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()))
+        loss = fzero.module_loss(model, _token_loss)
         step = fzero.make_train_step(loss, comm)
         counter.reset()
         step(state, comm.split_batch((ids, ids)))
@@ -139,7 +144,7 @@ def test_training_stays_close_to_full_precision():
         model = _gpt_like()
         state = fzero.init_train_state(model, fzero.adamw(lr=3e-3), comm, stage=2,
                                        precision=fzero.MixedPrecision(param_dtype=torch.bfloat16))
-        loss = fzero.module_loss(model, lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()))
+        loss = fzero.module_loss(model, _token_loss)
         step = fzero.make_train_step(loss, comm)
         data = torch.Generator().manual_seed(1)
         losses = []

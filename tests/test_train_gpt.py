@@ -131,6 +131,8 @@ def test_main_job_on_a_mesh_with_quantized_collectives(tmp_path, capsys):
     assert "4 ranks x 1 micro-batch(es)" in log and "the state sharded over 2" in log
     mod.main(["--mesh", "1,2", "--steps", "2", "--out", str(tmp_path), *SMALL])
     assert "SimulatedWorld(2, mesh=(1, 2): flat, one shard group)" in capsys.readouterr().out
+    mod.main(["--mesh", "2,2", "--hpz", "--stage", "3", "--steps", "2", "--out", str(tmp_path), *SMALL])
+    assert "world: SimulatedWorld(4, hpz mesh=(2, 2)), ZeRO stage 3" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"mesh \(2, 2\).*world size 3"):
         mod.main(["--mesh", "2,2", "--world-size", "3", "--steps", "2", "--out", str(tmp_path), *SMALL])
     spec = importlib.util.spec_from_file_location("compare_quantized", EXAMPLES / "compare_quantized.py")

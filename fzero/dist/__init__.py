@@ -74,16 +74,20 @@ class TorchCommunicator(Communicator):
     ``init_process_group`` the same bound for what runs outside the step). ``self.timeout``: the bound in seconds, or
     ``None`` for none. ``mesh`` (instead of ``group``; :func:`fzero.comm.mesh_groups`): HSDP over the world, a process
     group per shard group and per replica group (every rank creates them all, in one order; a wrong mesh raises
-    ``ValueError`` before any collective); the replica axis is a ``TorchCommunicator`` of its own, ``self.replica``."""
+    ``ValueError`` before any collective); the replica axis is a ``TorchCommunicator`` of its own, ``self.replica``.
+    ``hpz=True`` (with a mesh; ZeRO++ hpZ): the state sharded over the whole world, and ``self.node`` a
+    ``TorchCommunicator`` over this rank's shard group, within which stage 3 regathers for backward."""
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, reduce_scatter_via: Optional[str] = None,
                  timeout: Optional[Union[float, datetime.timedelta]] = None, all_gather_via: Optional[str] = None,
-                 mesh: Optional[Mesh] = None):
+                 mesh: Optional[Mesh] = None, hpz: bool = False):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchCommunicator needs an initialised default process group: call "
                                "torch.distributed.init_process_group (e.g. under torchrun) first")
         self.replica: Optional[TorchCommunicator] = None
         self._mesh, self._data_rank, self._groups = "", dist.get_rank(group), ()
+        if hpz and mesh is None:
+            raise ValueError("TorchCommunicator(hpz=True) needs a mesh: its shard groups are the nodes")
         if mesh is not None:
             if group is not None:
                 raise ValueError("TorchCommunicator: give a group or a mesh, not both")
@@ -92,7 +96,11 @@ class TorchCommunicator(Communicator):
             replica_groups = [dist.new_group(list(c)) for c in zip(*groups)]
             q = next(i for i, g in enumerate(groups) if self._data_rank in g)
             group, self._mesh = shard_groups[q], ", " + mesh_text(groups)
-            if len(groups) > 1:
+            if hpz:
+                self.node = TorchCommunicator(group, timeout=timeout, reduce_scatter_via=reduce_scatter_via,
+                                              all_gather_via=all_gather_via)
+                group, self._mesh, self._groups = None, ", hpz " + mesh_text(groups), ()
+            elif len(groups) > 1:
                 self.replica = TorchCommunicator(replica_groups[groups[q].index(self._data_rank)], timeout=timeout,
                                                  reduce_scatter_via=reduce_scatter_via, all_gather_via=all_gather_via)
         # None, not the default group: holding it kept gloo's threads alive past shutdown, and could abort the process

@@ -100,6 +100,7 @@ class FaultyWorld(Communicator):
     def __init__(self, inner: Communicator, faults: Sequence[Fault] = ()):
         self.inner, self.world_size = inner, inner.world_size
         self.local_ranks, self.ranks, self.replicas = inner.local_ranks, inner.ranks, inner.replicas
+        self.node = inner.node
         for f in faults:
             if not isinstance(f, (GradFault, CorruptResult, Delay)):
                 raise TypeError(f"FaultyWorld: not a fault: {f!r}")
