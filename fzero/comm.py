@@ -109,6 +109,11 @@ class Communicator:
     ranks: tuple[int, ...]  # each local row's rank in its shard group: the shard it holds
     replicas: int = 1  # copies of the sharded state (a mesh's replica axis); the batch: world_size * replicas parts
     node: "Optional[Communicator]" = None  # hpZ: this rank's shard group (a node), where stage 3 regathers for backward
+    traced: bool = False  # its collectives are being traced into a graph (see ``tracing``)
+    overlaps: bool = False  # they may run on a thread of their own while backward goes on
+    # what one gradient reduction allocates beside its result, per element of one rank's input (memory_report)
+    reduce_scatter_buffers: float = 0.0
+    all_reduce_buffers: float = 0.0
 
     @property
     def data_ranks(self) -> tuple[int, ...]:
@@ -120,11 +125,17 @@ class Communicator:
     def data_world_size(self) -> int:
         """The ranks the batch is split over: ``world_size * replicas``."""
         return self.world_size * self.replicas
-    traced: bool = False  # its collectives are being traced into a graph (see ``tracing``)
-    overlaps: bool = False  # they may run on a thread of their own while backward goes on
-    # what one gradient reduction allocates beside its result, per element of one rank's input (memory_report)
-    reduce_scatter_buffers: float = 0.0
-    all_reduce_buffers: float = 0.0
+
+    def wrapping(self, inner: "Communicator", capabilities: bool = True) -> None:
+        """Make this a wrapper of ``inner`` with its world's shape (sizes, ranks, replicas, node) and, with
+        ``capabilities``, its ``overlaps`` and buffer factors: in one place, so no wrapper misses what the protocol
+        gains."""
+        self.inner, self.world_size, self.local_ranks = inner, inner.world_size, inner.local_ranks
+        self.ranks, self.replicas, self.node = inner.ranks, inner.replicas, inner.node
+        if capabilities:
+            self.overlaps = inner.overlaps
+            self.reduce_scatter_buffers = inner.reduce_scatter_buffers
+            self.all_reduce_buffers = inner.all_reduce_buffers
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         """``[R, ...] -> [R, ...]``, ``op`` in sum/avg/max (``avg``: the sum divided by ``W``, everywhere)."""
@@ -269,21 +280,18 @@ class SimulatedWorld(Communicator):
     def __init__(self, world_size: int, *, mesh: Optional[Mesh] = None, hpz: bool = False):
         if not (isinstance(world_size, int) and world_size >= 1):
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        if hpz:
-            if mesh is None:
-                raise ValueError("SimulatedWorld(hpz=True) needs a mesh: its shard groups are the nodes")
-            self.__init__(world_size)
-            self.node = SimulatedWorld(world_size, mesh=mesh)
-            self._text = ", hpz " + mesh_text(mesh_groups(mesh, world_size))
-            return
+        if hpz and mesh is None:
+            raise ValueError("SimulatedWorld(hpz=True) needs a mesh: its shard groups are the nodes")
         groups = None if mesh is None else mesh_groups(mesh, world_size)
-        self._text = "" if groups is None else ", " + mesh_text(groups)
+        self._text = "" if groups is None else (", hpz " if hpz else ", ") + mesh_text(groups)
+        if hpz:  # the state over every rank; the mesh's groups only where stage 3 regathers
+            self.node, groups = SimulatedWorld(world_size, mesh=mesh), None
         # one group in rank order: the flat world's code and bits
         self._groups = None if groups is None or groups == (tuple(range(world_size)),) else groups
         shards = world_size if self._groups is None else len(groups[0])
         self.world_size, self.local_ranks, self.replicas = shards, world_size, world_size // shards
-        self.ranks = tuple(range(world_size)) if groups is None else \
-            tuple(sorted((r, j) for g in groups for j, r in enumerate(g))[i][1] for i in range(world_size))
+        place = {r: j for g in groups or (range(world_size),) for j, r in enumerate(g)}  # each rank's shard
+        self.ranks = tuple(place[r] for r in range(world_size))
         self.reduce_scatter_buffers, self.all_reduce_buffers = 0.0, float(shards)  # the sum, one per row
         self._flat = self if self._groups is None else SimulatedWorld(shards)
 
@@ -383,10 +391,8 @@ class CountingCommunicator(Communicator):
     """Wraps a communicator and records every collective it runs, in the order issued (traced: once, while tracing)."""
 
     def __init__(self, inner: Communicator, records: Optional[list[CollectiveRecord]] = None, axis: str = "shard"):
-        self.inner, self.overlaps = inner, inner.overlaps
-        self.world_size, self.local_ranks, self.ranks = inner.world_size, inner.local_ranks, inner.ranks
-        self.reduce_scatter_buffers, self.all_reduce_buffers = inner.reduce_scatter_buffers, inner.all_reduce_buffers
-        self.replicas, self.records, self._axis = inner.replicas, [] if records is None else records, axis
+        self.wrapping(inner)
+        self.records, self._axis = [] if records is None else records, axis
         # hpZ's node: counted into the same records, on the "node" axis
         self.node = None if inner.node is None else CountingCommunicator(inner.node, self.records, "node")
 

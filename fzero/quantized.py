@@ -78,10 +78,8 @@ class QuantizedCommunicator(Communicator):
             raise ValueError(f"QuantizedCommunicator: grads must be 4, 8 or None, got {grads!r}")
         if not (isinstance(block, int) and block >= 2 and block % 2 == 0):
             raise ValueError(f"QuantizedCommunicator: block must be an even int >= 2, got {block!r}")
-        self.inner, self.weights, self.grads, self.block = inner, weights, grads, block
-        self.world_size, self.local_ranks, self.ranks = inner.world_size, inner.local_ranks, inner.ranks
-        self.replicas, self.overlaps, self.node = inner.replicas, inner.overlaps, inner.node  # hpZ: not quantized
-        self.reduce_scatter_buffers, self.all_reduce_buffers = inner.reduce_scatter_buffers, inner.all_reduce_buffers
+        self.wrapping(inner)  # hpZ's node gathers are not quantized
+        self.weights, self.grads, self.block = weights, grads, block
 
     def __repr__(self) -> str:
         return f"QuantizedCommunicator({self.inner!r}, weights={self.weights}, grads={self.grads}, block={self.block})"

@@ -94,7 +94,7 @@ def test_mesh_trains_as_the_flat_world(shape, stage, accum):
     assert mesh.shard.layout.world_size == shape[1]
     _close(_params(flat, SimulatedWorld(world)), _params(mesh, mesh_comm), 1e-12)
     for a, b in zip(flat_metrics, mesh_metrics):
-        assert abs(a["loss"].item() - b["loss"].item()) <= 1e-6  # the mean loss is float32
+        assert abs(a["loss"].item() - b["loss"].item()) <= 2**-23 * abs(a["loss"].item())  # float32: one rounding
         assert abs(a["grad_norm"].item() - b["grad_norm"].item()) <= 1e-12
     for g, rows in zip(mesh.shard.layout.groups, mesh.shard.master):  # each copy of shard j: the same bits
         for j in range(shape[1]):

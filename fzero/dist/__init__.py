@@ -93,7 +93,8 @@ class TorchCommunicator(Communicator):
                 raise ValueError("TorchCommunicator: give a group or a mesh, not both")
             groups = self._groups = mesh_groups(mesh, dist.get_world_size())
             shard_groups = [dist.new_group(list(g)) for g in groups]
-            replica_groups = [dist.new_group(list(c)) for c in zip(*groups)]
+            # every rank creates every group, in one order (hpZ has no replica axis)
+            replica_groups = [] if hpz else [dist.new_group(list(c)) for c in zip(*groups)]
             q = next(i for i, g in enumerate(groups) if self._data_rank in g)
             group, self._mesh = shard_groups[q], ", " + mesh_text(groups)
             if hpz:

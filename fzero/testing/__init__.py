@@ -83,9 +83,7 @@ class GatherTracker(Communicator):
     output counts until its last reference (or a view's) is dropped; ``peak_bytes``: the high-water mark."""
 
     def __init__(self, inner: Communicator):
-        self.inner, self.world_size = inner, inner.world_size
-        self.local_ranks, self.ranks, self.replicas = inner.local_ranks, inner.ranks, inner.replicas
-        self.node = inner.node
+        self.wrapping(inner, capabilities=False)
         self.live_bytes = self.peak_bytes = 0
 
     def reset_peak(self) -> None:

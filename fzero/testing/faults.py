@@ -98,9 +98,7 @@ class FaultyWorld(Communicator):
     (only where ``comm.ranks`` holds the fault's ``rank``; on the simulated world, that row)."""
 
     def __init__(self, inner: Communicator, faults: Sequence[Fault] = ()):
-        self.inner, self.world_size = inner, inner.world_size
-        self.local_ranks, self.ranks, self.replicas = inner.local_ranks, inner.ranks, inner.replicas
-        self.node = inner.node
+        self.wrapping(inner, capabilities=False)
         for f in faults:
             if not isinstance(f, (GradFault, CorruptResult, Delay)):
                 raise TypeError(f"FaultyWorld: not a fault: {f!r}")
