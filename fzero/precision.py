@@ -8,6 +8,7 @@ Imports: layout.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Optional
 
 import torch
@@ -84,10 +85,16 @@ class MixedPrecision:
         return kept.__contains__ if kept else None
 
 
+# oneDNN's instruction-set caps (ONEDNN_MAX_CPU_ISA, DNNL_MAX_CPU_ISA) below its bf16 dot products
+_ONEDNN_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
 def native_bf16(device: Optional[torch.device] = None) -> tuple[bool, str]:
     """Whether ``device`` (default: CUDA if available, else the CPU) computes bfloat16 natively, and
-    why: CUDA with ``torch.cuda.is_bf16_supported()``, or a CPU with AVX512-BF16 or AMX. Elsewhere
-    bf16 matmuls are emulated (measured 3.5x slower than fp32 on a CPU without them)."""
+    why: CUDA with ``torch.cuda.is_bf16_supported()``, or a CPU with AVX512-BF16 or AMX whose kernels
+    this process may use: ATen's AVX-512 ones (not capped by ``ATEN_CPU_CAPABILITY``) and oneDNN's (not
+    capped below bf16 by ``ONEDNN_MAX_CPU_ISA``). Elsewhere bf16 matmuls are emulated (measured 3.5x
+    slower than fp32 on a CPU without them)."""
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         ok = torch.cuda.is_bf16_supported()
@@ -96,6 +103,15 @@ def native_bf16(device: Optional[torch.device] = None) -> tuple[bool, str]:
         return False, f"no bf16 detection for {device.type}"
     found = [name for name, probe in (("AVX512-BF16", torch.cpu._is_avx512_bf16_supported),
                                       ("AMX", torch.cpu._is_amx_tile_supported)) if probe()]
-    if found:
-        return True, f"the CPU has {' and '.join(found)}"
-    return False, "the CPU has neither AVX512-BF16 nor AMX (bf16 would be emulated, slower than fp32)"
+    if not found:
+        return False, "the CPU has neither AVX512-BF16 nor AMX (bf16 would be emulated, slower than fp32)"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith("AVX512"):
+        return False, (f"the CPU has {' and '.join(found)}, but ATen runs its {capability} kernels "
+                       "(ATEN_CPU_CAPABILITY): bf16 would be emulated, slower than fp32")
+    cap = next((f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+                if os.environ.get(k, "").upper() in _ONEDNN_WITHOUT_BF16), None)
+    if cap is not None:
+        return False, f"the CPU has {' and '.join(found)}, but oneDNN is capped below bf16 ({cap}): bf16 would be " \
+                      "emulated, slower than fp32"
+    return True, f"the CPU has {' and '.join(found)}"

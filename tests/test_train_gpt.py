@@ -8,6 +8,7 @@ on 2 gloo ranks.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -70,9 +71,11 @@ def test_dtype_auto_follows_the_hardware(monkeypatch):
     import fzero
 
     native, why = fzero.precision.native_bf16(torch.device("cpu"))
-    probes = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    if probes is not None:
-        assert native == (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    hardware = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    capped = {os.environ.get(k, "").upper() for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
+    kernels = torch.backends.cpu.get_cpu_capability().startswith("AVX512") and \
+        not capped & fzero.precision._ONEDNN_WITHOUT_BF16
+    assert native == (hardware and kernels), why
     assert why
     mod = _train_gpt()
     monkeypatch.setattr(fzero.precision, "native_bf16", lambda: (False, "the CPU has neither"))
@@ -81,6 +84,31 @@ def test_dtype_auto_follows_the_hardware(monkeypatch):
     assert mod.choose_dtype("auto") == ("bf16", "--dtype auto: the CPU has AMX")
     assert mod.choose_dtype("fp16")[0] == "fp16"
     assert mod.parse_args([]).dtype == "auto"
+
+
+@pytest.mark.parametrize("hardware,capability,onednn,native", [
+    (True, "AVX512", None, True), (True, "AVX512", "AVX512_CORE_AMX", True), (False, "AVX512", None, False),
+    (True, "AVX2", None, False), (True, "AVX512", "AVX2", False), (True, "AVX512", "avx512_core", False)])
+def test_bf16_is_native_only_where_the_kernels_that_run_have_it(monkeypatch, hardware, capability, onednn, native):
+    """The hardware probes, ATen's kernels (``ATEN_CPU_CAPABILITY`` caps them: an AVX2-only CPU's, on any CPU) and
+    oneDNN's cap (``ONEDNN_MAX_CPU_ISA``) all decide, and the reason names the one that said no."""
+    import torch
+
+    import fzero
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: hardware)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    if onednn is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", onednn)
+    got, why = fzero.precision.native_bf16(torch.device("cpu"))
+    assert got == native, why
+    expected = "AVX512-BF16" if native else "neither" if not hardware else capability if capability != "AVX512" \
+        else f"ONEDNN_MAX_CPU_ISA={onednn}"
+    assert expected in why, why
 
 
 RESUME = ["--d-model", "32", "--layers", "1", "--heads", "2", "--context", "16", "--batch", "8",
