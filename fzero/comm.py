@@ -92,8 +92,9 @@ def mesh_text(groups: tuple[tuple[int, ...], ...]) -> str:
 
 
 def rank_order_sum(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A new ``rows[0] + rows[1] + ...``, one row at a time in rank order in the rows' dtype (as a ring adds on the
-    wire): the one definition of a reduce-scatter's sum, so every communicator and path gives the same bits."""
+    """A new ``rows[0] + rows[1] + ...``, one row at a time in rank order in the rows' dtype: the one definition of a
+    reduce-scatter's and an all-reduce's sum, so every communicator and path gives the same bits (each element a chain
+    of IEEE additions, whatever the CPU's vector width)."""
     total = rows[0] + rows[1] if len(rows) > 1 else rows[0].clone()
     for row in rows[2:]:
         total.add_(row)
@@ -114,6 +115,9 @@ class Communicator:
     # what one gradient reduction allocates beside its result, per element of one rank's input (memory_report)
     reduce_scatter_buffers: float = 0.0
     all_reduce_buffers: float = 0.0
+    # an all-reduce that lets go of its input before its whole sum exists: what it holds beside the input until then
+    # (None: it holds its input throughout)
+    all_reduce_input_buffers: Optional[float] = None
 
     @property
     def data_ranks(self) -> tuple[int, ...]:
@@ -136,6 +140,7 @@ class Communicator:
             self.overlaps = inner.overlaps
             self.reduce_scatter_buffers = inner.reduce_scatter_buffers
             self.all_reduce_buffers = inner.all_reduce_buffers
+            self.all_reduce_input_buffers = inner.all_reduce_input_buffers
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         """``[R, ...] -> [R, ...]``, ``op`` in sum/avg/max (``avg``: the sum divided by ``W``, everywhere)."""
@@ -270,8 +275,9 @@ class Communicator:
 
 
 class SimulatedWorld(Communicator):
-    """All ``world_size`` ranks in one process: a reduce-scatter adds the rows in rank order (:func:`rank_order_sum`:
-    ``fzero.dist``'s point-to-point bits), an all-reduce sums over dim 0; one rank's reductions return their input.
+    """All ``world_size`` ranks in one process: a reduce-scatter and an all-reduce add the rows in rank order
+    (:func:`rank_order_sum`: ``fzero.dist``'s point-to-point bits, at every world size and on every CPU; a sum over
+    dim 0 is a reduction kernel whose order follows the CPU's vector width); one rank's reductions return their input.
     ``mesh`` (:func:`mesh_groups`): rows are the job's ranks, each collective runs per shard group as a world of its
     own, and :meth:`all_reduce_replicas_start` adds each shard's copies in replica order; ``broadcast`` spans all.
     ``hpz=True`` (ZeRO++ hpZ, with a mesh): the state sharded over every rank, and ``node`` the mesh's shard groups,
@@ -319,7 +325,7 @@ class SimulatedWorld(Communicator):
             return x
         if self._groups is not None:
             return self._per_group(x, lambda rows: self._flat.all_reduce(rows, op))
-        total = x.amax(dim=0) if op == "max" else x.sum(dim=0)  # new: averaged in place, the same bits
+        total = x.amax(dim=0) if op == "max" else rank_order_sum(x.unbind(0))  # new: averaged in place
         total = total.div_(self.world_size) if op == "avg" else total
         return total.unsqueeze(0).repeat(self.world_size, *([1] * (x.dim() - 1)))
 

@@ -127,16 +127,20 @@ def _step_buffers(layout: Layout, precision: MixedPrecision, stage: int, rows: i
     # one reduction's own buffers (the communicator states them per element of one rank's input)
     factor = 0.0 if comm is None or world == 1 else comm.all_reduce_buffers if stage == 1 \
         else comm.reduce_scatter_buffers
+    # ZeRO-1's all-reduce may let go of its input before its whole sum exists (rank order, point to point): what it
+    # holds beside the input until then (else the input is held throughout)
+    first = comm.all_reduce_input_buffers if stage == 1 and comm is not None and world > 1 else None
     # one reduction call's buffers beside its result: the communicator's share, the joined copy of small groups
     launches = buckets if stage < 3 else [buckets[0] + buckets[1], *buckets[2:]] if len(buckets) > 1 else buckets
     # (and a cast of the input to another reduce dtype; joined groups are cast, then copied into one buffer)
     casts = any(_size(compute(g)) != _size(reduce(g)) for g in layout.groups)
-    if comm is not None and precision.reduce_dtype in LOW_PRECISION and gradient_divide_factors(world)[0] > 1 \
-            and not casts:
-        factor += 1  # a 16-bit reduction divides a copy of its input by FSDP's pre-factor (a cast's in place of it)
-    cost = [_bytes(b, reduce) * (factor + rows * casts
-                                 + rows * (len(b) > 1 and sum(g.padded_numel for g in b) <= JOIN_NUMEL) * (1 + casts))
-            for b in launches]
+    # a 16-bit reduction divides a copy of its input by FSDP's pre-factor (a cast's in place of it)
+    divided = comm is not None and precision.reduce_dtype in LOW_PRECISION and gradient_divide_factors(world)[0] > 1 \
+        and not casts
+    inputs = [divided + rows * casts + rows * (len(b) > 1 and sum(g.padded_numel for g in b) <= JOIN_NUMEL) * (1 + casts)
+              for b in launches]
+    cost = [_bytes(b, reduce) * (factor + copies if first is None else max(factor, first + copies))
+            for b, copies in zip(launches, inputs)]
     reduction = shards + max(cost, default=0)  # the step runs its reductions one at a time
     if stage < 3:
         same = all(_size(compute(g)) == _size(reduce(g)) == _size(g.master_dtype) for g in layout.groups)

@@ -403,8 +403,10 @@ class C10dCalls:
     (``with C10dCalls() as calls``): ``calls.counts`` by collective."""
 
     # (label, the module attribute TorchCommunicator calls through, on fzero.dist or torch.distributed):
-    # an all-gather is gloo's own or point to point (TorchCommunicator's all_gather_via)
+    # an all-gather is gloo's own or point to point (TorchCommunicator's all_gather_via), an all-reduce likewise
+    # (all_reduce_via: its point-to-point phases are called inside it, not through fzero.dist, so counted once)
     PATCHED = [("all_to_all", "fdist", "point_to_point_reduce_scatter"), ("all_reduce", "dist", "all_reduce"),
+               ("all_reduce", "fdist", "point_to_point_all_reduce"),
                ("all_gather", "fdist", "_c10d_all_gather"), ("all_gather", "fdist", "point_to_point_gather"),
                ("reduce_scatter", "fdist", "_c10d_reduce_scatter")]
 

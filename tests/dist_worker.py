@@ -226,6 +226,25 @@ def case_reduce_scatter_ways(comm):
     return out
 
 
+def case_all_reduce_ways(comm):
+    """This rank's all-reduce of its row of ``cases.reduce_scatter_inputs`` (an odd length: padded point to point),
+    computed each way ``TorchCommunicator`` can, at once, started, and traced (a compiled graph: gloo's operator)."""
+    from fzero.dist import ALL_REDUCE_PATHS
+
+    out = {}
+    for way in ALL_REDUCE_PATHS:
+        c = TorchCommunicator(all_reduce_via=way)
+        traced = c.tracing()
+        for dtype in (torch.float64, torch.float32, torch.bfloat16):
+            x = cases.reduce_scatter_inputs(comm.world_size, dtype)[comm.rank : comm.rank + 1, :-1]
+            for op in ("sum", "avg", "max"):
+                torch._dynamo.reset()
+                compiled = torch.compile(lambda y, _op=op: traced.all_reduce(y, _op), fullgraph=True,
+                                         backend="aot_eager")
+                out[f"{way} {dtype} {op}"] = (c.all_reduce(x, op), c.all_reduce_start(x, op)(), compiled(x))
+    return out
+
+
 def case_stage3_calls(comm):
     return cases.stage3_c10d_calls(comm)
 

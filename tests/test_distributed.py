@@ -23,10 +23,10 @@ W2_CASES = [
     "eager_s2", "eager_s1", "compiled_s1", "compiled_s2", "eager_s3", "compiled_s3", "fsdp_full_vs_stage3", "ddp_adamw", "zero_sgd", "zero_adam", "fsdp",
     "inf_even", "volume", "mismatch", "padding_only", "fp16_40000", "overlap", "branchy",
     "live_tensors", "reduce_scatter_ways", "stage3_calls", "reduction_buffers", "torch_nadam",
-    "muon", "adafactor", "eager_s3_pooled", "gather_ways", "compiled_s2_donating",
+    "muon", "adafactor", "eager_s3_pooled", "gather_ways", "compiled_s2_donating", "all_reduce_ways",
 ]
 W4_CASES = ["eager_s2", "compiled_s2", "inf_even", "volume", "padding_only", "fp16_40000", "ddp_adamw",
-            "reduce_scatter_ways", "reduction_buffers", "gather_ways"]
+            "reduce_scatter_ways", "reduction_buffers", "gather_ways", "all_reduce_ways"]
 
 
 @pytest.fixture(scope="module")
@@ -136,9 +136,10 @@ def test_gloo_adafactor_equals_simulated_world_w2_bitwise(w2):
 
 
 @pytest.mark.parametrize("case,compiled", [("eager_s2", False), ("compiled_s2", True)])
-def test_gloo_equals_simulated_world_w4(w4, case, compiled):
+def test_gloo_equals_simulated_world_w4_bitwise(w4, case, compiled):
+    """Beyond 2 ranks too: every sum adds in rank order on both (``all_reduce_via="rank_order"``, gloo's default)."""
     sim, _, _ = _sim(4, stage=2, compiled=compiled)
-    _compare(_case(w4, case), sim, exact=False, tol=1e-6)
+    _compare(_case(w4, case), sim, exact=True)
 
 
 @pytest.mark.parametrize("fixture,case", [("w2", "compiled_s1"), ("w2", "compiled_s2"), ("w4", "compiled_s2")])
@@ -193,7 +194,7 @@ def test_rank_owning_only_padding_trains(w4):
     per_rank = _case(w4, "padding_only")
     sim = cases.padding_only_rank(fzero.SimulatedWorld(4))
     for r, res in enumerate(per_rank):
-        assert torch.allclose(res[-1][0], sim[-1][0], rtol=1e-6)
+        assert torch.equal(res[-1][0], sim[-1][r])
         assert torch.equal(res[0][0], sim[0][r])
     assert torch.all(per_rank[2][0] == 0) and torch.all(per_rank[3][0] == 0)
 
@@ -211,8 +212,8 @@ def test_gloo_reduce_scatter_ways_equal_the_simulated_world(fixture, world, requ
     """Every way TorchCommunicator computes a reduce-scatter gives the simulated world's
     result; the point-to-point "all_to_all" way (gloo's default) adds in rank order as the
     simulated world does (fzero.comm.rank_order_sum), so bit for bit at any W, signed zeros
-    included; the others equal at W=2 (two terms round alike in either order) and within
-    rounding beyond."""
+    included, and so does "all_reduce" (the rank-order all-reduce, then a slice); the backend's own
+    equals it at W=2 (two terms round alike in either order) and within rounding beyond."""
     from fzero.dist import REDUCE_SCATTER_PATHS
 
     sim = fzero.SimulatedWorld(world)
@@ -224,13 +225,40 @@ def test_gloo_reduce_scatter_ways_equal_the_simulated_world(fixture, world, requ
             want = sim.reduce_scatter(cases.reduce_scatter_inputs(world, dtype), op)[r]
             assert at_once.shape == (1, want.shape[0]) and at_once.dtype == dtype, key
             assert torch.equal(at_once, started), key
-            if way == "all_to_all":
+            if way in ("all_to_all", "all_reduce"):
                 assert torch.equal(at_once[0], want), (r, key)
                 assert torch.equal(torch.signbit(at_once[0]), torch.signbit(want)), (r, key)
             elif world == 2:  # equal values (gloo keeps -0 + -0 negative, a sum from 0 does not)
                 assert torch.equal(at_once[0], want), (r, key)
             else:  # within a few roundings of the terms' magnitude (the sums cancel)
                 terms = sim.reduce_scatter(cases.reduce_scatter_inputs(world, dtype).abs().double(), "sum")[r]
+                eps = torch.finfo(dtype).eps
+                assert ((at_once[0].double() - want.double()).abs() <= 4 * eps * terms).all(), (r, key)
+
+
+@pytest.mark.parametrize("fixture,world", [("w2", 2), ("w4", 4)])
+def test_gloo_all_reduce_ways_equal_the_simulated_world(fixture, world, request):
+    """The rank-order all-reduce (gloo's default) is the simulated world's at every W, bit for bit and signed zeros
+    included, eager (at once and started) and traced, float64 to bfloat16, of a length no W divides; the backend's
+    own equals it at W=2 (two terms round alike in either order) and within rounding beyond; a maximum is exact."""
+    from fzero.dist import ALL_REDUCE_PATHS
+
+    sim = fzero.SimulatedWorld(world)
+    for r, res in enumerate(_case(request.getfixturevalue(fixture), "all_reduce_ways")):
+        assert len(res) == len(ALL_REDUCE_PATHS) * 9
+        for key, (at_once, started, traced) in res.items():
+            way, dtype_name, op = key.split()
+            dtype = getattr(torch, dtype_name.removeprefix("torch."))
+            x = cases.reduce_scatter_inputs(world, dtype)[:, :-1]
+            want = sim.all_reduce(x, op)[r]
+            assert at_once.shape == (1, x.shape[1]) and at_once.dtype == dtype, key
+            assert torch.equal(at_once, started) and torch.equal(at_once, traced), key
+            if way == "rank_order" or world == 2 or op == "max":
+                assert torch.equal(at_once[0], want), (r, key)
+                if way == "rank_order":
+                    assert torch.equal(torch.signbit(at_once[0]), torch.signbit(want)), (r, key)
+            else:  # within a few roundings of the terms' magnitude (the sums cancel)
+                terms = sim.all_reduce(x.abs().double(), "sum")[r]
                 eps = torch.finfo(dtype).eps
                 assert ((at_once[0].double() - want.double()).abs() <= 4 * eps * terms).all(), (r, key)
 

@@ -60,15 +60,19 @@ def test_readme_recommends_the_current_checkpointing_name():
 
 
 def test_parity_claim_states_its_conditions_and_the_tests_meet_them():
-    """The README's "same numbers, bit for bit" names the intra-op thread count and the world
-    size; the gloo tests behind it run every process with that one thread count."""
+    """The README's "same numbers, bit for bit" names the intra-op thread count and the rank-order sums that make it
+    hold at every world size; the gloo tests behind it run every process with that one thread count, and with the
+    communicator's default (rank order) at 4 ranks too."""
     claim = README[:README.index("## Quick start")]
-    assert "bit for bit" in claim and "intra-op" in claim and "set_num_threads" in claim and "2 ranks" in claim
+    assert "bit for bit" in claim and "intra-op" in claim and "set_num_threads" in claim
+    assert "every world size" in claim and 'all_reduce_via="rank_order"' in claim
     import dist_harness
     import test_distributed
 
     assert test_distributed.SIM_THREADS == 1
     assert "torch.set_num_threads(1)" in inspect.getsource(dist_harness.worker_main)
+    assert "TorchCommunicator()" in inspect.getsource(dist_harness.worker_main)
+    assert "eager_s2" in test_distributed.W4_CASES
 
 
 def test_launcher_is_detected():

@@ -19,14 +19,15 @@ import torch.distributed._functional_collectives as funcol
 
 from ..comm import Communicator, Mesh, ReduceOp, mesh_groups, mesh_text, rank_order_sum
 from ..layout import Layout, first_difference
-from .gloo import (C10D_OP, Bound, ScratchPool, average_owned, point_to_point_gather,
+from .gloo import (C10D_OP, Bound, ScratchPool, average_owned, point_to_point_all_reduce, point_to_point_gather,
                    point_to_point_reduce_scatter, waiter)
 
 __all__ = ["TorchCommunicator", "LayoutMismatchError", "REDUCE_SCATTER_PATHS", "ALL_GATHER_PATHS",
-           "DEFAULT_TIMEOUT", "launcher_world_size", "choose_comm"]
+           "ALL_REDUCE_PATHS", "DEFAULT_TIMEOUT", "launcher_world_size", "choose_comm"]
 
 REDUCE_SCATTER_PATHS = ("reduce_scatter", "all_to_all", "all_reduce")
 ALL_GATHER_PATHS = ("all_gather", "point_to_point")
+ALL_REDUCE_PATHS = ("all_reduce", "rank_order")
 # 10 min: a stalled peer must raise CollectiveError in bounded time; room for a slow step or checkpoint save under load
 DEFAULT_TIMEOUT: float = 600.0
 
@@ -68,7 +69,10 @@ class TorchCommunicator(Communicator):
     ``"all_to_all"`` (each rank sends every other its chunk point to point and adds what it received in rank order: the
     simulated world's bits) or ``"all_reduce"`` (and a slice: twice the traffic); default ``"all_to_all"`` on gloo (its
     own is its slowest), else the backend's. ``all_gather_via``: ``"all_gather"`` or ``"point_to_point"`` (gloo's
-    default). ``timeout`` (seconds or a ``timedelta``; ``None``, the default: :data:`DEFAULT_TIMEOUT`, 10 minutes, read
+    default). ``all_reduce_via`` (sums and averages): ``"all_reduce"`` (the backend's, which beyond 2 ranks adds in
+    its algorithm's order) or ``"rank_order"`` (gloo's default: the simulated world's bits at every world size; 2
+    ranks' sum is the same in any order, so there the backend's, beyond a point-to-point reduce-scatter in rank order,
+    then an all-gather: a ring's traffic). ``timeout`` (seconds or a ``timedelta``; ``None``, the default: :data:`DEFAULT_TIMEOUT`, 10 minutes, read
     when the communicator is built; ``float("inf")``: no bound but the process group's own) bounds each wait of a step,
     eager or compiled: a stalled or dead peer raises :class:`~fzero.comm.CollectiveError` (give
     ``init_process_group`` the same bound for what runs outside the step). ``self.timeout``: the bound in seconds, or
@@ -80,7 +84,7 @@ class TorchCommunicator(Communicator):
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, reduce_scatter_via: Optional[str] = None,
                  timeout: Optional[Union[float, datetime.timedelta]] = None, all_gather_via: Optional[str] = None,
-                 mesh: Optional[Mesh] = None, hpz: bool = False):
+                 mesh: Optional[Mesh] = None, hpz: bool = False, all_reduce_via: Optional[str] = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchCommunicator needs an initialised default process group: call "
                                "torch.distributed.init_process_group (e.g. under torchrun) first")
@@ -99,11 +103,12 @@ class TorchCommunicator(Communicator):
             group, self._mesh = shard_groups[q], ", " + mesh_text(groups)
             if hpz:
                 self.node = TorchCommunicator(group, timeout=timeout, reduce_scatter_via=reduce_scatter_via,
-                                              all_gather_via=all_gather_via)
+                                              all_gather_via=all_gather_via, all_reduce_via=all_reduce_via)
                 group, self._mesh, self._groups = None, ", hpz " + mesh_text(groups), ()
             elif len(groups) > 1:
                 self.replica = TorchCommunicator(replica_groups[groups[q].index(self._data_rank)], timeout=timeout,
-                                                 reduce_scatter_via=reduce_scatter_via, all_gather_via=all_gather_via)
+                                                 reduce_scatter_via=reduce_scatter_via, all_gather_via=all_gather_via,
+                                                 all_reduce_via=all_reduce_via)
         # None, not the default group: holding it kept gloo's threads alive past shutdown, and could abort the process
         self._pg = group
         self._name = (group if group is not None else dist.group.WORLD).group_name
@@ -117,7 +122,11 @@ class TorchCommunicator(Communicator):
         all_gather_via = all_gather_via or ("point_to_point" if gloo else "all_gather")
         if all_gather_via not in ALL_GATHER_PATHS:
             raise ValueError(f"all_gather_via must be one of {ALL_GATHER_PATHS}, got {all_gather_via!r}")
+        all_reduce_via = all_reduce_via or ("rank_order" if gloo else "all_reduce")
+        if all_reduce_via not in ALL_REDUCE_PATHS:
+            raise ValueError(f"all_reduce_via must be one of {ALL_REDUCE_PATHS}, got {all_reduce_via!r}")
         self.reduce_scatter_via, self.all_gather_via = reduce_scatter_via, all_gather_via
+        self.all_reduce_via = all_reduce_via
         via_p2p = reduce_scatter_via == "all_to_all"
         if timeout is None:
             timeout = DEFAULT_TIMEOUT  # the module's, as it is now: a program may change it
@@ -131,9 +140,13 @@ class TorchCommunicator(Communicator):
         # beside the result: all_to_all receives the peers' chunks after the first, the others copy the input
         copies = 0.0 if reduce_scatter_via == "reduce_scatter" and not gloo else 1.0
         self.reduce_scatter_buffers = max(self.world_size - 2, 0) / self.world_size if via_p2p else copies
+        # beside the chunk stage 1 keeps: the whole sum; in rank order point to point (fzero.dist.gloo) first, beside
+        # the input, what its reduce-scatter receives (this rank's chunk of the sum among it)
         self.all_reduce_buffers = 1.0
+        self.all_reduce_input_buffers = (self.world_size - 1) / self.world_size if self._rank_order("sum") else None
         self._ops = gloo and self.world_size > 1  # traced: fzero's operators (fzero.dist.gloo)
-        self._tags = [0, 1]  # point to point: gathers even, reductions odd (stage 3 does both at once)
+        # point to point: gathers, reductions, all-reduces each a residue mod 3 (stage 3 gathers while it reduces)
+        self._tags = [0, 1, 2]
         self._pool: Optional[ScratchPool] = None
         self.replicas = 1 if self.replica is None else self.replica.world_size
 
@@ -176,8 +189,8 @@ class TorchCommunicator(Communicator):
         pool = self._pool
         return pool.empty((numel,), like.dtype, like.device) if pool is not None else like.new_empty(numel)
 
-    def _tag(self, kind: int) -> int:  # the next point-to-point tag of a kind (0: gathers, 1: reductions)
-        self._tags[kind] = (self._tags[kind] + 2) % (1 << 30)
+    def _tag(self, kind: int) -> int:  # the next point-to-point tag of a kind (0: gathers, 1: reductions, 2: all-reduces)
+        self._tags[kind] = (self._tags[kind] + 3) % (3 << 28)  # below the traced operators' tags (1 << 30 and up)
         return self._tags[kind]
 
     def _bound(self, collective: str) -> Bound:
@@ -189,6 +202,11 @@ class TorchCommunicator(Communicator):
     def _average(self, total: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         return total / self.world_size if op == "avg" and self.world_size > 1 else total
 
+    def _rank_order(self, op: ReduceOp) -> bool:
+        """Whether an all-reduce of ``op`` runs point to point in rank order: a sum or average beyond 2 ranks (a
+        maximum, and a sum of two, are the same bits in any order)."""
+        return self.all_reduce_via == "rank_order" and op != "max" and self.world_size > 2
+
     def _traced_p2p(self) -> bool:
         return self.traced and self._ops and self.all_gather_via == "point_to_point"
 
@@ -196,13 +214,20 @@ class TorchCommunicator(Communicator):
         self._check_rows(x, "all_reduce")
         if op not in ("sum", "avg", "max"):
             raise ValueError(f"unknown reduce op {op!r}")
+        rank_order = self._rank_order(op)
+        what = f"all_reduce ({op}) of {x[0].numel()} {x.dtype}"
+        if not self.traced and rank_order:
+            sent = x[0].contiguous()
+            done = point_to_point_all_reduce(sent, self._pg, self.rank, self.world_size, (self._tag(2), self._tag(2)),
+                                             lambda numel: self._empty(numel, sent),
+                                             self._bound(what.replace(")", ", point to point)", 1)))
+            return lambda: average_owned(done(), op, self.world_size).unsqueeze(0)
         if not self.traced:
             out = x[0].clone()  # c10d reduces in place; the caller's tensor stays as it was
             work = dist.all_reduce(out, C10D_OP[op], group=self._pg, async_op=True)
-            return waiter(work, lambda: average_owned(out, op, self.world_size).unsqueeze(0),
-                          self._bound(f"all_reduce ({op}) of {out.numel()} {out.dtype}"))
+            return waiter(work, lambda: average_owned(out, op, self.world_size).unsqueeze(0), self._bound(what))
         if self._ops:
-            out = torch.ops.fzero.all_reduce_shard(x[0], self.world_size, -1, op, self._name, self._t())
+            out = torch.ops.fzero.all_reduce_shard(x[0], self.world_size, -1, op, self._name, self._t(), rank_order)
             return lambda: out.unsqueeze(0)
         started = funcol.all_reduce(x[0], "max" if op == "max" else "sum", self._name)
         # functional collectives are waited for in the returned function: states hold plain tensors
@@ -216,7 +241,8 @@ class TorchCommunicator(Communicator):
         self._chunk(x, "all_reduce_shard")
         if op not in ("sum", "avg"):
             raise ValueError(f"all_reduce_shard supports 'sum' and 'avg', got {op!r}")
-        out = torch.ops.fzero.all_reduce_shard(x[0], self.world_size, self.rank, op, self._name, self._t())
+        out = torch.ops.fzero.all_reduce_shard(x[0], self.world_size, self.rank, op, self._name, self._t(),
+                                               self._rank_order(op))
         return lambda: out.unsqueeze(0)
 
     def reduce_scatter_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:

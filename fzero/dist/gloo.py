@@ -20,11 +20,12 @@ import torch.distributed as dist
 from ..comm import CollectiveError
 from ..scopes import GATHER, GRAD_REDUCTION, step_scope
 
-__all__ = ["Bound", "wait", "waiter", "Works", "point_to_point_gather", "point_to_point_reduce_scatter", "ScratchPool",
-           "C10D_OP"]
+__all__ = ["Bound", "wait", "waiter", "Works", "point_to_point_gather", "point_to_point_reduce_scatter",
+           "point_to_point_all_reduce", "ScratchPool", "C10D_OP"]
 
 C10D_OP = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 TRACED_REDUCE_TAG = 1 << 30  # a traced reduce-scatter waits inside its operator: one tag serves them all
+TRACED_ALL_REDUCE_TAGS = ((1 << 30) + 1, (1 << 30) + 2)  # a traced all-reduce's two phases, likewise
 # (collective, rank, timeout in seconds): what a bounded wait names when it gives up
 Bound = Optional[tuple[str, int, float]]
 
@@ -112,6 +113,37 @@ def point_to_point_reduce_scatter(sent: torch.Tensor, group: Optional[dist.Proce
                                                   out)
 
 
+def point_to_point_all_reduce(sent: torch.Tensor, group: Optional[dist.ProcessGroup], rank: int, world: int,
+                              tags: tuple[int, int], empty: Callable[[int], torch.Tensor],
+                              bound: Bound) -> Callable[[], torch.Tensor]:
+    """Start an all-reduce (sum) of ``sent`` (``[n]``, contiguous) whose every element is the ranks' values added in
+    rank order, as :func:`fzero.comm.rank_order_sum` adds them in the simulated world, at every world size (beyond
+    2 ranks the backend's all-reduce adds in an order of its algorithm's choosing). Two phases, the traffic of a ring
+    all-reduce (``2 (world - 1) / world`` of ``sent`` out of each rank): :func:`point_to_point_reduce_scatter` of
+    ``sent`` zero-padded to ``world`` equal chunks of ``m``; then, once that is done and ``sent`` let go of,
+    :func:`point_to_point_gather` of the chunks into a new ``[world * m]`` (tags: one per phase). Beside the result:
+    ``(world - 1) m`` received in the first phase, this rank's chunk in the second. Returns the wait (each phase
+    within ``bound``): the ``[n]`` sum, a view of that buffer."""
+    n = sent.numel()
+    m = -(-n // world)
+    padded = sent if n == world * m else torch.cat([sent, sent.new_zeros(world * m - n)])
+    works, total = point_to_point_reduce_scatter(padded, group, rank, world, tags[0], empty)
+    pending = [works, total]
+    del padded, works, total  # what the reduce-scatter reads is held by its works until they are waited for
+
+    def done() -> torch.Tensor:
+        works, total = pending
+        pending.clear()
+        wait(works, bound)
+        mine = total()
+        del works, total  # ``sent`` and the received terms: let go before the result is allocated
+        out = mine.new_empty(world * m)
+        wait(point_to_point_gather(out, mine, group, rank, world, tags[1]), bound)
+        return out[:n]
+
+    return done
+
+
 def average_owned(total: torch.Tensor, op: str, world: int) -> torch.Tensor:
     """``avg``'s division in place, for a result buffer the collective allocated itself."""
     return total.div_(world) if op == "avg" and world > 1 else total
@@ -169,14 +201,19 @@ def _(sent: torch.Tensor, world: int, op: str, group_name: str, timeout: float) 
 
 
 @torch.library.custom_op("fzero::all_reduce_shard", mutates_args=())
-def _all_reduce_op(x: torch.Tensor, world: int, rank: int, op: str, group_name: str, timeout: float) -> torch.Tensor:
-    """``all_reduce`` of a copy of ``x``; ``rank`` -1 returns the whole, a rank its chunk ``[numel / world]``
-    (ZeRO-1: the whole sum is freed inside, so a compiled stage-1 step holds one group's sum at a time)."""
+def _all_reduce_op(x: torch.Tensor, world: int, rank: int, op: str, group_name: str, timeout: float,
+                   rank_order: bool) -> torch.Tensor:
+    """``all_reduce`` of ``x``: with ``rank_order`` :func:`point_to_point_all_reduce`'s, else c10d's of a copy;
+    ``rank`` -1 returns the whole, a rank its chunk ``[numel / world]`` (ZeRO-1: the whole sum is freed
+    inside, so a compiled stage-1 step holds one group's sum at a time)."""
     group, bound = _group_and_bound(group_name, f"all_reduce ({op}) of {x.numel()} {x.dtype}", timeout)
     with step_scope(GRAD_REDUCTION):
-        out = x.clone()
-        work = dist.all_reduce(out, C10D_OP[op], group=group, async_op=True)
-        wait(work, bound)
+        if rank_order:
+            out = point_to_point_all_reduce(x.contiguous(), group, dist.get_rank(group), world,
+                                            TRACED_ALL_REDUCE_TAGS, x.new_empty, bound)()
+        else:
+            out = x.clone()
+            wait(dist.all_reduce(out, C10D_OP[op], group=group, async_op=True), bound)
         if rank >= 0:
             n = x.numel() // world
             out = out[rank * n:(rank + 1) * n].clone()
@@ -184,7 +221,8 @@ def _all_reduce_op(x: torch.Tensor, world: int, rank: int, op: str, group_name: 
 
 
 @_all_reduce_op.register_fake
-def _(x: torch.Tensor, world: int, rank: int, op: str, group_name: str, timeout: float) -> torch.Tensor:
+def _(x: torch.Tensor, world: int, rank: int, op: str, group_name: str, timeout: float,
+      rank_order: bool) -> torch.Tensor:
     return torch.empty_like(x) if rank < 0 else x.new_empty(x.numel() // world)
 
 
