@@ -139,8 +139,11 @@ def _step_buffers(layout: Layout, precision: MixedPrecision, stage: int, rows: i
         and not casts
     inputs = [divided + rows * casts + rows * (len(b) > 1 and sum(g.padded_numel for g in b) <= JOIN_NUMEL) * (1 + casts)
               for b in launches]
-    cost = [_bytes(b, reduce) * (factor + copies if first is None else max(factor, first + copies))
-            for b, copies in zip(launches, inputs)]
+    if first is None:
+        factor += divided  # the divided copy is held throughout, as the communicator's own buffers
+        cost = [_bytes(b, reduce) * (factor + copies - divided) for b, copies in zip(launches, inputs)]
+    else:  # its input copies let go of before the whole sum exists
+        cost = [_bytes(b, reduce) * max(factor, first + copies) for b, copies in zip(launches, inputs)]
     reduction = shards + max(cost, default=0)  # the step runs its reductions one at a time
     if stage < 3:
         same = all(_size(compute(g)) == _size(reduce(g)) == _size(g.master_dtype) for g in layout.groups)
