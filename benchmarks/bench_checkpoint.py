@@ -27,10 +27,10 @@ import zlib
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 import fzero
 import fzero.checkpoint.planners as planners
-import torch.distributed.checkpoint as dcp
 
 
 def _state(mb: int, comm: fzero.Communicator) -> fzero.TrainState:

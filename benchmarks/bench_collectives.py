@@ -37,8 +37,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 import torch
 

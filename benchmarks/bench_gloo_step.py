@@ -90,8 +90,8 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable, Optional
 
 import torch
 
@@ -217,7 +217,7 @@ class Runner:
     tensors: Callable[[], dict[str, list[torch.Tensor]]] = staticmethod(lambda: {})
     note: str = ""
     step_buffers: dict = {}  # fzero: memory_report's prediction of the step's own buffers
-    step_peak: Optional[float] = None  # fzero: ... of them together, at their peak
+    step_peak: float | None = None  # fzero: ... of them together, at their peak
     # the optimizer's state tensors on this rank (bench_muon.py)
     optimizer_tensors: Callable[[], list[torch.Tensor]] = staticmethod(lambda: [])
 

@@ -100,7 +100,6 @@ import sys
 import time
 import traceback
 from datetime import timedelta
-from typing import Optional
 
 import torch
 
@@ -108,8 +107,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from models import LORA_RANK, LORA_TARGETS, GPTConfig, build, random_batch  # noqa: E402
 from fzero.testing.census import malloc_in_use  # noqa: E402
+from models import LORA_RANK, LORA_TARGETS, GPTConfig, build, random_batch  # noqa: E402
 
 WORLD = 2
 MIB = 2.0**20
@@ -160,7 +159,7 @@ def reset_peak_rss() -> bool:
 
 
 # ----------------------------------------------------------------------------- arguments
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", choices=["tiny", "tiny-lora", "hf-gpt2"])
     p.add_argument("--frozen-dtype", choices=["bfloat16", "float16"],
@@ -225,7 +224,7 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def inductor_cache_use() -> Optional[tuple[int, int]]:
+def inductor_cache_use() -> tuple[int, int] | None:
     """``(hits, misses)`` of inductor's FX graph cache in this process so far, or ``None`` where
     nothing was compiled. A compiled system whose warm-up compiled with a cold cache kept about
     100 MiB more RSS at 162M parameters (the compiler's own memory; one launch each), so the
@@ -404,7 +403,7 @@ def _mib(x: float) -> str:
     return f"{x / MIB:.1f}"
 
 
-def _failure(res: dict) -> Optional[str]:
+def _failure(res: dict) -> str | None:
     return res.get("error") or next((r["error"] for r in res.get("ranks", []) if "error" in r), None)
 
 
@@ -502,7 +501,7 @@ def format_long(args: argparse.Namespace, results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def header(args: argparse.Namespace, n_params: Optional[int]) -> str:
+def header(args: argparse.Namespace, n_params: int | None) -> str:
     cfg = config_of(args)
     name = {"tiny": "TinyGPT", "tiny-lora": f"TinyGPT with LoRA r={LORA_RANK} on {', '.join(LORA_TARGETS)}, the rest "
             "frozen"}.get(args.model, "transformers GPT-2 (tied)")
@@ -544,7 +543,7 @@ def format_sizes(per_size: dict[str, dict[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if "LOCAL_RANK" in os.environ:
         worker(args)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -154,7 +154,7 @@ class HFGPT2(nn.Module):
     returning logits, so every benchmarked system runs it as it runs the TinyGPT.
     ``blocks``: its transformer blocks (what FSDP2 and fzero stage 3 shard as units)."""
 
-    def __init__(self, cfg: "GPTConfig", seed: int):
+    def __init__(self, cfg: GPTConfig, seed: int):
         super().__init__()
         import logging
 
@@ -181,7 +181,7 @@ LORA_RANK = 8
 LORA_TARGETS = ["attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"]  # every attention and MLP projection
 
 
-def lora_model(cfg: "GPTConfig", seed: int = 0, rank: int = LORA_RANK) -> nn.Module:
+def lora_model(cfg: GPTConfig, seed: int = 0, rank: int = LORA_RANK) -> nn.Module:
     """:func:`build_model` with ``peft`` LoRA (rank ``rank``, alpha ``2 * rank``) injected in place into every
     attention and MLP projection (``inject_adapter_in_model``: the model keeps its type and ``blocks``), everything
     else frozen: a fine-tuning job. The adapters start as peft starts them (``lora_A`` random from ``seed``,
@@ -197,7 +197,7 @@ def lora_model(cfg: "GPTConfig", seed: int = 0, rank: int = LORA_RANK) -> nn.Mod
     return model
 
 
-def build(kind: str, cfg: "GPTConfig", seed: int = 0) -> nn.Module:
+def build(kind: str, cfg: GPTConfig, seed: int = 0) -> nn.Module:
     """``kind="tiny"``: :func:`build_model`; ``"tiny-lora"``: :func:`lora_model`; ``"hf-gpt2"``: :class:`HFGPT2` of
     the same size."""
     if kind == "tiny":

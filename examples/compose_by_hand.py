@@ -22,14 +22,15 @@ compiles it with ``compile=True``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 import fzero
 
 
-def hand_step(loss_fn: Any, comm: fzero.Communicator, *, clip_norm: Optional[float] = None, accum_steps: int = 1,
+def hand_step(loss_fn: Any, comm: fzero.Communicator, *, clip_norm: float | None = None, accum_steps: int = 1,
               compile: Any = False) -> Callable:
     """``make_train_step(loss_fn, comm, clip_norm=..., accum_steps=..., compile=...)``, by hand."""
     K = accum_steps
@@ -41,13 +42,15 @@ def hand_step(loss_fn: Any, comm: fzero.Communicator, *, clip_norm: Optional[flo
         for k in range(K):
             earlier = total.grads if defer and total is not None else None
 
+            # (reduce and scaled run inside this iteration; state's shard, stage, precision and scaler are the same
+            # in every micro-batch's: only its buffers and generators change)
             def reduce(grads, earlier=earlier):  # each bucket, as backward completes it
-                return fzero.reduce_scatter_grads(state.shard, fzero.accumulate(earlier, grads), comm,
-                                                  via_all_reduce=state.stage == 1,
-                                                  reduce_dtype=state.precision.reduce_dtype)
+                return fzero.reduce_scatter_grads(state.shard, fzero.accumulate(earlier, grads), comm,  # noqa: B023
+                                                  via_all_reduce=state.stage == 1,  # noqa: B023
+                                                  reduce_dtype=state.precision.reduce_dtype)  # noqa: B023
 
             g = fzero.loss_grads(loss_fn, state, fzero.micro_batch(batch, k, K), comm, workspace,
-                                 scaled=lambda loss: fzero.scale(state.scaler, loss),
+                                 scaled=lambda loss: fzero.scale(state.scaler, loss),  # noqa: B023
                                  on_ready=reduce if k == K - 1 or not defer else None)
             state = state.replace(buffers=g.buffers, rng=g.rng)  # BatchNorm statistics, generators
             total = fzero.accumulate(total, g)

@@ -25,8 +25,8 @@ import contextlib
 import logging
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(str(e))
     if args.comm == "torch":
         import torch.distributed as dist
+
         from fzero.dist import TorchCommunicator
 
         dist.init_process_group("gloo")

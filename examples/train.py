@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     if args.comm == "torch":
         import torch.distributed as dist
+
         from fzero.dist import TorchCommunicator
 
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")

@@ -279,6 +279,7 @@ def run(args: argparse.Namespace) -> dict:
         import datetime
 
         import torch.distributed as dist
+
         from fzero.dist import TorchCommunicator
 
         bound = {"timeout": datetime.timedelta(seconds=args.timeout)} if args.timeout else {}

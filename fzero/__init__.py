@@ -31,22 +31,22 @@ collective that did not complete), :class:`ReplicaDivergenceError` (ranks that s
 :class:`CheckpointError` (and its kinds in ``fzero.checkpoint``). Memory: :func:`memory_report` (bytes per rank: the
 ZeRO formula of the layout and the step's buffers)."""
 
-from .comm import CollectiveError, Communicator, SimulatedWorld
-from .memory import memory_report
-from .optim import OptState, Optimizer, adam, adamw, sgd
-from .torch_optim_rules import from_torch_optim
-from .muon_rules import muon
+from . import schedules
 from .adafactor_rules import adafactor
+from .comm import CollectiveError, Communicator, SimulatedWorld
+from .compiled import bind_step
+from .grads import accumulate, loss_grads, micro_batch
+from .memory import memory_report
+from .muon_rules import muon
+from .optim import Optimizer, OptState, adam, adamw, sgd
 from .precision import MixedPrecision
+from .replicas import ReplicaDivergenceError
 from .scaler import ScalerState, init_scaler, scale, static_scaler, unscale_and_check, update_scale
 from .sharding import ShardState, all_gather_params, full_params, init_shard, reduce_scatter_grads, shard_step
-from . import schedules
-from .replicas import ReplicaDivergenceError
-from .weights import pretrained
 from .state import TrainState, init_train_state
-from .grads import accumulate, loss_grads, micro_batch
-from .compiled import bind_step
 from .step import make_train_step, module_loss
+from .torch_optim_rules import from_torch_optim
+from .weights import pretrained
 
 __version__ = "0.1.0"
 

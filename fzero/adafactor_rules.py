@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import ClassVar
 
 import torch
 
@@ -169,7 +170,7 @@ class Adafactor(ShardRule):
             updates.append(update)
         update_sq = comm.all_reduce(norms, "sum")[0].tolist()  # one host read, as above
         # 4. decoupled weight decay and the clipped step, torch's order and Python floats
-        for (row, k, a, p, gr, variance), update in zip(pieces, updates):
+        for (_, k, _, p, _, _), update in zip(pieces, updates):
             hk = h[opt_group[k]]
             _, alpha, _ = scal[k]
             numel = math.prod(slots[k].shape)
@@ -187,8 +188,8 @@ def check_real(layout: Layout) -> None:
                              "not support complex parameters")
 
 
-def adafactor(lr: float = 1e-2, beta2_decay: float = -0.8, eps: tuple[Optional[float], float] = (None, 1e-3),
-              d: float = 1.0, weight_decay: float = 0.0, *, foreach: Optional[bool] = None, maximize: bool = False,
+def adafactor(lr: float = 1e-2, beta2_decay: float = -0.8, eps: tuple[float | None, float] = (None, 1e-3),
+              d: float = 1.0, weight_decay: float = 0.0, *, foreach: bool | None = None, maximize: bool = False,
               groups: Sequence[GroupSpec] = ()) -> Adafactor:
     """``torch.optim.Adafactor(lr, beta2_decay, eps, d, weight_decay, maximize)`` on flat shards, eagerly. ``eps =
     (eps1, eps2)``: ``eps1`` None is the master dtype's eps, a number the hyperparameter. ``groups`` as for

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -35,8 +36,8 @@ def default_bucket_numel(numel: int) -> int:
     return MIN_BUCKET_NUMEL if numel <= SMALL_MODEL_NUMEL else LARGE_BUCKET_NUMEL
 
 
-def size_buckets(params: Any, bucket_numel: Optional[int] = None,
-                 trainable: Optional[Callable[[str], bool]] = None) -> dict[str, int]:
+def size_buckets(params: Any, bucket_numel: int | None = None,
+                 trainable: Callable[[str], bool] | None = None) -> dict[str, int]:
     """``{path: bucket}`` cutting the trainable parameters into buckets of about ``bucket_numel`` elements (default
     :func:`default_bucket_numel` of their total; ``ValueError`` unless a positive int): in reverse registration order
     (backward's, for most models) a bucket closes once it holds ``bucket_numel`` elements; a parameter that large gets
@@ -73,7 +74,7 @@ class Runner:
     (a collective left running could pair with another thread's next one)."""
 
     def __init__(self) -> None:
-        self._thread: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future] = []
 
     def submit(self, threaded: bool, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[[], Any]:
@@ -86,7 +87,7 @@ class Runner:
         self._pending.append(future)
         return future.result
 
-    def __enter__(self) -> "Runner":
+    def __enter__(self) -> Runner:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -106,7 +107,7 @@ class BufferPool:
         self.limit = limit
         self.free: list[torch.Tensor] = []
 
-    def take(self, numel: int, dtype: torch.dtype, device: Optional[torch.device]) -> torch.Tensor:
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device | None) -> torch.Tensor:
         """An uninitialised 1-D buffer of at least ``numel``: the smallest free one that fits, else a new one."""
         fits = [i for i, t in enumerate(self.free)
                 if t.numel() >= numel and t.dtype == dtype and (device is None or t.device == device)]
@@ -133,16 +134,16 @@ class BucketReduction:
     goes when ready (stage 3)."""
 
     def __init__(self, groups: Sequence[Sequence[FlatGroup]], on_ready: Callable[[FlatGrads], Sequence[torch.Tensor]],
-                 runner: Runner, threaded: bool, rows: int, launches: Optional[Sequence[Sequence[int]]] = None, *,
-                 in_order: bool = False, pool: Optional[BufferPool] = None, dtype: Optional[torch.dtype] = None,
-                 device: Optional[torch.device] = None):
+                 runner: Runner, threaded: bool, rows: int, launches: Sequence[Sequence[int]] | None = None, *,
+                 in_order: bool = False, pool: BufferPool | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None):
         self.groups, self.on_ready, self.runner, self.threaded, self.rows = groups, on_ready, runner, threaded, rows
         launches = [(b,) for b in range(len(groups))] if launches is None else launches
         self.launches = [ls for ls in (tuple(b for b in ls if groups[b]) for ls in launches) if ls]
         self.launch_of = {b: i for i, ls in enumerate(self.launches) for b in ls}
         self.in_order, self.dtype, self.device = in_order, dtype, device
         self.pool = pool if pool is not None else BufferPool(0)
-        self.parts: dict[int, dict[int, Optional[tuple[torch.Tensor, ...]]]] = {}
+        self.parts: dict[int, dict[int, tuple[torch.Tensor, ...] | None]] = {}
         self.own: dict[int, tuple[torch.Tensor, ...]] = {}  # bucket -> its buffers' bases
         self.ready: set[int] = set()
         self.launched = [False] * len(self.launches)
@@ -158,7 +159,7 @@ class BucketReduction:
         return tuple(base[:self.rows * g.padded_numel].view(self.rows, g.padded_numel)
                      for g, base in zip(self.groups[bucket], self.own[bucket]))
 
-    def add(self, bucket: int, row: int, grads: Optional[tuple[torch.Tensor, ...]] = None) -> None:
+    def add(self, bucket: int, row: int, grads: tuple[torch.Tensor, ...] | None = None) -> None:
         """Local rank ``row``'s gradient of every flat group of ``bucket`` (``[padded]`` each),
         or, without ``grads``, written into its row of :meth:`buffers`."""
         got = self.parts.setdefault(bucket, {})
@@ -201,7 +202,7 @@ class BucketReduction:
             if base.untyped_storage().data_ptr() not in kept:
                 self.pool.give(base)
 
-    def finish(self, device: torch.device, dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, ...]:
+    def finish(self, device: torch.device, dtype: torch.dtype | None) -> tuple[torch.Tensor, ...]:
         """Launch what is left in launch order, the same on every rank (a bucket not every rank's loss reached: zeros
         for the missing rows), wait for every reduction; per flat group the averaged ``[R, shard_numel]`` shard."""
         for i, buckets in enumerate(self.launches):
@@ -235,7 +236,7 @@ class BucketWatcher:
 
     def __init__(self, layout: Layout, groups: Sequence[Sequence[FlatGroup]], row: int,
                  buffers: Callable[[int], tuple[torch.Tensor, ...]],
-                 deliver: Callable[[int, Optional[tuple[torch.Tensor, ...]]], None], rows: int = 1):
+                 deliver: Callable[[int, tuple[torch.Tensor, ...] | None], None], rows: int = 1):
         self.layout, self.groups, self.row, self.buffers, self.deliver = layout, groups, row, buffers, deliver
         self.missing = [sum(len(g.slots) for g in gs) for gs in self.groups]
         self.whole = {b for b, gs in enumerate(groups)

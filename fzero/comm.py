@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from typing import Any, Callable, ContextManager, Literal, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import torch
 import torch.utils._pytree as tp
@@ -38,7 +39,7 @@ class CollectiveError(RuntimeError):
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.collective, self.rank, self.timeout, self.cause, self.step))
 
-    def at_step(self, step: int) -> "CollectiveError":
+    def at_step(self, step: int) -> CollectiveError:
         """The same error, naming the train step it happened in."""
         return type(self)(self.collective, self.rank, self.timeout, self.cause, step)
 
@@ -109,7 +110,7 @@ class Communicator:
     local_ranks: int  # R
     ranks: tuple[int, ...]  # each local row's rank in its shard group: the shard it holds
     replicas: int = 1  # copies of the sharded state (a mesh's replica axis); the batch: world_size * replicas parts
-    node: "Optional[Communicator]" = None  # hpZ: this rank's shard group (a node), where stage 3 regathers for backward
+    node: Communicator | None = None  # hpZ: this rank's shard group (a node), where stage 3 regathers for backward
     traced: bool = False  # its collectives are being traced into a graph (see ``tracing``)
     overlaps: bool = False  # they may run on a thread of their own while backward goes on
     # what one gradient reduction allocates beside its result, per element of one rank's input (memory_report)
@@ -117,7 +118,7 @@ class Communicator:
     all_reduce_buffers: float = 0.0
     # an all-reduce that lets go of its input before its whole sum exists: what it holds beside the input until then
     # (None: it holds its input throughout)
-    all_reduce_input_buffers: Optional[float] = None
+    all_reduce_input_buffers: float | None = None
 
     @property
     def data_ranks(self) -> tuple[int, ...]:
@@ -130,7 +131,7 @@ class Communicator:
         """The ranks the batch is split over: ``world_size * replicas``."""
         return self.world_size * self.replicas
 
-    def wrapping(self, inner: "Communicator", capabilities: bool = True) -> None:
+    def wrapping(self, inner: Communicator, capabilities: bool = True) -> None:
         """Make this a wrapper of ``inner`` with its world's shape (sizes, ranks, replicas, node) and, with
         ``capabilities``, its ``overlaps`` and buffer factors: in one place, so no wrapper misses what the protocol
         gains."""
@@ -211,7 +212,7 @@ class Communicator:
         n = x.shape[1]
         return self.all_gather(x)[:, src * n:(src + 1) * n].contiguous()
 
-    def tracing(self) -> "Communicator":
+    def tracing(self) -> Communicator:
         """A copy as a compiled step traces it: ``traced`` set (a wrapper's ``.inner`` too). No communication.
         ``NotImplementedError`` with hpZ (``node``): its secondary shards are kept by eager steps."""
         if self.node is not None:
@@ -222,7 +223,7 @@ class Communicator:
             out.inner = self.inner.tracing()
         return out
 
-    def reusing_buffers(self) -> ContextManager[None]:
+    def reusing_buffers(self) -> contextlib.AbstractContextManager[None]:
         """A block in which received buffers may be handed out again once nothing refers to them (default: never)."""
         inner = getattr(self, "inner", None)
         return inner.reusing_buffers() if isinstance(inner, Communicator) else contextlib.nullcontext()
@@ -283,7 +284,7 @@ class SimulatedWorld(Communicator):
     ``hpz=True`` (ZeRO++ hpZ, with a mesh): the state sharded over every rank, and ``node`` the mesh's shard groups,
     within which stage 3 regathers each unit for backward from a secondary shard."""
 
-    def __init__(self, world_size: int, *, mesh: Optional[Mesh] = None, hpz: bool = False):
+    def __init__(self, world_size: int, *, mesh: Mesh | None = None, hpz: bool = False):
         if not (isinstance(world_size, int) and world_size >= 1):
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if hpz and mesh is None:
@@ -396,7 +397,7 @@ class CollectiveRecord:
 class CountingCommunicator(Communicator):
     """Wraps a communicator and records every collective it runs, in the order issued (traced: once, while tracing)."""
 
-    def __init__(self, inner: Communicator, records: Optional[list[CollectiveRecord]] = None, axis: str = "shard"):
+    def __init__(self, inner: Communicator, records: list[CollectiveRecord] | None = None, axis: str = "shard"):
         self.wrapping(inner)
         self.records, self._axis = [] if records is None else records, axis
         # hpZ's node: counted into the same records, on the "node" axis
@@ -408,7 +409,7 @@ class CountingCommunicator(Communicator):
     def reset(self) -> None:
         self.records.clear()  # in place: a node's counter shares the list
 
-    def _record(self, op: str, x: torch.Tensor, axis: Optional[str] = None) -> Communicator:
+    def _record(self, op: str, x: torch.Tensor, axis: str | None = None) -> Communicator:
         """Record collective ``op`` of ``x`` over ``axis``; return the wrapped communicator, which runs it."""
         if op == "reduce_scatter" and getattr(self.inner, "reduce_scatter_via", None) == "all_reduce":
             op = "all_reduce"  # what the backend really sends

@@ -10,7 +10,8 @@ import contextlib
 import logging
 import types
 import warnings
-from typing import Any, Callable, Mapping, Optional, Union
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -25,11 +26,11 @@ __all__ = ["bind_step", "compile_arguments", "no_missed_steps", "StepFn", "Compi
 
 StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]
 ComposedStep = Callable[[TrainState, Any, Communicator, Workspace], tuple[TrainState, dict[str, torch.Tensor]]]
-Compile = Union[bool, Mapping[str, Any]]  # make_train_step's ``compile=`` (:func:`compile_arguments`)
+Compile = bool | Mapping[str, Any]  # make_train_step's ``compile=`` (:func:`compile_arguments`)
 TORCH_COMPILE_KEYS = ("backend", "mode", "options")
 
 
-def compile_arguments(compile: Compile) -> Optional[dict[str, Any]]:
+def compile_arguments(compile: Compile) -> dict[str, Any] | None:
     """``compile=`` as ``torch.compile`` arguments (``None``: eager): ``True`` is ``{}``; a mapping gives ``backend``,
     ``mode``, ``options``; other keys (``fullgraph``, ``dynamic``: fzero's) raise ``ValueError``."""
     if compile is False or compile is None:
@@ -52,7 +53,7 @@ def compile_arguments(compile: Compile) -> Optional[dict[str, Any]]:
 
 
 def bind_step(step: ComposedStep, loss_fn: LossFn, comm: Communicator, *, accum_steps: int = 1,
-              compile: Compile = False, check: Optional[Callable[[TrainState, Any], None]] = None) -> StepFn:
+              compile: Compile = False, check: Callable[[TrainState, Any], None] | None = None) -> StepFn:
     """``(state, batch) -> step(state, batch, comm, workspace)``: a composed step given its communicator and a
     :class:`~fzero.grads.Workspace` kept between calls (``loss_fn``, ``accum_steps`` micro-batches), run eagerly or,
     with ``compile=`` (:func:`compile_arguments`), as ``torch.compile(fullgraph=True, dynamic=False)`` (dynamic shapes

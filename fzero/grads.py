@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as tp
@@ -20,7 +21,8 @@ import torch.utils._pytree as tp
 from .buckets import BucketReduction, BucketWatcher, BufferPool, Runner, buckets_of
 from .comm import Communicator
 from .layout import FlatGrads, compute_dtype, flatten_one, group_views, stack_rows
-from .module import ModuleLoss, broadcast_buffers as broadcast_module_buffers, check_loss, row_of
+from .module import ModuleLoss, check_loss, row_of
+from .module import broadcast_buffers as broadcast_module_buffers
 from .rng import rank_rng
 from .sharding import all_gather_params, frozen_params
 from .state import TrainState
@@ -53,13 +55,13 @@ class Workspace:
     between steps), the :class:`~fzero.buckets.Runner` its collectives go through, and for a compiled stage-3 step with
     one backward (one local rank, one micro-batch) the unit forwards that regather in backward."""
 
-    def __init__(self, loss_fn: Optional[LossFn] = None, micro_batches: int = 1):
+    def __init__(self, loss_fn: LossFn | None = None, micro_batches: int = 1):
         self.pool = BufferPool()
         self.runner = Runner()
         self.micro_batches = micro_batches
         self.units = CompiledUnits(loss_fn.module) if isinstance(loss_fn, ModuleLoss) else None
 
-    def regather(self, comm: Communicator) -> Optional[CompiledUnits]:
+    def regather(self, comm: Communicator) -> CompiledUnits | None:
         """The regathering unit forwards, where a compiled step has one backward region."""
         return self.units if comm.local_ranks * self.micro_batches == 1 else None
 
@@ -75,7 +77,7 @@ def micro_batch(batch: Any, k: int, accum_steps: int) -> Any:
     return tp.tree_map(lambda x: x[:, k] if isinstance(x, torch.Tensor) else x, batch)
 
 
-def accumulate(total: Optional[Union[Grads, FlatGrads]], new: Union[Grads, FlatGrads]) -> Union[Grads, FlatGrads]:
+def accumulate(total: Grads | FlatGrads | None, new: Grads | FlatGrads) -> Grads | FlatGrads:
     """``total + new`` over micro-batches, in at least fp32. Of two :class:`Grads`: gradients, losses and used flags
     summed; buffers and generators ``new``'s. Of whole gradients (:class:`~fzero.layout.FlatGrads`): each of ``new``'s
     flat groups plus ``total``'s. ``total`` None: ``new``. Reduced shards after whole gradients (a deferred
@@ -97,7 +99,7 @@ def _sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def loss_grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicator, workspace: Workspace, *,
-               scaled: Callable[[torch.Tensor], torch.Tensor], on_ready: Optional[OnReady] = None,
+               scaled: Callable[[torch.Tensor], torch.Tensor], on_ready: OnReady | None = None,
                broadcast_buffers: bool = True) -> Grads:
     """Each local rank's gradient of ``scaled(loss)`` on its part of ``batch``, handed to ``on_ready`` bucket by bucket
     as backward completes it. ``loss_fn(params, batch_r)``: a 0-d loss for one rank's micro-batch, ``params`` in the
@@ -117,7 +119,7 @@ def loss_grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicato
 
 
 def _grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicator, workspace: Workspace,
-           scaled: Callable[[torch.Tensor], torch.Tensor], on_ready: Optional[OnReady]) -> Grads:
+           scaled: Callable[[torch.Tensor], torch.Tensor], on_ready: OnReady | None) -> Grads:
     params = state.params
     if state.stage == 3:  # each unit's parameters gathered inside the step (fzero.units)
         if on_ready is None:
@@ -150,7 +152,7 @@ def _grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicator, w
 
 def _rank_grads(loss_fn: LossFn, state: TrainState, params: Sequence[torch.Tensor], batch: Any,
                 comm: Communicator, scaled: Callable[[torch.Tensor], torch.Tensor],
-                reduction: Optional[BucketReduction] = None) -> Grads:
+                reduction: BucketReduction | None = None) -> Grads:
     """Each local rank's gradient of its scaled loss, its loss, buffers and generator. Rank ``r``'s parameters are leaf
     tensors viewing row ``r`` of ``params``, one per parameter (one flat leaf would be zero-filled once per slice). A
     :class:`ModuleLoss` stays bound until backward ends (checkpointing recomputes with the same tensors). ``reduction``

@@ -13,7 +13,7 @@ import ctypes.util
 import logging
 import os
 import platform
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 __all__ = ["DEFAULT_MMAP_THRESHOLD", "DEFAULT_TRIM_THRESHOLD", "pin_mmap_threshold", "tune_host_allocator",
            "large_pages", "THP_ENV"]
@@ -26,7 +26,7 @@ _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 _log = logging.getLogger("fzero")
 
 
-def _glibc() -> Optional[ctypes.CDLL]:
+def _glibc() -> ctypes.CDLL | None:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:
@@ -42,7 +42,7 @@ def _environment_chose(setting: str = "mmap_threshold") -> bool:
 
 
 def pin_mmap_threshold(nbytes: int = DEFAULT_MMAP_THRESHOLD,
-                       trim_bytes: Optional[int] = DEFAULT_TRIM_THRESHOLD) -> bool:
+                       trim_bytes: int | None = DEFAULT_TRIM_THRESHOLD) -> bool:
     """Serve every ``malloc`` of at least ``nbytes`` from a mapping of its own, turning glibc's dynamic
     threshold off, and set the trim threshold to ``trim_bytes`` unless the environment chose it (``None``:
     leave it); whole process. Returns whether it was set (``False``: not glibc). ``ValueError``: out of range."""
@@ -70,7 +70,7 @@ def tune_host_allocator() -> str:
     return decided
 
 
-def _kernel_thp_mode(path: str = _THP_MODE) -> Optional[str]:
+def _kernel_thp_mode(path: str = _THP_MODE) -> str | None:
     """The kernel's transparent-huge-page mode (``always``, ``madvise``, ``never``), or ``None``."""
     try:
         with open(path) as f:
@@ -81,7 +81,7 @@ def _kernel_thp_mode(path: str = _THP_MODE) -> Optional[str]:
     return text[start + 1:end] if 0 <= start < end else None
 
 
-def large_pages(env: Optional[Mapping[str, str]] = None, mode: Optional[str] = "read") -> tuple[bool, str]:
+def large_pages(env: Mapping[str, str] | None = None, mode: str | None = "read") -> tuple[bool, str]:
     """Whether large CPU tensors of this process get transparent huge pages, and why. ``env``: the launch's environment
     (default ``os.environ``); ``mode``: the kernel's THP mode (default: read). ``always``: yes; ``madvise``: when the
     launch asked (:data:`THP_ENV` ``=1`` or glibc's ``hugetlb`` tunable); ``never`` or no THP: no."""

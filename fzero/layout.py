@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.utils._pytree as tp
@@ -155,11 +156,11 @@ class Layout:
     def __hash__(self) -> int:
         return hash(self.fingerprint)
 
-    def first_difference(self, other: "Layout") -> Optional[str]:
+    def first_difference(self, other: Layout) -> str | None:
         """A sentence naming the first thing that differs from ``other``, or None."""
         return first_difference(self.describe(), other.describe())
 
-    def with_world_size(self, world_size: int, shard_frozen: Optional[bool] = None) -> "Layout":
+    def with_world_size(self, world_size: int, shard_frozen: bool | None = None) -> Layout:
         """The same parameters laid out for another world size; ``shard_frozen``: in frozen groups (default: as
         here)."""
         unpacked = [dataclasses.replace(s, group=self.groups[s.group].opt_group if s.group >= 0 else -1,
@@ -168,7 +169,7 @@ class Layout:
         return _pack(unpacked, self.spec, world_size, self.alignment, shard_frozen)
 
 
-def first_difference(mine: Sequence[tuple[Any, ...]], theirs: Sequence[tuple[Any, ...]]) -> Optional[str]:
+def first_difference(mine: Sequence[tuple[Any, ...]], theirs: Sequence[tuple[Any, ...]]) -> str | None:
     """A sentence naming the first difference between two :meth:`Layout.describe` tables, or None."""
     a, b = mine[0], theirs[0]
     for i in (0, 2):
@@ -209,9 +210,9 @@ def _pack(slots: Iterable[ParamSlot], spec: tp.TreeSpec, world_size: int, alignm
     return Layout(tuple(slots), tuple(groups[0]), spec, world_size, alignment, tuple(groups[1]))
 
 
-def build_layout(params: Any, world_size: int, *, trainable: Optional[Callable[[str], bool]] = None,
-                 group_of: Optional[Callable[[str], int]] = None, bucket_of: Optional[Callable[[str], int]] = None,
-                 keep_dtype: Optional[Callable[[str], bool]] = None, alignment: int = 16,
+def build_layout(params: Any, world_size: int, *, trainable: Callable[[str], bool] | None = None,
+                 group_of: Callable[[str], int] | None = None, bucket_of: Callable[[str], int] | None = None,
+                 keep_dtype: Callable[[str], bool] | None = None, alignment: int = 16,
                  shard_frozen: bool = False) -> Layout:
     """Lay out ``params`` (an ``nn.Module`` or a pytree of tensors) for ``world_size`` ranks. ``trainable(path)``: which
     leaves the optimizer updates (default: every pytree leaf, a module's ``requires_grad`` parameters);
@@ -238,13 +239,13 @@ def build_layout(params: Any, world_size: int, *, trainable: Optional[Callable[[
     return _pack(slots, spec, world_size, alignment, shard_frozen)
 
 
-def compute_dtype(x: "ParamSlot | FlatGroup", param_dtype: Optional[torch.dtype]) -> torch.dtype:
+def compute_dtype(x: ParamSlot | FlatGroup, param_dtype: torch.dtype | None) -> torch.dtype:
     """``x``'s gather/compute dtype: its own if ``param_dtype`` is None or ``x.keep_dtype``, else ``param_dtype``."""
     return x.dtype if param_dtype is None or x.keep_dtype else param_dtype
 
 
 def flat_shard(layout: Layout, group: FlatGroup, leaves: Sequence[torch.Tensor], rank: int,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Rank ``rank``'s shard ``[shard_numel]`` of ``group``'s flat buffer (master dtype, zero padded; into ``out``,
     zeros, if given) from full ``leaves`` (layout order, no local-rank axis), never materialising the whole buffer."""
     lo, hi = rank * group.shard_numel, (rank + 1) * group.shard_numel
@@ -292,7 +293,7 @@ def trainable_index(layout: Layout) -> dict[int, int]:
 
 
 def shard_pieces(layout: Layout, group: FlatGroup, rank: int,
-                 where: Optional[dict[int, int]] = None) -> list[tuple[Optional[int], int, int]]:
+                 where: dict[int, int] | None = None) -> list[tuple[int | None, int, int]]:
     """``(parameter, lo, hi)`` for each parameter's piece of ``group``'s shard on ``rank``, in shard coordinates;
     ``parameter`` is its :func:`trainable_index` position (``None``: the padding)."""
     where = trainable_index(layout) if where is None else where
@@ -311,7 +312,7 @@ class FlatGrads(tuple):
 
     groups: tuple[FlatGroup, ...]
 
-    def __new__(cls, groups: Sequence[FlatGroup], flats: Sequence[torch.Tensor]) -> "FlatGrads":
+    def __new__(cls, groups: Sequence[FlatGroup], flats: Sequence[torch.Tensor]) -> FlatGrads:
         if len(groups) != len(flats):
             raise ValueError(f"FlatGrads: {len(flats)} flat buffers for {len(groups)} flat groups")
         out = super().__new__(cls, flats)
@@ -330,7 +331,7 @@ def flat_grads(layout: Layout, grads: Any, rows: int) -> FlatGrads:
     for path in by_path:
         if path not in known:
             raise ValueError(f"grads has an entry {path!r} that is not a parameter of the layout")
-    leaves: list[Optional[torch.Tensor]] = []
+    leaves: list[torch.Tensor | None] = []
     for s in layout.slots:
         g = by_path.get(s.path)
         if s.group >= 0:
@@ -345,7 +346,7 @@ def flat_grads(layout: Layout, grads: Any, rows: int) -> FlatGrads:
 
 
 def param_tree(layout: Layout, flats: Sequence[torch.Tensor], frozen: Mapping[str, torch.Tensor],
-               param_dtype: Optional[torch.dtype] = None) -> Any:
+               param_dtype: torch.dtype | None = None) -> Any:
     """The parameters in the user's structure, each leaf ``[R, *shape]``: trainable ones view ``flats`` (one
     ``[R, padded_numel]`` per flat group), frozen ones (``frozen[path]``, whole) broadcast in compute dtype."""
     rows = flats[0].shape[0] if flats else 1

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence, Union, runtime_checkable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.utils._pytree as tp
@@ -45,7 +46,7 @@ class InitSource(Protocol):
                     units: Sequence[str]) -> Materialized: ...
 
 
-Init = Union[str, InitFn, InitSource]
+Init = str | InitFn | InitSource
 
 
 def has_meta(params: Any) -> bool:
@@ -61,7 +62,7 @@ _WHAT_TO_PASS = (
     "or init=fzero.pretrained(path) (weights from a safetensors or torch.save file)")
 
 
-def check_init(params: Any, init: Optional[Init]) -> None:
+def check_init(params: Any, init: Init | None) -> None:
     """``ValueError`` if ``params`` is on the meta device without ``init``; ``TypeError`` for an ``init`` that is
     not ``"reset_parameters"``, a callable or an :class:`InitSource`, or one given with a pytree."""
     if init is None:
@@ -76,13 +77,13 @@ def check_init(params: Any, init: Optional[Init]) -> None:
         raise TypeError(f"init_train_state: init must be one of {_WHAT_TO_PASS}; got {init!r}")
 
 
-def init_name(init: Union[str, InitFn]) -> str:
+def init_name(init: str | InitFn) -> str:
     """How errors name ``init``."""
     name = getattr(init, "__qualname__", None) or type(init).__name__
     return "init='reset_parameters'" if init == RESET else f"init={name}"
 
 
-def init_fn(init: Union[str, InitFn]) -> InitFn:
+def init_fn(init: str | InitFn) -> InitFn:
     """The per-module function of ``init``: ``"reset_parameters"`` or ``fn`` itself."""
     if init == RESET:
         return _reset_parameters
@@ -102,7 +103,7 @@ def generator_digest() -> list[float]:
     return [float(int.from_bytes(digest[k : k + 2], "little")) for k in range(0, 8, 2)]
 
 
-def agree(comm: Communicator, failure: Optional[Exception], digest: Optional[list[float]]) -> None:
+def agree(comm: Communicator, failure: Exception | None, digest: list[float] | None) -> None:
     """Raise on every rank if materialising failed on any rank (``failure`` as it is), or (``digest`` given) the
     ranks' generators differed. One ``all_reduce(max)`` of 9 float64, none when this process holds every rank."""
     if comm.local_ranks < comm.data_world_size:
@@ -151,7 +152,7 @@ class _Entry:
     slots: list[tuple[dict, str]] = dataclasses.field(default_factory=list)
     owners: list[str] = dataclasses.field(default_factory=list)
     owner_type: str = ""
-    installed: Optional[torch.Tensor] = None
+    installed: torch.Tensor | None = None
     version: int = 0
 
 
@@ -306,7 +307,7 @@ def materialize(module: torch.nn.Module, layout: Layout, comm: Communicator, ini
     return made
 
 
-def _random_init(module: torch.nn.Module, layout: Layout, ranks: Sequence[int], init: Union[str, InitFn],
+def _random_init(module: torch.nn.Module, layout: Layout, ranks: Sequence[int], init: str | InitFn,
                  units: Sequence[str]) -> Materialized:
     """:func:`materialize` by ``"reset_parameters"`` or ``fn(module)``: the walk, cutting each tensor."""
     fn = init_fn(init)
@@ -365,7 +366,7 @@ def init_buffers_of(module: torch.nn.Module, names: Iterable[str], fn: InitFn, w
     return out
 
 
-def to_empty_tied(module: torch.nn.Module, device: Union[str, torch.device] = "cpu") -> torch.nn.Module:
+def to_empty_tied(module: torch.nn.Module, device: str | torch.device = "cpu") -> torch.nn.Module:
     """``module.to_empty(device=device)`` for its meta tensors, ties kept; returns ``module`` (values uninitialised)."""
     device = torch.device(device)
     for e in _entries(module):

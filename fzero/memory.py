@@ -20,7 +20,6 @@ Imports: buckets, comm, layout, optim, precision, scopes, sharding.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 
@@ -55,7 +54,7 @@ class MemoryReport:
     held: dict[str, float] = dataclasses.field(default_factory=dict)
     transient: dict[str, float] = dataclasses.field(default_factory=dict)
     step_buffers: dict[str, float] = dataclasses.field(default_factory=dict)
-    step_peak: Optional[float] = None
+    step_peak: float | None = None
 
     @property
     def total(self) -> float:
@@ -77,8 +76,8 @@ def _size(dtype: torch.dtype) -> int:
 
 
 def memory_report(layout: Layout, optimizer: Optimizer, *, stage: int, precision: MixedPrecision = MixedPrecision(),
-                  world_size: Optional[int] = None, local_ranks: int = 1,
-                  comm: Optional[Communicator] = None) -> MemoryReport:
+                  world_size: int | None = None, local_ranks: int = 1,
+                  comm: Communicator | None = None) -> MemoryReport:
     """Bytes per rank for ``layout``'s parameters at ``stage`` (module doc). ``world_size``: laid out for that many
     ranks instead (default: the layout's own). ``local_ranks``: ranks this process simulates; ``comm``: the step's
     communicator (its ``local_ranks`` and ``buffer_factor`` then apply). No collective."""
@@ -117,7 +116,7 @@ def _bytes(groups: tuple[FlatGroup, ...], dtype_of) -> int:  # noqa: ANN001 - Fl
 
 
 def _step_buffers(layout: Layout, precision: MixedPrecision, stage: int, rows: int,
-                  comm: Optional[Communicator]) -> tuple[dict[str, float], float]:
+                  comm: Communicator | None) -> tuple[dict[str, float], float]:
     """Per rank, the eager step's own buffers at their peak by scope, and their joint peak (process's / ``rows``)."""
     compute = lambda g: precision.compute_dtype(g)  # noqa: E731
     reduce = lambda g: precision.reduce_dtype or g.master_dtype  # noqa: E731

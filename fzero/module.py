@@ -11,7 +11,8 @@ import contextlib
 import dataclasses
 import inspect
 import weakref
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.utils._pytree as tp
@@ -79,7 +80,7 @@ def broadcast_buffers(buffers: Sequence[torch.Tensor], comm: Communicator) -> tu
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, b in enumerate(buffers):
         by_dtype.setdefault(b.dtype, []).append(i)
-    out: list[Optional[torch.Tensor]] = [None] * len(buffers)
+    out: list[torch.Tensor | None] = [None] * len(buffers)
     for idx in by_dtype.values():
         flat = comm.broadcast(torch.cat([buffers[i].reshape(rows, -1) for i in idx], dim=1), 0)
         for i, part in zip(idx, flat.split([buffers[i][0].numel() for i in idx], dim=1)):
@@ -124,7 +125,7 @@ class ModuleLoss:
     """What :func:`module_loss` returns: ``loss_fn(tensors, batch)`` runs the module on ``tensors``. The step keeps
     it :meth:`bound` through forward and backward (checkpointing reruns forward) and calls :meth:`forward_loss`."""
 
-    def __init__(self, module: torch.nn.Module, criterion: Optional[Callable[..., torch.Tensor]],
+    def __init__(self, module: torch.nn.Module, criterion: Callable[..., torch.Tensor] | None,
                  output: str = "logits"):
         if output not in OUTPUTS:
             raise ValueError(f"module_loss: output must be one of {OUTPUTS}, got {output!r}")
@@ -165,7 +166,7 @@ class ModuleLoss:
         with self.bound(tensors):
             return self.forward_loss(tensors, batch)
 
-    def _run(self, dtype: Optional[torch.dtype], inputs: Any) -> Any:
+    def _run(self, dtype: torch.dtype | None, inputs: Any) -> Any:
         def cast(x: Any) -> Any:
             floating = dtype is not None and isinstance(x, torch.Tensor) and x.is_floating_point()
             return x.to(dtype) if floating else x
@@ -180,7 +181,7 @@ class ModuleLoss:
         return self.module(*(cast(a) for a in args))
 
     def forward_loss(self, tensors: Mapping[str, torch.Tensor], batch: Any,
-                     dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
         """The loss, the module already :meth:`bound` to ``tensors``. ``dtype``: floating inputs' cast (default: the
         first parameter's; the step passes ``param_dtype``). ``ValueError`` for a batch or loss of the wrong form."""
         if dtype is None:
@@ -205,7 +206,7 @@ def _upcast(x: Any) -> Any:
     return x.float() if isinstance(x, torch.Tensor) and x.dtype in LOW_PRECISION else x
 
 
-def module_loss(module: torch.nn.Module, criterion: Optional[Callable[..., torch.Tensor]] = None, *,
+def module_loss(module: torch.nn.Module, criterion: Callable[..., torch.Tensor] | None = None, *,
                 output: str = "logits") -> ModuleLoss:
     """A step's ``loss_fn(tensors, batch)`` for ``module`` (``tensors``: its parameters and buffers by name). With a
     ``criterion``, ``batch = (inputs, target)`` and the loss is ``criterion(output, target)``: the model's tensor, a
@@ -236,7 +237,7 @@ _RELEASED = "_fzero_released"
 
 
 def hand_over_parameters(module: torch.nn.Module, layout: Layout, gathered: Sequence[torch.Tensor],
-                         groups: Optional[Sequence[FlatGroup]] = None) -> set[str]:
+                         groups: Sequence[FlatGroup] | None = None) -> set[str]:
     """At stages 1-2, make the state own the module's trainable parameters: each whose dtype is its compute dtype
     becomes a view of row 0 of the gathered buffers; ``groups``: only these flat groups, ``gathered`` their buffers in
     order. Returns the names now viewing the state; ``ValueError`` if a shape or dtype is not its view's."""
@@ -328,7 +329,7 @@ def check_materialized(module: torch.nn.Module) -> None:
 
 
 # -- stage 3's shard units: which submodules (wrap policy) ------------------------------------------
-UnitPolicy = Union[type, tuple, Callable[[str, torch.nn.Module], bool]]
+UnitPolicy = type | tuple | Callable[[str, torch.nn.Module], bool]
 
 
 def _predicate(policy: UnitPolicy) -> Callable[[str, torch.nn.Module], bool]:

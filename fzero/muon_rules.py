@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
-from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch.optim import _muon as torch_muon
@@ -65,7 +66,7 @@ class Muon(ShardRule):
     nesterov: bool = True
     ns_coefficients: tuple[float, float, float] = _NS_COEFFICIENTS
     ns_steps: int = torch_muon.DEFAULT_NS_STEPS
-    adjust_lr_fn: Optional[str] = None
+    adjust_lr_fn: str | None = None
 
     moment_names: ClassVar[tuple[str, ...]] = ("momentum_buffer", "exp_avg", "exp_avg_sq")
     not_compilable: ClassVar[str] = ("its Newton-Schulz step gathers whole matrices to their owner ranks "
@@ -202,15 +203,15 @@ def muon_owners(layout: Layout, world_size: int, is_muon_group: Callable[[int], 
 
 
 # the AdamW group runs torch.optim.Adam(decoupled_weight_decay=True), AdamW's update (torch >= 2.6)
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _adamw_rule() -> TorchOptimRule:
     return from_torch_optim(torch.optim.Adam, decoupled_weight_decay=True)
 
 
 def muon(lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95, *, matrices: Predicate,
-         adamw: Optional[Mapping[str, Any]] = None, nesterov: bool = True,
+         adamw: Mapping[str, Any] | None = None, nesterov: bool = True,
          ns_coefficients: tuple[float, float, float] = _NS_COEFFICIENTS, eps: float = torch_muon.EPS,
-         ns_steps: int = torch_muon.DEFAULT_NS_STEPS, adjust_lr_fn: Optional[str] = None,
+         ns_steps: int = torch_muon.DEFAULT_NS_STEPS, adjust_lr_fn: str | None = None,
          groups: Sequence[GroupSpec] = ()) -> Muon:
     """``torch.optim.Muon(lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)`` on the
     parameters ``matrices`` picks (2-D: :func:`hidden_matrices`), ``torch.optim.AdamW(**adamw)`` (``lr``, ``betas``,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import mmap
-from typing import Any, Callable, ClassVar, Mapping, NamedTuple, Optional, Sequence, Union
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -68,7 +69,7 @@ class Update(NamedTuple):
     vectors: list[torch.Tensor]
 
 
-def check_compilable(optimizer: "Optimizer") -> None:
+def check_compilable(optimizer: Optimizer) -> None:
     """Raise ``ValueError`` naming the rule if it cannot run inside ``torch.compile``."""
     if not optimizer.elementwise:
         raise ValueError(f"optimizer {optimizer.name} cannot run in a compiled step: {optimizer.not_compilable}; "
@@ -151,7 +152,7 @@ class Optimizer:
         _check_hyper(name, value, where)
 
     @classmethod
-    def configure(cls, *, groups: Sequence["GroupSpec"] = (), **values: Any) -> "Optimizer":
+    def configure(cls, *, groups: Sequence[GroupSpec] = (), **values: Any) -> Optimizer:
         """An instance: arguments naming fields are static, the rest default hyperparameters (see :func:`adamw`)."""
         fields = {f.name for f in dataclasses.fields(cls)} - {"defaults", "groups"}
         static = {k: v for k, v in values.items() if k in fields}
@@ -166,7 +167,7 @@ class Optimizer:
         return torch.zeros(steps.shape[0], 0, dtype=torch.float64, device=steps.device)
 
     def step_values(self, hyper: Mapping[str, torch.Tensor], step: torch.Tensor,
-                    per_element: Optional[Mapping[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+                    per_element: Mapping[str, torch.Tensor] | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """``{name: tensor}`` in ``dtype``: ``per_element`` when given, else :meth:`step_scalars` of 0-d ``step``."""
         if per_element is not None:
             return {k: v.to(dtype) for k, v in per_element.items()}
@@ -175,7 +176,7 @@ class Optimizer:
 
     def update(self, param: torch.Tensor, grad: torch.Tensor, moments: tuple[torch.Tensor, ...],
                hyper: Mapping[str, torch.Tensor], step: torch.Tensor,
-               per_element: Optional[Mapping[str, torch.Tensor]] = None
+               per_element: Mapping[str, torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """New ``(param, moments)`` of a shard, inputs untouched. ``param``, ``grad``, moments: ``[R, n]``, one dtype;
         ``hyper``: ``{name: 0-d float64}``; ``step``: 0-d int64, updates applied before; ``per_element``:
@@ -184,7 +185,7 @@ class Optimizer:
 
     def update_(self, param: torch.Tensor, grad: torch.Tensor, moments: tuple[torch.Tensor, ...],
                 hyper: Mapping[str, torch.Tensor], step: torch.Tensor,
-                found_inf: Optional[torch.Tensor] = None) -> None:
+                found_inf: torch.Tensor | None = None) -> None:
         """:meth:`update` in place on ``param`` and ``moments``, a no-op where ``found_inf`` is nonzero."""
         new_param, new_moments = self.update(param, grad, moments, hyper, step)
         skip = None if found_inf is None else found_inf.to(torch.bool)
@@ -204,11 +205,11 @@ class ShardRule(Optimizer):
         raise NotImplementedError(f"{type(self).__name__} does not define update_shards()")
 
 
-GroupSpec = Union[ParamGroup, tuple[Predicate, Mapping[str, float]]]
+GroupSpec = ParamGroup | tuple[Predicate, Mapping[str, float]]
 
 
 def _groups(groups: Sequence[GroupSpec], allowed: Sequence[str],
-            rule: Optional[Optimizer] = None) -> tuple[ParamGroup, ...]:
+            rule: Optimizer | None = None) -> tuple[ParamGroup, ...]:
     out = []
     for i, g in enumerate(groups):
         if not isinstance(g, ParamGroup):
@@ -401,7 +402,7 @@ def zeros_on_demand(like: torch.Tensor) -> torch.Tensor:
 
 
 def init_opt_state(optimizer: Optimizer, master: Sequence[torch.Tensor],
-                   num_params: Optional[int] = None, shapes: Optional[Sequence[tuple[int, ...]]] = None) -> OptState:
+                   num_params: int | None = None, shapes: Sequence[tuple[int, ...]] | None = None) -> OptState:
     """The state before any step; scalars with ``num_params``, vectors with (trainable) ``shapes``, else later."""
     hyper = tuple({k: torch.tensor(v, dtype=torch.float64) for k, v in optimizer.hyperparams(i).items()}
                   for i in range(optimizer.num_groups))
@@ -429,7 +430,7 @@ def vector_spans(optimizer: Optimizer, shapes: Sequence[tuple[int, ...]]) -> tup
 
 
 def init_vectors(optimizer: Optimizer, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None) -> tuple[torch.Tensor, ...]:
+                 device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
     """``OptState.vectors`` before any step: one zero vector per :attr:`Optimizer.vector_names`."""
     return tuple(torch.zeros(s[-1][1] if s else 0, dtype=dtype, device=device) for s in vector_spans(optimizer, shapes))
 
@@ -439,7 +440,7 @@ def init_scalars(optimizer: Optimizer, num_params: int) -> tuple[torch.Tensor, .
     return tuple(torch.zeros(num_params, dtype=torch.float64) for _ in optimizer.scalar_names)
 
 
-def set_hyperparams(state: OptState, group: Optional[int] = None, **values: Union[float, torch.Tensor]) -> OptState:
+def set_hyperparams(state: OptState, group: int | None = None, **values: float | torch.Tensor) -> OptState:
     """A new state with hyperparameters (floats or 0-d tensors) replaced in one group or (``None``) all."""
     groups = range(len(state.hyper)) if group is None else [group]
     hyper = [dict(h) for h in state.hyper]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -31,10 +32,10 @@ class MixedPrecision:
     ones keep theirs), rounded once at init; meant equal to ``param_dtype`` (bf16: half fp32's bytes, as QLoRA; else
     cast each step). ``TypeError``: a non-floating dtype, or ``keep_dtype`` not a tuple of classes."""
 
-    param_dtype: Optional[torch.dtype] = None
-    reduce_dtype: Optional[torch.dtype] = None
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
     keep_dtype: tuple[type[torch.nn.Module], ...] = (_BatchNorm,)
-    frozen_dtype: Optional[torch.dtype] = None
+    frozen_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "frozen_dtype"):
@@ -60,7 +61,7 @@ class MixedPrecision:
         """The dtype a frozen parameter (a layout's ``ParamSlot``) is held in."""
         return slot.dtype if self.frozen_dtype is None or slot.keep_dtype else self.frozen_dtype
 
-    def keeps(self, params: object) -> Optional[Callable[[str], bool]]:
+    def keeps(self, params: object) -> Callable[[str], bool] | None:
         """Which parameters of ``params`` (``named_parameters`` paths) keep their own dtype: a ``keep_dtype`` module's,
         if their dtype differs from ``param_dtype``; ``None`` when none does (no ``param_dtype``, pytree, no such
         module). ``ValueError`` for a BatchNorm outside ``keep_dtype`` with running statistics not in
@@ -89,7 +90,7 @@ class MixedPrecision:
 _ONEDNN_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
 
 
-def native_bf16(device: Optional[torch.device] = None) -> tuple[bool, str]:
+def native_bf16(device: torch.device | None = None) -> tuple[bool, str]:
     """Whether ``device`` (default: CUDA if available, else the CPU) computes bfloat16 natively, and
     why: CUDA with ``torch.cuda.is_bf16_supported()``, or a CPU with AVX512-BF16 or AMX whose kernels
     this process may use: ATen's AVX-512 ones (not capped by ``ATEN_CPU_CAPABILITY``) and oneDNN's (not

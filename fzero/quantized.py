@@ -9,7 +9,8 @@ Imports: comm.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -70,7 +71,7 @@ class QuantizedCommunicator(Communicator):
     values per scale (even). Eager steps only (``all_to_all`` is not traced); stage 1's all-reduce and a mesh's replica
     all-reduce are not quantized. ``ValueError`` on bad settings."""
 
-    def __init__(self, inner: Communicator, *, weights: Optional[int] = 8, grads: Optional[int] = 8,
+    def __init__(self, inner: Communicator, *, weights: int | None = 8, grads: int | None = 8,
                  block: int = 256):
         if weights not in (None, 8):
             raise ValueError(f"QuantizedCommunicator: weights must be 8 (int8) or None, got {weights!r}")
@@ -89,7 +90,7 @@ class QuantizedCommunicator(Communicator):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    def tracing(self) -> "QuantizedCommunicator":
+    def tracing(self) -> QuantizedCommunicator:
         raise NotImplementedError("QuantizedCommunicator: quantized collectives run in eager steps (compile=False)")
 
     def all_reduce_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections import Counter
-from typing import Any, Callable, Literal, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -22,7 +23,7 @@ __all__ = ["ReplicaDivergenceError", "Divergence", "replica_items", "replica_dig
            "check_replicas", "with_replica_check", "digest_parts", "parts_differ"]
 
 Policy = Literal["broadcast", "local"]
-Item = tuple[str, Optional[torch.Tensor], bool]
+Item = tuple[str, torch.Tensor | None, bool]
 
 _K1 = 0x1E3779B97F4A7C15  # odd
 _K2 = 0x2545F4914F6CDD1C  # even
@@ -34,7 +35,7 @@ _SCALER_STATIC = ("growth_factor", "backoff_factor", "growth_interval", "min_sca
 class ReplicaDivergenceError(ValueError):
     """Ranks hold different values of something replicated; ``differences``: a :class:`Divergence` per item."""
 
-    def __init__(self, message: str, differences: Sequence["Divergence"] = ()):
+    def __init__(self, message: str, differences: Sequence[Divergence] = ()):
         super().__init__(message)
         self.differences = tuple(differences)
 

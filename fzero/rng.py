@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -48,7 +48,7 @@ def init_rng(seed: int, ranks: Sequence[int], device: torch.device) -> torch.Ten
 
 
 @contextlib.contextmanager
-def rank_rng(state: Optional[torch.Tensor], device: torch.device, out: list) -> Iterator[None]:
+def rank_rng(state: torch.Tensor | None, device: torch.device, out: list) -> Iterator[None]:
     """Install ``state`` (one rank's row) in ``device``'s default generator for the block, append the
     state the block leaves to ``out``, restore the caller's generator after. ``None``: install nothing."""
     if state is None:

@@ -8,7 +8,8 @@ Imports: comm, layout, pytree.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.utils._pytree as tp
@@ -33,13 +34,13 @@ class ScalerState:
     growth_factor: float = static_field(default=2.0)
     backoff_factor: float = static_field(default=0.5)
     growth_interval: int = static_field(default=2000)
-    min_scale: Optional[float] = static_field(default=None)
-    hysteresis: Optional[int] = static_field(default=None)
+    min_scale: float | None = static_field(default=None)
+    hysteresis: int | None = static_field(default=None)
     dynamic: bool = static_field(default=True)
 
 
 def init_scaler(init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                growth_interval: int = 2000, *, min_scale: Optional[float] = None, hysteresis: Optional[int] = None,
+                growth_interval: int = 2000, *, min_scale: float | None = None, hysteresis: int | None = None,
                 device: torch.device | str | None = None) -> ScalerState:
     """A dynamic scaler (``GradScaler``'s defaults); ``min_scale``: floor; ``hysteresis``: back off at the
     ``hysteresis``-th overflow since growth (DeepSpeed's ``delayed_shift``; ``None``: each). Bad settings:
@@ -100,14 +101,14 @@ class Checked(tuple):
     float64, unscaled, before clipping), ``loss`` (0-d fp32, the mean of every rank's loss), ``used`` (``[T]`` bool,
     some rank had a gradient) and ``riders`` (``[k]`` float64, summed over ranks); None where not asked for."""
 
-    grad_norm: Optional[torch.Tensor]
-    loss: Optional[torch.Tensor]
-    used: Optional[torch.Tensor]
-    riders: Optional[torch.Tensor]
+    grad_norm: torch.Tensor | None
+    loss: torch.Tensor | None
+    used: torch.Tensor | None
+    riders: torch.Tensor | None
 
-    def __new__(cls, grads: Any, found_inf: torch.Tensor, grad_norm: Optional[torch.Tensor] = None,
-                loss: Optional[torch.Tensor] = None, used: Optional[torch.Tensor] = None,
-                riders: Optional[torch.Tensor] = None) -> "Checked":
+    def __new__(cls, grads: Any, found_inf: torch.Tensor, grad_norm: torch.Tensor | None = None,
+                loss: torch.Tensor | None = None, used: torch.Tensor | None = None,
+                riders: torch.Tensor | None = None) -> Checked:
         out = super().__new__(cls, (grads, found_inf))
         out.grad_norm, out.loss, out.used, out.riders = grad_norm, loss, used, riders
         return out
@@ -121,9 +122,9 @@ class Checked(tuple):
         return self[1]
 
 
-def unscale_and_check(scaler: ScalerState, grads: Any, comm: Communicator, *, clip_norm: Optional[float] = None,
-                      losses: Optional[torch.Tensor] = None, used: Optional[torch.Tensor] = None,
-                      riders: Optional[torch.Tensor] = None, in_place: bool = False) -> Checked:
+def unscale_and_check(scaler: ScalerState, grads: Any, comm: Communicator, *, clip_norm: float | None = None,
+                      losses: torch.Tensor | None = None, used: torch.Tensor | None = None,
+                      riders: torch.Tensor | None = None, in_place: bool = False) -> Checked:
     """Unscale gradients (a tree of floating ``[R, ...]`` tensors: each times ``1/scale``, the float64 reciprocal
     rounded to float32 as ``torch.amp``, in float32 (fp64: float64), back in its dtype) and agree across ranks on
     skipping the step. On a mesh, first each shard's copies averaged (``all_reduce_replicas``, once a step). Alone:

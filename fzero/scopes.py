@@ -10,7 +10,6 @@ Imports: none of fzero.
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
 
 import torch
 
@@ -23,6 +22,6 @@ UPDATE = "fzero::update"
 SCOPES = (GRAD_BUCKETS, GRAD_REDUCTION, GATHER, UPDATE)
 
 
-def step_scope(name: str, traced: bool = False) -> ContextManager[None]:
+def step_scope(name: str, traced: bool = False) -> contextlib.AbstractContextManager[None]:
     """``record_function(name)``; nothing in a traced step (``traced``)."""
     return contextlib.nullcontext() if traced else torch.profiler.record_function(name)

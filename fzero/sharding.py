@@ -9,14 +9,29 @@ Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.optim``, ``fzero.pytree``, ``
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from .comm import Communicator, gradient_divide_factors
-from .layout import (FlatGrads, FlatGroup, Layout, ParamSlot, build_layout, compute_dtype, flat_grads, flat_shard,
-                     group_views, named_leaves, param_tree, shard_pieces, stack_rows, trainable_index)
-from .optim import OptState, Optimizer, Update, check_compilable, init_scalars, init_vectors, vector_dtype
+from .layout import (
+    FlatGrads,
+    FlatGroup,
+    Layout,
+    ParamSlot,
+    build_layout,
+    compute_dtype,
+    flat_grads,
+    flat_shard,
+    group_views,
+    named_leaves,
+    param_tree,
+    shard_pieces,
+    stack_rows,
+    trainable_index,
+)
+from .optim import Optimizer, OptState, Update, check_compilable, init_scalars, init_vectors, vector_dtype
 from .pytree import pytree_dataclass, replace, static_field
 from .scaler import local_sq_norm
 from .scopes import GATHER, GRAD_REDUCTION, UPDATE, step_scope
@@ -38,9 +53,9 @@ class ShardState:
     layout: Layout = static_field()
 
 
-def shard_layout(params: Any, comm: Communicator, *, trainable: Optional[Any] = None,
-                 optimizer: Optional[Optimizer] = None, bucket_of: Optional[Any] = None,
-                 keep_dtype: Optional[Any] = None, alignment: int = 16, shard_frozen: bool = False) -> Layout:
+def shard_layout(params: Any, comm: Communicator, *, trainable: Any | None = None,
+                 optimizer: Optimizer | None = None, bucket_of: Any | None = None,
+                 keep_dtype: Any | None = None, alignment: int = 16, shard_frozen: bool = False) -> Layout:
     """The layout of ``params`` (shapes only) for ``comm``'s world, checked across ranks (one ``all_gather_object``)."""
     layout = build_layout(params, comm.world_size, trainable=trainable,
                           group_of=optimizer.group_of if optimizer is not None else None, bucket_of=bucket_of,
@@ -49,8 +64,8 @@ def shard_layout(params: Any, comm: Communicator, *, trainable: Optional[Any] = 
     return layout
 
 
-def init_shard(params: Any, comm: Communicator, *, layout: Optional[Layout] = None,
-               frozen_storage: Optional[Callable[[FlatGroup], torch.dtype]] = None, **layout_kw: Any) -> ShardState:
+def init_shard(params: Any, comm: Communicator, *, layout: Layout | None = None,
+               frozen_storage: Callable[[FlatGroup], torch.dtype] | None = None, **layout_kw: Any) -> ShardState:
     """This process's shards of ``params`` (``nn.Module`` or pytree): each local rank materialises only the
     slice it owns. ``layout``: the one :func:`shard_layout` built, else built here from ``layout_kw``
     (``trainable``, ``optimizer``, ``bucket_of``, ``keep_dtype``, ``alignment``). ``frozen_storage``: the dtype each
@@ -73,9 +88,9 @@ def shard_rows(layout: Layout, group: FlatGroup, leaves: Sequence[torch.Tensor],
     return out
 
 
-def frozen_rows(layout: Layout, leaves: Sequence[Optional[torch.Tensor]], ranks: Sequence[int],
+def frozen_rows(layout: Layout, leaves: Sequence[torch.Tensor | None], ranks: Sequence[int],
                 whole: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach,
-                dtype_of: Optional[Callable[[FlatGroup], torch.dtype]] = None) -> tuple[torch.Tensor, ...]:
+                dtype_of: Callable[[FlatGroup], torch.dtype] | None = None) -> tuple[torch.Tensor, ...]:
     """:attr:`ShardState.frozen` from whole ``leaves`` (layout order; frozen ones read): ``whole(leaf)`` per frozen
     parameter, or at stage 3 each frozen group's rows in ``dtype_of(group)`` (default: its dtype)."""
     if layout.frozen_groups:
@@ -124,7 +139,7 @@ def _average_start(flat: torch.Tensor, comm: Communicator, reduce_dtype: torch.d
 
 
 def reduce_scatter_grads(shard: ShardState, grads: Any, comm: Communicator, *,
-                         reduce_dtype: Optional[torch.dtype] = None, via_all_reduce: bool = False
+                         reduce_dtype: torch.dtype | None = None, via_all_reduce: bool = False
                          ) -> tuple[torch.Tensor, ...]:
     """Gradients averaged over ranks: this rank's shard of each flat group. ``grads``: a tree shaped like the parameters
     (leaves ``[R, *shape]``; frozen ones absent or None), or a :class:`~fzero.layout.FlatGrads` of some flat groups (a
@@ -171,8 +186,8 @@ def _cut(whole: torch.Tensor, groups: Sequence[FlatGroup]) -> list[torch.Tensor]
     return out
 
 
-def all_gather_params(shard: ShardState, comm: Communicator, dtype: Optional[torch.dtype] = None, *,
-                      groups: Optional[Sequence[FlatGroup]] = None, into: Optional[Sequence[torch.Tensor]] = None
+def all_gather_params(shard: ShardState, comm: Communicator, dtype: torch.dtype | None = None, *,
+                      groups: Sequence[FlatGroup] | None = None, into: Sequence[torch.Tensor] | None = None
                       ) -> tuple[torch.Tensor, ...]:
     """The gathered flat parameter buffers ``[R, padded_numel]`` of every flat group (or of ``groups``: a stage-3
     unit's, frozen groups too) in the compute dtype ``dtype`` (a group keeping its own dtype gets it,
@@ -195,7 +210,7 @@ def all_gather_params(shard: ShardState, comm: Communicator, dtype: Optional[tor
         return tuple(done() for done in started)
 
 
-def full_params(shard: ShardState, comm: Communicator, dtype: Optional[torch.dtype] = None) -> Any:
+def full_params(shard: ShardState, comm: Communicator, dtype: torch.dtype | None = None) -> Any:
     """Every parameter in the model's structure, each leaf ``[R, *shape]`` in ``dtype`` (:func:`all_gather_params`'
     buffers viewed per parameter; frozen ones broadcast views of their replicated copy)."""
     frozen = {s.path: f for s, f in frozen_params(shard, comm)}
@@ -207,7 +222,7 @@ def global_norm(grads: Sequence[torch.Tensor], comm: Communicator) -> torch.Tens
     return comm.all_reduce(local_sq_norm(grads), "sum")[0].sqrt().float()
 
 
-def _rows_ranks(layout: Layout, master: Sequence[torch.Tensor], comm: Optional[Communicator]) -> list[int]:
+def _rows_ranks(layout: Layout, master: Sequence[torch.Tensor], comm: Communicator | None) -> list[int]:
     """The global ranks of the shards' rows: the communicator's, or a simulated world's 0..R-1."""
     if comm is not None:
         return list(comm.ranks)
@@ -219,8 +234,8 @@ def _rows_ranks(layout: Layout, master: Sequence[torch.Tensor], comm: Optional[C
 
 
 def shard_step(shard: ShardState, opt_state: OptState, grads: Sequence[torch.Tensor],
-               found_inf: Optional[torch.Tensor] = None, *, used: Optional[torch.Tensor] = None,
-               comm: Optional[Communicator] = None, donate: bool = False) -> tuple[ShardState, OptState]:
+               found_inf: torch.Tensor | None = None, *, used: torch.Tensor | None = None,
+               comm: Communicator | None = None, donate: bool = False) -> tuple[ShardState, OptState]:
     """The update rule on every flat group's master shard: the next ``(ShardState, OptState)``. ``grads``: per flat
     group ``[R, shard_numel]``, unscaled (:func:`fzero.unscale_and_check`). ``found_inf``: 0-d, agreed; nonzero keeps
     every value bitwise and the step count (selection, no host sync). ``used`` (``[T]`` bool, agreed,
@@ -309,7 +324,7 @@ def _update_by_element(opt: Optimizer, layout: Layout, group: FlatGroup, p: torc
 
 
 def _step_in_place(shard: ShardState, opt_state: OptState, grads: Sequence[torch.Tensor],
-                   found_inf: Optional[torch.Tensor], used: Optional[torch.Tensor], comm: Optional[Communicator],
+                   found_inf: torch.Tensor | None, used: torch.Tensor | None, comm: Communicator | None,
                    donate: bool, missed: torch.Tensor) -> tuple[ShardState, OptState]:
     """Eager :func:`shard_step` of a ``ShardRule``: ``found_inf`` and ``used`` read on the host (as torch.optim reads
     ``found_inf``); only the parameters that take the step are updated, at their own step counts and scalar state."""

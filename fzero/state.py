@@ -7,7 +7,8 @@ Imports: buckets, comm, materialize, module, optim, precision, pytree, rng, scal
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.utils._pytree as tp
@@ -15,9 +16,20 @@ import torch.utils._pytree as tp
 from .buckets import size_buckets
 from .comm import Communicator
 from .materialize import Init, check_init, materialize
-from .module import (ModuleSpec, UnitPolicy, check_materialized, default_units, hand_over_frozen, hand_over_parameters,
-                     init_buffers, module_spec, release_parameters, select_units, unit_buckets)
-from .optim import OptState, Optimizer, init_opt_state
+from .module import (
+    ModuleSpec,
+    UnitPolicy,
+    check_materialized,
+    default_units,
+    hand_over_frozen,
+    hand_over_parameters,
+    init_buffers,
+    module_spec,
+    release_parameters,
+    select_units,
+    unit_buckets,
+)
+from .optim import Optimizer, OptState, init_opt_state
 from .precision import MixedPrecision
 from .pytree import pytree_dataclass, replace, static_field
 from .rng import init_rng
@@ -54,10 +66,10 @@ class TrainState:
 
 
 def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, stage: int = 2,
-                     units: Optional[UnitPolicy] = None, bucket_numel: Optional[int] = None,
-                     precision: MixedPrecision = MixedPrecision(), scaler: Optional[ScalerState] = None,
-                     trainable: Optional[Callable[[str], bool]] = None, alignment: int = 16,
-                     seed: Optional[int] = 0, init: Optional[Init] = None) -> TrainState:
+                     units: UnitPolicy | None = None, bucket_numel: int | None = None,
+                     precision: MixedPrecision = MixedPrecision(), scaler: ScalerState | None = None,
+                     trainable: Callable[[str], bool] | None = None, alignment: int = 16,
+                     seed: int | None = 0, init: Init | None = None) -> TrainState:
     """The initial state for ``params`` (an ``nn.Module`` or a pytree of tensors); each local rank builds only its own
     shards. Stages 1-2 keep the gathered compute-dtype parameters, stage 3 none.
 

@@ -7,7 +7,8 @@ Imports: comm, compiled, grads, module, replicas, scaler, schedules, sharding, s
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.utils._pytree as tp
@@ -51,7 +52,7 @@ def check_batch(batch: Any, rows: int, accum_steps: int = 1, what: str = "train 
     tp.tree_map_with_path(lambda p, x: _check_leaf(p, x, what, rows, accum_steps), batch)
 
 
-def check_state(state: TrainState, comm: Communicator, stage: Optional[int] = None) -> None:
+def check_state(state: TrainState, comm: Communicator, stage: int | None = None) -> None:
     """Raise ``ValueError`` if ``state`` was built for another world than ``comm``'s or another ``stage``."""
     check_world(state.shard, comm)
     if stage is not None and stage != state.stage:
@@ -60,9 +61,9 @@ def check_state(state: TrainState, comm: Communicator, stage: Optional[int] = No
                          "so make_train_step does not need it")
 
 
-def make_train_step(loss_fn: LossFn, comm: Communicator, *, stage: Optional[int] = None,
-                    clip_norm: Optional[float] = None, accum_steps: int = 1, defer_reduce: bool = False,
-                    schedules: Optional[Mapping[str, Schedule]] = None, donate: bool = False, compile: Compile = False,
+def make_train_step(loss_fn: LossFn, comm: Communicator, *, stage: int | None = None,
+                    clip_norm: float | None = None, accum_steps: int = 1, defer_reduce: bool = False,
+                    schedules: Mapping[str, Schedule] | None = None, donate: bool = False, compile: Compile = False,
                     broadcast_buffers: bool = True, check_replicas_every: int = 0, replica_check: str = "raise",
                     unused: str = "skip") -> StepFn:
     """A step ``(state, batch) -> (state, metrics)`` for the state's ZeRO stage. ``loss_fn(params, batch)``: a 0-d loss
@@ -106,8 +107,8 @@ def make_train_step(loss_fn: LossFn, comm: Communicator, *, stage: Optional[int]
     return donating(core) if donate else core
 
 
-def train_step(loss_fn: LossFn, *, stage: Optional[int] = None, clip_norm: Optional[float] = None, accum_steps: int = 1,
-               defer_reduce: bool = False, schedules: Optional[Mapping[str, Schedule]] = None, donate: bool = False,
+def train_step(loss_fn: LossFn, *, stage: int | None = None, clip_norm: float | None = None, accum_steps: int = 1,
+               defer_reduce: bool = False, schedules: Mapping[str, Schedule] | None = None, donate: bool = False,
                broadcast_buffers: bool = True, check_replicas: bool = False, unused: str = "skip") -> ComposedStep:
     """The composition :func:`make_train_step` runs, ``(state, batch, comm, workspace) -> (state, metrics)``, for
     :func:`fzero.bind_step`; options as there (``check_replicas``: ``metrics["replicas_differ"]``)."""
@@ -122,16 +123,20 @@ def train_step(loss_fn: LossFn, *, stage: Optional[int] = None, clip_norm: Optio
         digest = digest_parts(state, comm) if check_replicas else None
         buffers_in = state.buffers  # what a skipped step keeps
         state = state.replace(opt=apply_schedules(state.opt, schedules))
-        total: Optional[Grads] = None
+        total: Grads | None = None
         for k in range(K):
             earlier = total.grads if defer and total is not None else None
 
+            # (reduce and scaled run inside this iteration; state's shard, stage, precision and scaler are the same
+            # in every micro-batch's: only its buffers and generators change)
             def reduce(grads, earlier=earlier):  # each bucket, as backward completes it
-                return reduce_scatter_grads(state.shard, accumulate(earlier, grads), comm,
-                                            via_all_reduce=state.stage == 1, reduce_dtype=state.precision.reduce_dtype)
+                return reduce_scatter_grads(state.shard, accumulate(earlier, grads), comm,  # noqa: B023
+                                            via_all_reduce=state.stage == 1,  # noqa: B023
+                                            reduce_dtype=state.precision.reduce_dtype)  # noqa: B023
 
             g = loss_grads(loss_fn, state, micro_batch(batch, k, K), comm, workspace,
-                           scaled=lambda loss: scale(state.scaler, loss), broadcast_buffers=broadcast_buffers,
+                           scaled=lambda loss: scale(state.scaler, loss),  # noqa: B023
+                           broadcast_buffers=broadcast_buffers,
                            on_ready=reduce if k == K - 1 or not defer else None)
             state = state.replace(buffers=g.buffers, rng=g.rng)  # BatchNorm statistics, generators
             total = accumulate(total, g)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Mapping, NamedTuple, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -38,7 +39,7 @@ class Piece(NamedTuple):
     scalars: tuple[float, ...]  # its scalar state, one per scalar name
 
 
-def update_by_piece(rule: "TorchOptimRule", layout: Layout, group: FlatGroup, p: torch.Tensor, grad: torch.Tensor,
+def update_by_piece(rule: TorchOptimRule, layout: Layout, group: FlatGroup, p: torch.Tensor, grad: torch.Tensor,
                     moments: tuple[torch.Tensor, ...], hyper: Mapping[str, torch.Tensor], own: Sequence[int],
                     take: Sequence[bool], scalars: list[list[float]], ranks: Sequence[int]) -> None:
     """In place: each parameter of ``group`` that takes the step (``take``) updates its pieces of ``p`` and
@@ -64,11 +65,11 @@ class TorchOptimRule(ShardRule):
     constructor arguments, sorted; ``tuples``: tuple hyperparameters ``(name, length)``; ``state``: ``(key, "element" |
     "scalar" | "step")`` as probed; ``scalar_dtype``: 0-d state tensors' dtype (``None``: Python numbers)."""
 
-    torch_cls: Optional[type] = None
+    torch_cls: type | None = None
     static: tuple[tuple[str, Any], ...] = ()
     tuples: tuple[tuple[str, int], ...] = ()
     state: tuple[tuple[str, str], ...] = ()
-    scalar_dtype: Optional[torch.dtype] = torch.float32
+    scalar_dtype: torch.dtype | None = torch.float32
 
     @property
     def name(self) -> str:
@@ -187,7 +188,7 @@ def _split(cls: type, values: Mapping[str, Any]
     return hyper, tuples, sorted(static)
 
 
-def probe_state(cls: type, kwargs: Mapping[str, Any]) -> tuple[tuple[tuple[str, str], ...], Optional[torch.dtype]]:
+def probe_state(cls: type, kwargs: Mapping[str, Any]) -> tuple[tuple[tuple[str, str], ...], torch.dtype | None]:
     """``((key, kind), ...)`` of a parameter's state in ``cls`` after one step on a dense 2x3 tensor, and the
     dtype of its 0-d state tensors. ``ValueError`` naming the class (and key) when it cannot run on shards."""
     name = cls.__name__

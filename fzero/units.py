@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as tp
@@ -109,7 +110,7 @@ class UnitCallError(RuntimeError):
     of the first differing unit call; ``calls``: ``{rank: unit name, or None where its forward called no further
     unit}``. Raised on every rank (simulated world too) before any collective whose size depends on that call."""
 
-    def __init__(self, call: int, calls: Mapping[int, Optional[str]]):
+    def __init__(self, call: int, calls: Mapping[int, str | None]):
         self.call, self.calls = call, dict(calls)
         said = ", ".join(
             f"rank {r} " + (f"called unit {u!r}" if u is not None else "called no further unit (its forward ended)")
@@ -144,7 +145,7 @@ class _CallCheck:
         self.tagged = self.rows == 1 and comm.world_size > 1  # a real rank among others
         self.reference: list[int] = []  # the simulated world's rank 0 events
 
-    def name(self, event: int) -> Optional[str]:
+    def name(self, event: int) -> str | None:
         return None if event == _END else self.names[event]
 
     def record(self, row: int, index: int, event: int) -> None:
@@ -194,7 +195,7 @@ class _Plan:
         return self.groups[bucket] + self.frozen[bucket]
 
     def views(self, bucket: int, flats: Iterable[torch.Tensor],
-              used: Optional[set[int]] = None) -> dict[str, torch.Tensor]:
+              used: set[int] | None = None) -> dict[str, torch.Tensor]:
         """``{path: view}`` of the bucket's parameters by one ``split`` per flat buffer (backward: one ``cat``).
         ``used``: gets the slots whose view had a gradient (a plain set: hooks hold no reference to the run)."""
         tensors = {}
@@ -217,7 +218,7 @@ class _RankRun:
         self.plan, self.state, self.comm, self.row, self.reduction = plan, state, comm, row, reduction
         self.runner, self.released, self.check = runner, released, check
         self.events: list[int] = []  # this forward's unit calls, then _END
-        self.pending: Optional[Callable[[], list[list[int]]]] = None  # the last event's tags, unchecked
+        self.pending: Callable[[], list[list[int]]] | None = None  # the last event's tags, unchecked
         self.anchor = torch.zeros((), requires_grad=True)
         self.backward = False
         self.expected = [0] * len(plan.groups)  # per bucket: its uses in forward
@@ -366,7 +367,7 @@ class _RankRun:
             self.cache.pop(after, None)
             self.bind(after, self.released)
 
-    def before(self, bucket: int, k: int) -> Optional[int]:
+    def before(self, bucket: int, k: int) -> int | None:
         """The unit ``k`` places before ``bucket`` in forward order (``k < 0``: after), if there is one."""
         i = self.order.index(bucket) if bucket in self.order else -1
         return self.order[i - k] if i >= 0 and 0 <= i - k < len(self.order) else None
@@ -374,7 +375,7 @@ class _RankRun:
     def held(self, bucket: int) -> bool:
         return bucket in self.cache or bucket in self.ahead  # gathered, or its gather on its way
 
-    def prefetch(self, bucket: Optional[int]) -> None:
+    def prefetch(self, bucket: int | None) -> None:
         if bucket is not None and not self.held(bucket):
             self.start(bucket)
 
@@ -462,9 +463,9 @@ def unit_grads(loss_fn: ModuleLoss, state: TrainState, comm: Communicator, batch
             handles = []
             try:
                 for b, m in enumerate(map(module.get_submodule, units), start=1):
-                    handles.append(m.register_forward_pre_hook(lambda mod, args, b=b: run.pre_forward(b)))
+                    handles.append(m.register_forward_pre_hook(lambda mod, args, b=b, run=run: run.pre_forward(b)))
                     handles.append(m.register_forward_hook(
-                        lambda mod, args, out, b=b: run.post_forward(b, out), always_call=True))
+                        lambda mod, args, out, b=b, run=run: run.post_forward(b, out), always_call=True))
                 with rank_rng(rng[r] if rng is not None else None, device, new_rng), torch.enable_grad(), \
                         torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
                     tensors = {**run.bucket_tensors(0, track=False), **released,
@@ -530,7 +531,7 @@ class _CompiledRun:
     """What the unit forwards of one traced step need."""
 
     def __init__(self, plan: _Plan, shard: Any, leaves: Sequence[torch.Tensor], comm: Communicator,
-                 dtype: Optional[torch.dtype], on_ready: Callable[[FlatGrads], Sequence[torch.Tensor]]):
+                 dtype: torch.dtype | None, on_ready: Callable[[FlatGrads], Sequence[torch.Tensor]]):
         self.plan, self.shard, self.leaves, self.comm = plan, shard, leaves, comm
         self.dtype, self.on_ready = dtype, on_ready
 
@@ -556,7 +557,7 @@ class CompiledUnits:
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
-        self.run: Optional[_CompiledRun] = None  # set inside the traced step only
+        self.run: _CompiledRun | None = None  # set inside the traced step only
         self._forwards: dict[str, Callable[..., Any]] = {}
 
     def _forward_of(self, bucket: int, own: Callable[..., Any]) -> Callable[..., Any]:

@@ -15,8 +15,9 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple
 
 import torch
 
@@ -76,7 +77,7 @@ class _Files:
         return self._safe[m.file].get_slice(key)[first:last].reshape(-1)[start - first * row : stop - first * row]
 
 
-def _bad(file: Union[str, Path], what: str) -> WeightsFileError:
+def _bad(file: str | Path, what: str) -> WeightsFileError:
     return WeightsFileError(f"{file}: {what}")
 
 
@@ -219,7 +220,7 @@ class Pretrained:
     """Weights from files as an :class:`fzero.materialize.InitSource`; made by :func:`pretrained`."""
 
     path: Path
-    init: Optional[Union[str, InitFn]] = None
+    init: str | InitFn | None = None
     cast: bool = False
 
     def materialize(self, module: torch.nn.Module, layout: Layout, comm: Communicator,
@@ -237,7 +238,7 @@ class Pretrained:
             for i, s in enumerate(layout.slots):  # to the parameter's dtype first, as load_state_dict
                 key = chosen[s.path]
                 if s.group >= 0 or s.frozen_group >= 0:
-                    rows.write(i, lambda start, stop: files.read_flat(key, start, stop).to(s.dtype))
+                    rows.write(i, lambda start, stop, key=key, s=s: files.read_flat(key, start, stop).to(s.dtype))
                 else:
                     frozen.append(files.read(key).to(s.dtype, copy=True))
             persistent = {w.name: _rows(files.read(chosen[w.name]).to(w.dtype), len(comm.ranks))
@@ -259,7 +260,7 @@ def _rows(t: torch.Tensor, reps: int) -> torch.Tensor:
     return t.unsqueeze(0).repeat(reps, *([1] * t.dim()))
 
 
-def pretrained(path: Union[str, os.PathLike], *, init: Optional[Union[str, InitFn]] = None,
+def pretrained(path: str | os.PathLike, *, init: str | InitFn | None = None,
                cast: bool = False) -> Pretrained:
     """An init source reading ``path`` (files: module doc). ``init``: what computes the non-persistent buffers
     (``"reset_parameters"`` or ``fn(module)``, run on their modules; default: the model's ``_init_weights``, else

@@ -36,8 +36,9 @@ def _model(name: str, world: int):
                      "mlp bf16 compute": fzero.MixedPrecision(torch.bfloat16)}[name]
         loss = fzero.module_loss(model, torch.nn.functional.mse_loss)
         return model, loss, batch, (lambda n, m: n in ("0", "3", "5")), precision
-    import user_models as um
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    import user_models as um
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(

@@ -414,7 +414,7 @@ class C10dCalls:
         self.counts: dict[str, int] = {}
         self._saved: list = []
 
-    def __enter__(self) -> "C10dCalls":
+    def __enter__(self) -> C10dCalls:
         import fzero.dist as fdist
 
         for label, where, name in self.PATCHED:

@@ -12,9 +12,9 @@ import sys
 
 import torch
 
+import dist_cases as cases
 import fzero
 from fzero.dist import TorchCommunicator
-import dist_cases as cases
 from helpers import CHEAP_COMPILE, batches, mlp
 
 mse = torch.nn.functional.mse_loss
@@ -239,7 +239,7 @@ def case_all_reduce_ways(comm):
             x = cases.reduce_scatter_inputs(comm.world_size, dtype)[comm.rank : comm.rank + 1, :-1]
             for op in ("sum", "avg", "max"):
                 torch._dynamo.reset()
-                compiled = torch.compile(lambda y, _op=op: traced.all_reduce(y, _op), fullgraph=True,
+                compiled = torch.compile(lambda y, _op=op, _c=traced: _c.all_reduce(y, _op), fullgraph=True,
                                          backend="aot_eager")
                 out[f"{way} {dtype} {op}"] = (c.all_reduce(x, op), c.all_reduce_start(x, op)(), compiled(x))
     return out

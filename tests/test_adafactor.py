@@ -11,15 +11,15 @@ import collections
 import pytest
 import torch
 
+import dist_cases as cases
 import fzero
 import fzero.adafactor_rules as ada
 import fzero.replicas
+import unused_cases as uc
+import user_models as um
 from fzero.checkpoint import export_torch_optim_state_dict, import_torch_optim_state_dict
 from fzero.checkpoint.offline import consolidate_torch_optim_state_dict
 from fzero.pytree import replace
-import dist_cases as cases
-import unused_cases as uc
-import user_models as um
 from helpers import assert_params_close, batches, children, max_rel_err, mlp, straddles, train_sharded
 
 STEPS = 5

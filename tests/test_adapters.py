@@ -413,8 +413,9 @@ def test_stage3_lora_from_pretrained_streams_into_shards(tmp_path):
 def test_a_checkpoint_holding_frozen_parameters_in_their_shapes_still_loads(tmp_path, monkeypatch, stage):
     """Checkpoints written before manifest version 3 keep each frozen parameter whole, in its shape: they load at
     stages 2 and 3 on another world (read whole, then cut as the template holds them) with the values saved."""
-    import fzero.checkpoint.saveload as sl
     from torch.distributed.checkpoint import FileSystemReader
+
+    import fzero.checkpoint.saveload as sl
 
     comm = fzero.SimulatedWorld(2)
     model = um.lora("llama").double()

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import fzero
-from helpers import batches, children, mlp
-from helpers import CHEAP_COMPILE
+from helpers import CHEAP_COMPILE, batches, children, mlp
 
 mse = torch.nn.functional.mse_loss
 
@@ -23,7 +22,7 @@ def _setup(world, **kw):
 def test_global_batch_without_split_is_refused(world, global_batch):
     comm, state, step = _setup(world)
     x, y = batches(1, 1, global_batch, torch.float32)[0]
-    with pytest.raises(ValueError, match=r"batch\[0\] has shape \(%d, 6\).*\[4, \.\.\.\].*comm\.split_batch\(batch\)" % global_batch):
+    with pytest.raises(ValueError, match=rf"batch\[0\] has shape \({global_batch}, 6\).*\[4, \.\.\.\].*comm\.split_batch\(batch\)"):
         step(state, (x, y))
     step(state, comm.split_batch((torch.cat([x, x])[:8], torch.cat([y, y])[:8])))  # split: accepted
 

@@ -45,8 +45,9 @@ def test_sizes_are_the_model_sizes_they_name_and_the_summary_divides_by_ddp():
     and the summary gives each system's ms/step and its ratio to ddp-fused at that size."""
     sys.path[:0] = [str(ROOT / "benchmarks")]
     try:
-        import bench_memory as bm
         import torch
+
+        import bench_memory as bm
         from models import build
     finally:
         del sys.path[:2]

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 import fzero
 import user_models as um
-from helpers import max_rel_err, run_steps
 from fzero.layout import compute_dtype
-from fzero.scopes import GATHER, GRAD_BUCKETS, GRAD_REDUCTION
+from fzero.scopes import GATHER, GRAD_BUCKETS
 from fzero.testing import Census
+from helpers import max_rel_err, run_steps
 
 BF16 = torch.bfloat16
 WORLD = 2

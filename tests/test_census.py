@@ -3,7 +3,6 @@ autograd's backward (a real fzero step against ``memory_report``: tests/test_mem
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from fzero.testing import Census
@@ -73,7 +72,6 @@ def test_known_after_the_block_names_in_block_allocations():
     c.attribute({"later": [out["a"]]})                      # already named: first wins
     assert "later" not in c.by_category
     assert c.by_op()  # the operators that allocated the unnamed bytes
-    del before
 
 
 def test_census_holds_no_reference_to_known_tensors():

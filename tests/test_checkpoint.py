@@ -23,15 +23,6 @@ import torch.distributed.checkpoint as dcp
 
 import fzero
 import fzero.checkpoint as ckpt
-from fzero.checkpoint import (
-    CheckpointMismatchError,
-    IncompleteCheckpointError,
-    export_model_state_dict,
-    export_torch_optim_state_dict,
-    import_torch_optim_state_dict,
-    load_checkpoint,
-    save_checkpoint,
-)
 from ckpt_kill_helper import NUMEL, big_state
 from ckpt_worker import (
     DATA,
@@ -52,6 +43,15 @@ from ckpt_worker import (
     train_dropout,
 )
 from dist_harness import run_torchrun
+from fzero.checkpoint import (
+    CheckpointMismatchError,
+    IncompleteCheckpointError,
+    export_model_state_dict,
+    export_torch_optim_state_dict,
+    import_torch_optim_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+)
 from helpers import max_rel_err
 
 HERE = Path(__file__).resolve().parent

@@ -17,19 +17,20 @@ import json
 import pickle
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import pytest
 import torch
 
 import fzero
 import fzero.checkpoint as ckpt
+from ckpt_worker import fresh, train
 from fzero.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
 from fzero.checkpoint.__main__ import main as cli
 from fzero.checkpoint.checksums import CHECKSUMS_FILE, _doc_crc
 from fzero.checkpoint.metadata import read_metadata
-from ckpt_worker import fresh, train
 
 SEED = 20261125
 FLIPS = {"LATEST": 16, ".metadata": 120, CHECKSUMS_FILE: 80, "__0_0.distcp": 240}
@@ -87,7 +88,7 @@ class Outcomes:
         self.refused = 0
         self.loaded_intact = 0
 
-    def attempt(self, case: str, name: str, call: Callable[[], Any]) -> Optional[tuple[bool, Any]]:
+    def attempt(self, case: str, name: str, call: Callable[[], Any]) -> tuple[bool, Any] | None:
         """``(refused, result)`` of ``call()``: refused is a ``CheckpointError``. Anything else
         that escapes is recorded as foreign and gives ``None``."""
         try:
@@ -102,7 +103,7 @@ class Outcomes:
         """The tools without a training state: a CheckpointError or a result, nothing else."""
         for name, call in [("read_manifest", ckpt.read_manifest), ("checkpoint_info", ckpt.checkpoint_info),
                            ("consolidate_model_state_dict", ckpt.consolidate_model_state_dict)]:
-            self.attempt(case, name, lambda: call(root))
+            self.attempt(case, name, lambda call=call: call(root))
 
     def run(self, world: dict[str, Any], root: Path, case: str) -> None:
         loaded = self.attempt(case, "load", lambda: load_checkpoint(root, world["template"], world["comm"]))

@@ -14,19 +14,21 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 import fzero
 import fzero.checkpoint as ckpt
+from ckpt_worker import fresh, train
 from fzero.checkpoint import CheckpointError, CheckpointOutputError, load_checkpoint, save_checkpoint
 from fzero.checkpoint.__main__ import main as cli
 from fzero.checkpoint.checksums import CHECKSUMS_FILE
-from ckpt_worker import fresh, train
 
 BOUND = 20.0  # seconds a read may take before the test calls it a hang
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py

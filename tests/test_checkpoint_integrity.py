@@ -17,6 +17,7 @@ import torch
 import fzero
 import fzero.checkpoint as ckpt
 import fzero.pytree
+from ckpt_worker import fresh, train
 from fzero.checkpoint import (
     CheckpointCorruptError,
     CheckpointError,
@@ -27,7 +28,6 @@ from fzero.checkpoint import (
 )
 from fzero.checkpoint.__main__ import main as cli
 from fzero.checkpoint.metadata import read_metadata
-from ckpt_worker import fresh, train
 
 ROOT = Path(__file__).resolve().parent.parent
 

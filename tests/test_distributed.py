@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fzero
 import dist_cases as cases
-from fzero.scopes import GRAD_BUCKETS, GRAD_REDUCTION
+import fzero
 from dist_harness import run_torchrun
+from fzero.scopes import GRAD_BUCKETS
 from helpers import branchy_reference, max_rel_err
 
 pytestmark = pytest.mark.distributed

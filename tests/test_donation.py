@@ -9,8 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import fzero
-from helpers import batches, mlp
-from helpers import CHEAP_COMPILE
+from helpers import CHEAP_COMPILE, batches, mlp
 
 mse = torch.nn.functional.mse_loss
 

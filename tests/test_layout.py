@@ -15,8 +15,7 @@ import torch
 from hypothesis import given
 
 import fzero
-from fzero.layout import flatten_one
-from fzero.layout import flatten_group
+from fzero.layout import flatten_group, flatten_one
 from fzero.testing.strategies import LayoutCase, layout_cases
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64

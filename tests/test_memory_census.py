@@ -23,8 +23,9 @@ BF16 = fzero.MixedPrecision(torch.bfloat16, torch.bfloat16)
 
 def _gpt2():
     pytest.importorskip("transformers")
-    import user_models as um
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    import user_models as um
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(

@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.utils._pytree as tp
 
+import fzero
+import test_mesh as tm
 from dist_harness import run_torchrun
 from fzero.checkpoint import load_checkpoint
 from fzero.comm import CountingCommunicator, SimulatedWorld
 from fzero.quantized import QuantizedCommunicator
-import fzero
-import test_mesh as tm
 
 CASES = ["train1", "train2", "train3", "train2_accum", "train2_quantized", "train3_quantized", "train3_hpz", "wrong"]
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -12,15 +12,14 @@ import copy
 import pytest
 import torch
 
+import dist_cases as cases
 import fzero
 import fzero.checkpoint
 import fzero.muon_rules as muon_rules
-from fzero.pytree import replace
-import dist_cases as cases
 import unused_cases as uc
 import user_models as um
-from helpers import (assert_params_close, batches, children, max_rel_err, mlp, reference_run, straddles,
-                     train_sharded)
+from fzero.pytree import replace
+from helpers import assert_params_close, batches, children, max_rel_err, mlp, reference_run, straddles, train_sharded
 
 STEPS = 5
 TOL = 1e-10
@@ -77,7 +76,7 @@ def test_mlp_equals_torch_muon_and_adamw_at_every_world_and_stage():
         data = batches(STEPS, world, 2, torch.float64, d_in=SIZES[0])
         model = mlp(torch.float64, sizes=SIZES)
         matrices = is_matrix_of(model)
-        ref = reference_run(model, lambda m: MuonAdamW(m, matrices), data, world)
+        ref = reference_run(model, lambda m, matrices=matrices: MuonAdamW(m, matrices), data, world)
         moved = max(max_rel_err(p.detach(), q.detach()) for p, q in zip(ref.parameters(), model.parameters()))
         assert moved > 1e-3  # the oracle trained
         for stage in (1, 2, 3):

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.utils._pytree as tp
 
 import fzero
-import pytest
-
 from fzero.pytree import replace
 
 

@@ -9,10 +9,10 @@ import importlib.util
 import inspect
 import re
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 from fzero.dist import choose_comm, launcher_world_size
@@ -73,6 +73,15 @@ def test_parity_claim_states_its_conditions_and_the_tests_meet_them():
     assert "torch.set_num_threads(1)" in inspect.getsource(dist_harness.worker_main)
     assert "TorchCommunicator()" in inspect.getsource(dist_harness.worker_main)
     assert "eager_s2" in test_distributed.W4_CASES
+
+
+def test_ci_runs_the_readme_test_command():
+    """``.ci/run`` calls exactly the README's test command, which lints before it tests."""
+    (command,) = [line for line in re.findall(r"```bash\n(.*?)```", README, re.S)
+                  if "pytest" in line and ".[dev]" in line]
+    command = command.strip()
+    assert command in (ROOT / ".ci" / "run").read_text().splitlines()
+    assert command.index("ruff check") < command.index("pytest")
 
 
 def test_launcher_is_detected():

@@ -16,11 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import dist_cases as cases
 import fzero
 from fzero.buckets import buckets_of, size_buckets
-from helpers import Mark, is_grad_reduction
-import dist_cases as cases
-from helpers import branchy_reference, deep_mlp, max_rel_err, overlap_data as data
+from helpers import Mark, branchy_reference, deep_mlp, is_grad_reduction, max_rel_err
+from helpers import overlap_data as data
 
 mse = torch.nn.functional.mse_loss
 

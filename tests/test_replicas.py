@@ -4,14 +4,14 @@ and named, policies for buffers and generator states, compiled, and on gloo at W
 from __future__ import annotations
 
 import dataclasses
+
 import pytest
 import torch
 
 import fzero
 from fzero.pytree import replace
 from fzero.replicas import Divergence, replica_digest, replica_items
-from helpers import batches, children, mlp
-from helpers import CHEAP_COMPILE
+from helpers import CHEAP_COMPILE, batches, children, mlp
 
 mse = torch.nn.functional.mse_loss
 
@@ -62,7 +62,7 @@ def test_every_single_bit_flip_in_a_gathered_buffer_is_caught(dtype, bits):
     cases = [(i, int(torch.randint(bits, (), generator=g))) for i in range(n)]
     cases += [(i, b) for i in (0, n // 2, n - 1) for b in range(bits)]
     for index, bit in cases:
-        bad = _with_params(state, 0, lambda p: _flip(p, 2, index, bit))
+        bad = _with_params(state, 0, lambda p, index=index, bit=bit: _flip(p, 2, index, bit))
         assert bool(fzero.replicas.replicas_differ(bad, comm)), (index, bit)
     with pytest.raises(fzero.ReplicaDivergenceError) as e:
         fzero.replicas.check_replicas(_with_params(state, 0, lambda p: _flip(p, 2, n - 1, 0)), comm)

@@ -10,8 +10,8 @@ import torch
 import torch.utils._pytree as tp
 
 import fzero
-from fzero.pytree import replace
 import user_models as um
+from fzero.pytree import replace
 
 pytest.importorskip("transformers")
 
@@ -42,7 +42,7 @@ def _batches():
 
 def _run(comm, batches, start_state, step, first: int):
     state, metrics = start_state, []
-    for i, batch in enumerate(batches, start=first):
+    for batch in batches:
         state, m = step(state, comm.split_batch(batch, micro_batches=ACCUM))
         metrics.append(m)
     return state, metrics

@@ -117,8 +117,10 @@ from fzero.testing.strategies import (  # noqa: E402 - the public strategies
     growth_factors,
     growth_intervals,
     init_scales,
-    overflow_patterns as inf_steps,
     powers_of_two,
+)
+from fzero.testing.strategies import (
+    overflow_patterns as inf_steps,
 )
 
 

@@ -23,6 +23,7 @@ from test_user_models import OPTIMIZERS, _data, assert_buffers_match, assert_par
 transformers = pytest.importorskip("transformers")
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: E402
+
 from helpers import CHEAP_COMPILE
 
 

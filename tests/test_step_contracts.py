@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import fzero
-from helpers import batches, mlp
-from helpers import CHEAP_COMPILE
+from helpers import CHEAP_COMPILE, batches, mlp
 
 mse = torch.nn.functional.mse_loss
 

@@ -11,8 +11,7 @@ from torch._dynamo.utils import counters
 
 import fzero
 from fzero import schedules as sch
-from helpers import batches, children, is_grad_reduction, max_rel_err, mlp
-from helpers import CHEAP_COMPILE
+from helpers import CHEAP_COMPILE, batches, children, is_grad_reduction, max_rel_err, mlp
 
 mse = torch.nn.functional.mse_loss
 

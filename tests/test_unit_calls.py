@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fzero
 import dist_cases as cases
+import fzero
 import user_models as um
 from dist_harness import run_torchrun
 from test_distributed import _case

@@ -76,7 +76,10 @@ def test_checkpoints_and_torch_optim_interchange_keep_each_parameters_count(tmp_
     own ``step`` and no state for a parameter that never stepped, as torch's own; imported
     back, the counts are the same."""
     from fzero.checkpoint import (
-        export_torch_optim_state_dict, import_torch_optim_state_dict, load_checkpoint, save_checkpoint,
+        export_torch_optim_state_dict,
+        import_torch_optim_state_dict,
+        load_checkpoint,
+        save_checkpoint,
     )
     from fzero.checkpoint.offline import consolidate_torch_optim_state_dict
 
@@ -159,7 +162,7 @@ def test_gloo_unused_parameters_equal_ddp(gloo, stage, opt):
 def test_gloo_compiled_unused_parameters_equal_ddp(gloo, stage):
     """Compiled on real ranks (stage 3 there regathers per unit and counts use per unit): the
     unused head stays as it was, as under DDP."""
-    for r, res in enumerate(_gloo_case(gloo)):
+    for res in _gloo_case(gloo):
         mine = res[f"s{stage}c_adamw"]
         _assert_matches(mine["params"], res["ddp_static_adamw"])
         assert mine["steps"]["aux.weight"] == 0 and mine["steps"]["a.weight"] == uc.STEPS

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
-import fzero
 import dist_cases as cases
+import fzero
 import user_models as um
 from dist_harness import worker_main
 from fzero.dist import TorchCommunicator

@@ -6,7 +6,8 @@ against DDP itself)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ class Gated(torch.nn.Module):
     (``branch=True``); ``aux`` never runs (no rank ever takes it, as a disabled head); ``a``
     and ``b`` always run."""
 
-    def __init__(self, branch: Optional[bool] = None) -> None:
+    def __init__(self, branch: bool | None = None) -> None:
         super().__init__()
         self.static_branch = branch
         torch.manual_seed(0)
@@ -75,7 +76,7 @@ UNITS = ("aux", "b")
 
 
 def run_fzero(comm: fzero.Communicator, opt: str, stage: int, compile: fzero.compiled.Compile = False,
-              unused: str = "skip", accum: int = 1, branch: Optional[bool] = None) -> dict[str, Any]:
+              unused: str = "skip", accum: int = 1, branch: bool | None = None) -> dict[str, Any]:
     """Train :class:`Gated`; every parameter (row 0 of this process) and each parameter's own
     step count (``opt.step - opt.missed``)."""
     model = Gated(branch)
@@ -91,7 +92,7 @@ def run_fzero(comm: fzero.Communicator, opt: str, stage: int, compile: fzero.com
             "steps": dict(zip([s.path for s in state.layout.trainable_slots], counts.tolist()))}
 
 
-def run_ddp(comm: fzero.Communicator, opt: str, branch: Optional[bool] = None) -> dict[str, torch.Tensor]:
+def run_ddp(comm: fzero.Communicator, opt: str, branch: bool | None = None) -> dict[str, torch.Tensor]:
     """The same training under DDP (``find_unused_parameters=True``) on this process's rank."""
     model = torch.nn.parallel.DistributedDataParallel(Gated(branch), find_unused_parameters=True)
     optim = OPTIMIZERS[opt][1](model.parameters())
@@ -103,7 +104,7 @@ def run_ddp(comm: fzero.Communicator, opt: str, branch: Optional[bool] = None) -
     return {k: v.detach().clone() for k, v in model.module.named_parameters()}
 
 
-def run_oracle(world: int, opt: str, branch: Optional[bool] = None) -> dict[str, torch.Tensor]:
+def run_oracle(world: int, opt: str, branch: bool | None = None) -> dict[str, torch.Tensor]:
     """DDP's semantics in one process: each rank's gradient, averaged over ranks where some rank
     has one (zeros from the others), ``None`` where none has; ``torch.optim`` steps."""
     model = Gated(branch)

@@ -45,7 +45,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENT_FILE = ROOT / "tools" / "mutation_equivalent.txt"
@@ -104,7 +103,7 @@ def _op_name(op: type) -> str:
 class _Walker(ast.NodeTransformer):
     """Visits nodes in a fixed order; numbers every mutation site; applies one if asked."""
 
-    def __init__(self, target: Optional[tuple[int, int]] = None):
+    def __init__(self, target: tuple[int, int] | None = None):
         self.target = target
         self.site = 0
         self.found: list[Mutant] = []
@@ -298,7 +297,7 @@ def _run_tests(pkg_root: Path, tests: list[str], timeout: float, extra: list[str
     return status, time.monotonic() - t0, out or ""
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("module", help="e.g. fzero/scaler.py")
     ap.add_argument("--tests", nargs="*", help="test files (default: TEST_MAP[module])")
@@ -373,8 +372,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     scored = len(results) - counts["equivalent"]
     pct = 100.0 * (counts["killed"] + counts["timeout"]) / scored if scored else 100.0
     print()
-    print(f"| module | mutants | run | killed | timeout | survived | equivalent | killed % |")
-    print(f"| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| module | mutants | run | killed | timeout | survived | equivalent | killed % |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     print(f"| {module} | {len(mutants)} | {len(results)} | {counts['killed']} | {counts['timeout']} | "
           f"{counts['survived']} | {counts['equivalent']} | {pct:.1f} |")
     for m, s, _ in results:

@@ -17,12 +17,11 @@ committed file was made with CPython 3.11.7.)
 
 from __future__ import annotations
 
+import pydoc_data.topics
 import re
 import sys
 import textwrap
 from pathlib import Path
-
-import pydoc_data.topics
 
 OUT = Path(__file__).resolve().parent / "python_reference.txt"
 

@@ -9,15 +9,30 @@ consolidate; ``python -m fzero.checkpoint``). Every failure to read a checkpoint
 Imports: errors, manifest, offline, saveload, torch_optim, publish.
 """
 
-from .errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
-                     CheckpointOutputError, IncompleteCheckpointError)
-from .manifest import read_manifest, resolve_checkpoint
-from .offline import (checkpoint_info, consolidate_checkpoint, consolidate_model_state_dict,
-                      consolidate_torch_optim_state_dict, verify_checkpoint)
-from .saveload import load_checkpoint, save_checkpoint
-from .torch_optim import (export_model_state_dict, export_torch_optim_state_dict, import_torch_optim_state_dict,
-                          write_back)
 from . import publish  # noqa: F401 - tests patch its functions
+from .errors import (
+                     CheckpointCorruptError,
+                     CheckpointError,
+                     CheckpointMismatchError,
+                     CheckpointNotFoundError,
+                     CheckpointOutputError,
+                     IncompleteCheckpointError,
+)
+from .manifest import read_manifest, resolve_checkpoint
+from .offline import (
+                     checkpoint_info,
+                     consolidate_checkpoint,
+                     consolidate_model_state_dict,
+                     consolidate_torch_optim_state_dict,
+                     verify_checkpoint,
+)
+from .saveload import load_checkpoint, save_checkpoint
+from .torch_optim import (
+                     export_model_state_dict,
+                     export_torch_optim_state_dict,
+                     import_torch_optim_state_dict,
+                     write_back,
+)
 
 __all__ = [
     "write_back", "CheckpointError", "IncompleteCheckpointError", "CheckpointNotFoundError",

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Optional
 
 from .errors import CheckpointError
 from .offline import checkpoint_info, consolidate_checkpoint, verify_checkpoint
@@ -48,7 +47,7 @@ def _info(path: str, follow_symlinks: bool) -> None:
         print(f"  {p['path']:<{width}}  {str(list(p['shape'])):<16} {p['dtype']:<15} {group}")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fzero.checkpoint", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -18,9 +18,10 @@ import json
 import os
 import pickle
 import zlib
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -32,8 +33,16 @@ from torch.futures import Future
 
 from .errors import CheckpointCorruptError, corrupt
 from .files import Files
-from .metadata import (CHECKSUMS_FILE, FZERO_KEY, METADATA_FILE, _first_line, check_metadata, fzero_marks,
-                       read_bytes, unpickle_metadata)
+from .metadata import (
+    CHECKSUMS_FILE,
+    FZERO_KEY,
+    METADATA_FILE,
+    _first_line,
+    check_metadata,
+    fzero_marks,
+    read_bytes,
+    unpickle_metadata,
+)
 
 __all__ = ["ALGORITHM", "CHECKSUMS_FILE", "ChecksumWriter", "VerifyingReader", "verify_checkpoint_dir",
            "open_checked", "CheckedDir"]
@@ -48,7 +57,7 @@ class _CountingStream(io.RawIOBase):
     """A file opened for writing that keeps one ``[length, crc]`` per record: a record starts at each
     ``tell()`` (DCP calls it before and after writing each record)."""
 
-    def __init__(self, raw: Any, records: dict[int, list[int]], pool: Optional[ThreadPoolExecutor]):
+    def __init__(self, raw: Any, records: dict[int, list[int]], pool: ThreadPoolExecutor | None):
         super().__init__()
         self.raw, self.records, self.pool = raw, records, pool
         self.pos = raw.tell()
@@ -103,7 +112,7 @@ class _ChecksumFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
         self.records: dict[str, dict[int, list[int]]] = {}
-        self.pool: Optional[ThreadPoolExecutor] = None
+        self.pool: ThreadPoolExecutor | None = None
 
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
@@ -120,7 +129,7 @@ class ChecksumWriter(dcp.FileSystemWriter):
     """DCP's file writer that records a CRC of every record it writes, and binds them, the metadata and
     ``bind`` (the step and the name) in ``checksums.json`` (see the module doc)."""
 
-    def __init__(self, path: Any, *, bind: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> None:
+    def __init__(self, path: Any, *, bind: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
         self.fs = _ChecksumFileSystem()
         self.bind = dict(bind or {})
@@ -192,8 +201,8 @@ class Record:
     length: int
     crc: int
     key: str
-    chunk: Optional[tuple[int, ...]]
-    sizes: Optional[tuple[int, ...]] = None
+    chunk: tuple[int, ...] | None
+    sizes: tuple[int, ...] | None = None
 
     def describe(self) -> str:
         piece = "" if not self.chunk or not any(self.chunk) else f" (chunk at {list(self.chunk)})"
@@ -207,9 +216,9 @@ class Checksums:
 
     records: dict[tuple[str, int], Record]
     version: int
-    step: Optional[int] = None
-    name: Optional[str] = None
-    metadata_sha256: Optional[str] = None
+    step: int | None = None
+    name: str | None = None
+    metadata_sha256: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,10 +227,10 @@ class CheckedDir:
 
     dir: Path
     metadata: Metadata
-    checksums: Optional[Checksums]
+    checksums: Checksums | None
     files: Files  # how its files are opened
 
-def read_checksums(d: Path, files: Optional[Files] = None, limit: Optional[int] = None) -> Optional[Checksums]:
+def read_checksums(d: Path, files: Files | None = None, limit: int | None = None) -> Checksums | None:
     """``d/checksums.json`` (read as ``files`` allows, at most ``limit`` bytes), or None; damaged (its own CRC covers
     every field): a corrupt checkpoint."""
     if not (d / CHECKSUMS_FILE).exists() and not (d / CHECKSUMS_FILE).is_symlink():
@@ -257,7 +266,7 @@ def read_checksums(d: Path, files: Optional[Files] = None, limit: Optional[int] 
         raise corrupt(d, f"file {CHECKSUMS_FILE} is damaged ({e})") from e
 
 
-def open_checked(d: Path, files: Optional[Files] = None) -> CheckedDir:
+def open_checked(d: Path, files: Files | None = None) -> CheckedDir:
     """Read ``d``'s metadata without running code, check it and bind it to the checksum file: the digest of
     ``.metadata`` (before unpickling), :mod:`.metadata`'s checks, the checksum file it was saved with, one
     checksum record per listed record and no other. Files read as ``files`` allows (:class:`~.files.Files`). Raises
@@ -344,7 +353,7 @@ class VerifyingReader(dcp.FileSystemReader):
         self.checked_dir = checked
         self.records = None if checked.checksums is None else checked.checksums.records
         self.checked: set[tuple[str, int]] = set()
-        self.current: Optional[tuple[str, str]] = None  # (entry, file) being read
+        self.current: tuple[str, str] | None = None  # (entry, file) being read
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self.checked_dir.metadata

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO, Optional, Union
+from typing import BinaryIO
 
 from .errors import CheckpointCorruptError
 
@@ -39,7 +39,7 @@ class Files:
     follow_symlinks: bool = False
 
     @staticmethod
-    def of(path: Union[str, os.PathLike], follow_symlinks: bool = False) -> "Files":
+    def of(path: str | os.PathLike, follow_symlinks: bool = False) -> Files:
         return Files(Path(path).resolve(), bool(follow_symlinks))
 
     def check_inside(self, path: Path) -> None:
@@ -72,7 +72,7 @@ class Files:
             os.close(fd)
             raise
 
-    def read(self, path: Path, limit: Optional[int] = None) -> bytes:
+    def read(self, path: Path, limit: int | None = None) -> bytes:
         """The bytes of ``path``, refused unread if more than ``limit`` (default :data:`METADATA_LIMIT`)."""
         limit = METADATA_LIMIT if limit is None else limit
         with self.open(path) as f:

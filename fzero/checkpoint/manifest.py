@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
@@ -36,7 +37,7 @@ MANIFEST_KEY = "fzero/manifest"
 FROZEN_PREFIX = "fzero/frozen/"
 FROZEN_LEFT_OUT = "frozen_left_out"  # the manifest's {path: "dtype:crc32"} of frozen parameters not saved
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 
 def _manifest(state: TrainState, comm: Communicator) -> dict[str, Any]:
@@ -85,7 +86,7 @@ def persistent_buffers(state: TrainState) -> list[tuple[str, torch.Tensor]]:
     return [(n, b) for n, b, keep in zip(spec.buffers, state.buffers, spec.persistent) if keep]
 
 
-def _params_difference(saved: Sequence[Sequence[Any]], mine: Sequence[Sequence[Any]]) -> Optional[str]:
+def _params_difference(saved: Sequence[Sequence[Any]], mine: Sequence[Sequence[Any]]) -> str | None:
     for i, (a, b) in enumerate(zip(saved, mine)):
         if a[0] != b[0]:
             return f"parameter #{i} is {a[0]!r} vs {b[0]!r}"
@@ -99,7 +100,7 @@ def _params_difference(saved: Sequence[Sequence[Any]], mine: Sequence[Sequence[A
     return None
 
 
-def _manifest_difference(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> Optional[str]:
+def _manifest_difference(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str | None:
     """The first difference between a checkpoint's manifest and a state's, or None. Order: format, model
     (parameters, buffers), optimizer, scaler, precision. Values read "checkpoint vs this state"."""
     if saved.get("format") != FORMAT:
@@ -131,7 +132,7 @@ def resolve_checkpoint(path: PathLike, *, follow_symlinks: bool = False) -> Path
     return _resolve(Files.of(path, follow_symlinks), path)[0]
 
 
-def _resolve(files: Files, path: PathLike) -> tuple[Path, Optional[str]]:
+def _resolve(files: Files, path: PathLike) -> tuple[Path, str | None]:
     """The checkpoint directory, and the name ``LATEST`` gave it (None: ``path`` is the directory)."""
     p = Path(path)
     if not p.exists():
@@ -213,7 +214,7 @@ def _is_shape(x: Any) -> bool:
     return isinstance(x, list) and all(_is_int(v) for v in x)
 
 
-def _manifest_problem(m: Any) -> Optional[str]:
+def _manifest_problem(m: Any) -> str | None:
     """What is malformed in a manifest, or None: everything the checks and offline tools read has its type
     (an old or foreign manifest fails as corrupt, never with a ``KeyError`` deep in a tool)."""
     if not isinstance(m, dict):

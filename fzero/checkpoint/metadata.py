@@ -13,13 +13,19 @@ import math
 import pathlib
 import pickle
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
 import torch.distributed.checkpoint.metadata as dcp_md
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from .errors import CheckpointCorruptError, corrupt
 from .files import Files
@@ -93,7 +99,7 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-def read_metadata(d: Path, files: Optional[Files] = None) -> tuple[Metadata, bytes]:
+def read_metadata(d: Path, files: Files | None = None) -> tuple[Metadata, bytes]:
     """``d/.metadata`` unpickled with the allow-list and checked (:func:`check_metadata`), and its bytes."""
     blob = read_bytes(d, METADATA_FILE, files)
     md = unpickle_metadata(d, blob)
@@ -101,7 +107,7 @@ def read_metadata(d: Path, files: Optional[Files] = None) -> tuple[Metadata, byt
     return md, blob
 
 
-def read_bytes(d: Path, name: str, files: Optional[Files] = None, limit: Optional[int] = None) -> bytes:
+def read_bytes(d: Path, name: str, files: Files | None = None, limit: int | None = None) -> bytes:
     """``d/name`` read as ``files`` allows (default: inside ``d``), at most ``limit`` bytes (default
     :data:`~.files.METADATA_LIMIT`)."""
     files = Files.of(d) if files is None else files
@@ -115,7 +121,7 @@ def _fail(d: Path, what: str) -> CheckpointCorruptError:
     return corrupt(d, f"file {METADATA_FILE} is damaged: {what}")
 
 
-def _is_shape(x: Any, ndim: Optional[int] = None) -> bool:
+def _is_shape(x: Any, ndim: int | None = None) -> bool:
     return (isinstance(x, torch.Size) and all(isinstance(n, int) and n >= 0 for n in x)
             and (ndim is None or len(x) == ndim))
 

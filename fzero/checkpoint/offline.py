@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -28,7 +28,7 @@ __all__ = ["checkpoint_info", "consolidate_model_state_dict", "consolidate_torch
            "consolidate_checkpoint", "verify_checkpoint"]
 
 
-def _read(checked: CheckedDir, keys: list[str], numels: Optional[list[int]] = None) -> dict[str, torch.Tensor]:
+def _read(checked: CheckedDir, keys: list[str], numels: list[int] | None = None) -> dict[str, torch.Tensor]:
     """The saved tensors ``keys``; ``numels``: how many elements the manifest says each holds."""
     sd: dict[str, Any] = {}
     for k in keys:
@@ -173,7 +173,7 @@ def _optim(checked: CheckedDir, man: dict[str, Any]) -> dict[str, Any]:
     return torch_optim_dict(rule, order, step, hyper, moments, own, scalars, shapes=shapes, vectors=per_slot_vectors)
 
 
-def consolidate_checkpoint(path: PathLike, out: PathLike, *, optim: Optional[PathLike] = None,
+def consolidate_checkpoint(path: PathLike, out: PathLike, *, optim: PathLike | None = None,
                            follow_symlinks: bool = False) -> Path:
     """Write the checkpoint at ``path`` as a plain model state dict to ``out`` (``torch.save``;
     ``model.load_state_dict(torch.load(out))`` takes it), and its ``torch.optim`` state dict to ``optim`` if given.

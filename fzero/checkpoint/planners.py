@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,8 +21,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, ReadItem, TensorWriteData, WriteItem,
-                                                  WriteItemType)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 
 from ..layout import FlatGroup, Layout
 from .checksums import CheckedDir, ChecksumWriter, VerifyingReader
@@ -60,7 +67,7 @@ class _Pieces:
 
 
 def _param_pieces(layout: Layout, rows: Sequence[torch.Tensor], ranks: Sequence[int],
-                  groups: Optional[Sequence[FlatGroup]] = None) -> dict[str, _Pieces]:
+                  groups: Sequence[FlatGroup] | None = None) -> dict[str, _Pieces]:
     """Each trainable parameter's (``groups``: those groups' parameters') elements held in ``rows`` (one ``[R,
     shard_numel]`` buffer per group, row ``i`` owned by rank ``ranks[i]``) as pieces of the parameter flattened to 1-D:
     views, never padding (a rank that owns only padding contributes no piece)."""
@@ -99,7 +106,7 @@ class _LoadPlanner(LoadPlanner):
     """Reads into the tensors and :class:`_Pieces` of a flat state dict in place with DCP's default local plan (a read
     per overlap of a wanted and a saved chunk: the resharding); object entries unpickled ``weights_only``."""
 
-    def set_up_planner(self, state_dict: dict[str, Any], metadata: Optional[Metadata] = None,
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
                        is_coordinator: bool = False) -> None:
         self.state_dict = state_dict
         self.metadata = metadata
@@ -131,8 +138,8 @@ class _LoadPlanner(LoadPlanner):
 _SINGLE_PROCESS_NOTICE = ".*assuming the intent is to (save|load) in a single process.*"
 
 
-def dcp_save(state_dict: dict[str, Any], path: Path, pg: Optional[dist.ProcessGroup],
-             bind: Optional[Mapping[str, Any]] = None) -> None:
+def dcp_save(state_dict: dict[str, Any], path: Path, pg: dist.ProcessGroup | None,
+             bind: Mapping[str, Any] | None = None) -> None:
     """DCP's save with checksums (:class:`ChecksumWriter`; ``bind``: the step and the name the checksum file
     also binds); failures as :class:`CheckpointError`."""
     _call(lambda: dcp.save(state_dict, storage_writer=ChecksumWriter(path, sync_files=True, bind=bind),
@@ -140,7 +147,7 @@ def dcp_save(state_dict: dict[str, Any], path: Path, pg: Optional[dist.ProcessGr
           f"writing checkpoint {path} failed", None)
 
 
-def dcp_load(state_dict: dict[str, Any], checked: CheckedDir, pg: Optional[dist.ProcessGroup]) -> None:
+def dcp_load(state_dict: dict[str, Any], checked: CheckedDir, pg: dist.ProcessGroup | None) -> None:
     """DCP's load into ``state_dict`` in place from a checked directory, every record's checksum checked as
     it is read (:class:`VerifyingReader`); failures as :class:`CheckpointError` naming the entry and file."""
     reader = VerifyingReader(checked)
@@ -149,7 +156,7 @@ def dcp_load(state_dict: dict[str, Any], checked: CheckedDir, pg: Optional[dist.
           f"reading checkpoint {checked.dir} failed", reader)
 
 
-def _call(run: Callable[[], Any], what: str, reader: Optional[VerifyingReader]) -> None:
+def _call(run: Callable[[], Any], what: str, reader: VerifyingReader | None) -> None:
     """``run()`` without DCP's one-process notice (intended here), any failure converted."""
     try:
         with warnings.catch_warnings():
@@ -161,7 +168,7 @@ def _call(run: Callable[[], Any], what: str, reader: Optional[VerifyingReader]) 
         raise _converted(e, what, None if reader is None else reader.current) from e
 
 
-def _converted(e: BaseException, what: str, where: Optional[tuple[str, str]]) -> CheckpointError:
+def _converted(e: BaseException, what: str, where: tuple[str, str] | None) -> CheckpointError:
     causes = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
     for c in causes:
         if isinstance(c, (KeyboardInterrupt, SystemExit)):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -25,7 +25,7 @@ _TMP_PREFIX = ".tmp-"
 _OLD_PREFIX = ".old-"
 
 
-def _process_group(comm: Communicator) -> Optional[dist.ProcessGroup]:
+def _process_group(comm: Communicator) -> dist.ProcessGroup | None:
     """The process group of ``comm``; None when one process holds every rank (the simulated world)."""
     inner = comm
     while isinstance(inner, CountingCommunicator):
@@ -38,10 +38,10 @@ def _process_group(comm: Communicator) -> Optional[dist.ProcessGroup]:
                     f"TorchCommunicator; got {comm!r}")
 
 
-def _on_coordinator(pg: Optional[dist.ProcessGroup], what: str, fn: Callable[[], None]) -> None:
+def _on_coordinator(pg: dist.ProcessGroup | None, what: str, fn: Callable[[], None]) -> None:
     """Run ``fn`` on the coordinator (rank 0 of ``pg``); every rank returns after it, or raises if it failed.
     Collective: one ``broadcast_object_list`` of the outcome (none in one process)."""
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     if pg is None or dist.get_rank(pg) == 0:
         try:
             fn()
@@ -71,7 +71,7 @@ def _shown(name: object) -> str:
     return repr(name) if not isinstance(name, str) or len(name) <= 80 else f"{name[:80]!r}... ({len(name)} characters)"
 
 
-def _read_latest(root: Path, files: Optional[Files] = None) -> Optional[str]:
+def _read_latest(root: Path, files: Files | None = None) -> str | None:
     """The name ``root/LATEST`` holds (read as ``files`` allows); None without one; damaged: a
     :class:`CheckpointCorruptError` naming it."""
     files = Files.of(root) if files is None else files

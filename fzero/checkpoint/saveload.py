@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,12 +28,31 @@ from ..sharding import all_gather_params, check_world, frozen_rows
 from ..state import TrainState, consume, ensure_live
 from .checksums import CheckedDir
 from .errors import CheckpointMismatchError
-from .manifest import FROZEN_LEFT_OUT, FROZEN_PREFIX, MANIFEST_KEY, PathLike, _check_entries, _manifest, \
-    _manifest_difference, _read_manifest, frozen_crcs, VERSION, \
-    checked_metadata, persistent_buffers
+from .manifest import (
+    FROZEN_LEFT_OUT,
+    FROZEN_PREFIX,
+    MANIFEST_KEY,
+    VERSION,
+    PathLike,
+    _check_entries,
+    _manifest,
+    _manifest_difference,
+    _read_manifest,
+    checked_metadata,
+    frozen_crcs,
+    persistent_buffers,
+)
 from .planners import _param_pieces, _Pieces, dcp_load, dcp_save
-from .publish import _TMP_PREFIX, LATEST, _check_name, _on_coordinator, _prepare_tmp, _process_group, _publish, \
-    _read_latest
+from .publish import (
+    _TMP_PREFIX,
+    LATEST,
+    _check_name,
+    _on_coordinator,
+    _prepare_tmp,
+    _process_group,
+    _publish,
+    _read_latest,
+)
 
 EXTRA_PREFIX = "extra/"
 HYPERPARAMS = ("checkpoint", "template")
@@ -156,8 +176,8 @@ def _replicated(state: TrainState) -> dict[str, torch.Tensor]:
     return sd
 
 
-def save_checkpoint(state: TrainState, root: PathLike, comm: Communicator, *, name: Optional[str] = None,
-                    extra: Optional[Mapping[str, Any]] = None, frozen: bool = True) -> Path:
+def save_checkpoint(state: TrainState, root: PathLike, comm: Communicator, *, name: str | None = None,
+                    extra: Mapping[str, Any] | None = None, frozen: bool = True) -> Path:
     """Save ``state`` (and ``extra``) as ``root/name`` and point ``root/LATEST`` at it; returns the directory.
 
     Every rank calls it. Each rank writes only what its shards hold of each parameter's master and moments (never
@@ -278,7 +298,7 @@ def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *,
 
 
 def _frozen_destinations(template: TrainState, comm: Communicator, saved: Mapping[str, Any],
-                         left_out: Optional[dict]) -> tuple[Any, dict[str, Any], Optional[list]]:
+                         left_out: dict | None) -> tuple[Any, dict[str, Any], list | None]:
     """Where the frozen parameters are read to: ``(ShardState.frozen, entries, whole)``. Left out: the template's own
     (checked against the saved CRC-32s in :func:`_validated`). A checkpoint written before manifest version 3 keeps
     each one in its shape: ``whole`` (layout order, None for trainable ones) is read, then cut."""
@@ -297,7 +317,7 @@ def _frozen_destinations(template: TrainState, comm: Communicator, saved: Mappin
 
 
 def _validated(path: PathLike, template: TrainState, comm: Communicator,
-               follow_symlinks: bool) -> tuple[CheckedDir, Optional[dict]]:
+               follow_symlinks: bool) -> tuple[CheckedDir, dict | None]:
     """The checked checkpoint directory, once complete and matching ``template``, and the CRC-32s of the frozen
     parameters it left out (None: it holds them), which the template's match."""
     checked = checked_metadata(path, follow_symlinks=follow_symlinks)
@@ -318,7 +338,7 @@ def _validated(path: PathLike, template: TrainState, comm: Communicator,
 def _assemble(template: TrainState, comm: Communicator, masters: tuple[torch.Tensor, ...],
               moments: tuple[tuple[torch.Tensor, ...], ...], frozen: tuple[torch.Tensor, ...],
               replicated: Mapping[str, torch.Tensor],
-              into: Optional[Sequence[torch.Tensor]] = None) -> TrainState:
+              into: Sequence[torch.Tensor] | None = None) -> TrainState:
     """``template`` with the loaded leaves, and ``params`` regathered (one ``all_gather`` per flat group;
     ``into``: into those buffers) unless the template keeps none (stage 3)."""
     opt = template.opt

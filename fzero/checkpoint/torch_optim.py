@@ -7,7 +7,8 @@ Imports: comm, layout, materialize, optim, torch_optim_rules, adafactor_rules, p
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
@@ -306,10 +307,10 @@ def own_steps(layout: Layout, step: int, missed: Sequence[torch.Tensor]) -> dict
 
 def torch_optim_dict(optimizer: Any, order: Sequence[Sequence[int]], step: int,
                      hyper: Sequence[Mapping[str, torch.Tensor]], moments: Mapping[int, Mapping[str, torch.Tensor]],
-                     own: Optional[Mapping[int, int]] = None,
-                     scalars: Optional[Mapping[int, Mapping[str, float]]] = None, layout: Optional[Any] = None,
-                     shapes: Optional[Mapping[int, tuple[tuple[int, ...], torch.dtype]]] = None,
-                     vectors: Optional[Mapping[int, Mapping[str, torch.Tensor]]] = None) -> dict[str, Any]:
+                     own: Mapping[int, int] | None = None,
+                     scalars: Mapping[int, Mapping[str, float]] | None = None, layout: Any | None = None,
+                     shapes: Mapping[int, tuple[tuple[int, ...], torch.dtype]] | None = None,
+                     vectors: Mapping[int, Mapping[str, torch.Tensor]] | None = None) -> dict[str, Any]:
     """A ``torch.optim`` state dict of ``optimizer`` (:func:`torch_equivalent`). ``order``:
     :func:`torch_order`; ``moments``: ``{slot: {name: tensor}}`` in the parameter's shape and dtype (read
     when ``step > 0``); ``own``: each slot's step count (:func:`own_steps`; default ``step``); ``scalars``:
@@ -428,7 +429,7 @@ def _torch_vectors(template: TrainState, read: Mapping[int, Read]) -> tuple[torc
     return out
 
 
-def _own_rows(layout: Layout, leaves: Sequence[Optional[torch.Tensor]], comm: Communicator,
+def _own_rows(layout: Layout, leaves: Sequence[torch.Tensor | None], comm: Communicator,
               device: torch.device) -> tuple[torch.Tensor, ...]:
     """This process's ``[R, shard_numel]`` rows of every flat group from full per-slot ``leaves``."""
     return tuple(shard_rows(layout, g, leaves, comm.ranks, g.master_dtype).to(device) for g in layout.groups)

@@ -11,7 +11,8 @@ import contextlib
 import datetime
 import math
 import os
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,8 +20,16 @@ import torch.distributed._functional_collectives as funcol
 
 from ..comm import Communicator, Mesh, ReduceOp, mesh_groups, mesh_text, rank_order_sum
 from ..layout import Layout, first_difference
-from .gloo import (C10D_OP, Bound, ScratchPool, average_owned, point_to_point_all_reduce, point_to_point_gather,
-                   point_to_point_reduce_scatter, waiter)
+from .gloo import (
+    C10D_OP,
+    Bound,
+    ScratchPool,
+    average_owned,
+    point_to_point_all_reduce,
+    point_to_point_gather,
+    point_to_point_reduce_scatter,
+    waiter,
+)
 
 __all__ = ["TorchCommunicator", "LayoutMismatchError", "REDUCE_SCATTER_PATHS", "ALL_GATHER_PATHS",
            "ALL_REDUCE_PATHS", "DEFAULT_TIMEOUT", "launcher_world_size", "choose_comm"]
@@ -37,13 +46,13 @@ _c10d_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _c10d_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def launcher_world_size(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
+def launcher_world_size(env: Mapping[str, str] | None = None) -> int | None:
     """The world size a launcher (``torchrun``) gave this process, or ``None``."""
     env = os.environ if env is None else env
     return int(env["WORLD_SIZE"]) if "LOCAL_RANK" in env and "WORLD_SIZE" in env else None
 
 
-def choose_comm(requested: str, env: Optional[Mapping[str, str]] = None) -> str:
+def choose_comm(requested: str, env: Mapping[str, str] | None = None) -> str:
     """``"sim"`` or ``"torch"`` for a script's ``--comm {auto,sim,torch}``: ``auto`` is ``torch`` under a
     launcher and ``sim`` otherwise; ``sim`` under a launcher of several ranks raises ``ValueError`` (each
     process would run the same simulated world and write the same files)."""
@@ -82,13 +91,13 @@ class TorchCommunicator(Communicator):
     ``hpz=True`` (with a mesh; ZeRO++ hpZ): the state sharded over the whole world, and ``self.node`` a
     ``TorchCommunicator`` over this rank's shard group, within which stage 3 regathers for backward."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, *, reduce_scatter_via: Optional[str] = None,
-                 timeout: Optional[Union[float, datetime.timedelta]] = None, all_gather_via: Optional[str] = None,
-                 mesh: Optional[Mesh] = None, hpz: bool = False, all_reduce_via: Optional[str] = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, *, reduce_scatter_via: str | None = None,
+                 timeout: float | datetime.timedelta | None = None, all_gather_via: str | None = None,
+                 mesh: Mesh | None = None, hpz: bool = False, all_reduce_via: str | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchCommunicator needs an initialised default process group: call "
                                "torch.distributed.init_process_group (e.g. under torchrun) first")
-        self.replica: Optional[TorchCommunicator] = None
+        self.replica: TorchCommunicator | None = None
         self._mesh, self._data_rank, self._groups = "", dist.get_rank(group), ()
         if hpz and mesh is None:
             raise ValueError("TorchCommunicator(hpz=True) needs a mesh: its shard groups are the nodes")
@@ -135,7 +144,7 @@ class TorchCommunicator(Communicator):
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds (float('inf'): no bound) or a timedelta, "
                              f"got {timeout!r}")
-        self.timeout: Optional[float] = None if math.isinf(timeout) else float(timeout)
+        self.timeout: float | None = None if math.isinf(timeout) else float(timeout)
         self.overlaps = True
         # beside the result: all_to_all receives the peers' chunks after the first, the others copy the input
         copies = 0.0 if reduce_scatter_via == "reduce_scatter" and not gloo else 1.0
@@ -147,7 +156,7 @@ class TorchCommunicator(Communicator):
         self._ops = gloo and self.world_size > 1  # traced: fzero's operators (fzero.dist.gloo)
         # point to point: gathers, reductions, all-reduces each a residue mod 3 (stage 3 gathers while it reduces)
         self._tags = [0, 1, 2]
-        self._pool: Optional[ScratchPool] = None
+        self._pool: ScratchPool | None = None
         self.replicas = 1 if self.replica is None else self.replica.world_size
 
     @property
@@ -164,11 +173,11 @@ class TorchCommunicator(Communicator):
         return (lambda: x) if self.replica is None else self.replica.all_reduce_start(x, op)
 
     @property
-    def group(self) -> Optional[dist.ProcessGroup]:
+    def group(self) -> dist.ProcessGroup | None:
         """The process group (the default one while it exists, when none was given)."""
         return self._pg if self._pg is not None else dist.group.WORLD
 
-    def tracing(self) -> "TorchCommunicator":
+    def tracing(self) -> TorchCommunicator:
         out = super().tracing()
         out.overlaps, out.replica = False, None if self.replica is None else self.replica.tracing()
         return out

@@ -12,7 +12,8 @@ import datetime
 import functools
 import math
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ C10D_OP = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.Reduc
 TRACED_REDUCE_TAG = 1 << 30  # a traced reduce-scatter waits inside its operator: one tag serves them all
 TRACED_ALL_REDUCE_TAGS = ((1 << 30) + 1, (1 << 30) + 2)  # a traced all-reduce's two phases, likewise
 # (collective, rank, timeout in seconds): what a bounded wait names when it gives up
-Bound = Optional[tuple[str, int, float]]
+Bound = tuple[str, int, float] | None
 
 
 def wait(work: Any, bound: Bound) -> None:
@@ -46,7 +47,7 @@ def wait(work: Any, bound: Bound) -> None:
 
 
 def waiter(work: Any, result: Callable[[], torch.Tensor], bound: Bound = None,
-           sent: Optional[torch.Tensor] = None) -> Callable[[], torch.Tensor]:
+           sent: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
     """A function that waits for ``work`` and gives ``result()``. The ``Work`` is dropped once waited for (it
     keeps its launch's saved-tensor hooks: a reference cycle through C++ otherwise). ``sent`` is kept until the
     wait, so a step's memory does not depend on when gloo's thread lets it go."""
@@ -68,7 +69,7 @@ class Works:
     def __init__(self, works: list[Any]):
         self.works = works
 
-    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         end = None if timeout is None else time.monotonic() + timeout.total_seconds()
         for w in self.works:
             limit = {} if end is None else {"timeout": datetime.timedelta(seconds=max(end - time.monotonic(), 0.001))}
@@ -81,7 +82,7 @@ def _peers(rank: int, world: int) -> list[tuple[int, int]]:  # (dst, src) per ro
     return [((rank + k) % world, (rank - k) % world) for k in range(1, world)]
 
 
-def point_to_point_gather(out: torch.Tensor, sent: torch.Tensor, group: Optional[dist.ProcessGroup], rank: int,
+def point_to_point_gather(out: torch.Tensor, sent: torch.Tensor, group: dist.ProcessGroup | None, rank: int,
                           world: int, tag: int) -> Works:
     """Start an all-gather of ``sent`` (``[n]``, contiguous) into ``out`` (``[world * n]``, rank-major):
     ``world - 1`` sends and receives, each peer's shard received straight into its place (gloo's own all-gather
@@ -94,7 +95,7 @@ def point_to_point_gather(out: torch.Tensor, sent: torch.Tensor, group: Optional
     return Works(works)
 
 
-def point_to_point_reduce_scatter(sent: torch.Tensor, group: Optional[dist.ProcessGroup], rank: int, world: int,
+def point_to_point_reduce_scatter(sent: torch.Tensor, group: dist.ProcessGroup | None, rank: int, world: int,
                                   tag: int, empty: Callable[[int], torch.Tensor]) -> tuple[Works, Callable[[], Any]]:
     """Start a reduce-scatter of ``sent`` (``[world * n]``): chunk ``k`` to rank ``k``. Returns the works and, for when
     they are done, the new ``[n]`` sum in rank order (:func:`fzero.comm.rank_order_sum`), whose first peer term (``c1``
@@ -113,7 +114,7 @@ def point_to_point_reduce_scatter(sent: torch.Tensor, group: Optional[dist.Proce
                                                   out)
 
 
-def point_to_point_all_reduce(sent: torch.Tensor, group: Optional[dist.ProcessGroup], rank: int, world: int,
+def point_to_point_all_reduce(sent: torch.Tensor, group: dist.ProcessGroup | None, rank: int, world: int,
                               tags: tuple[int, int], empty: Callable[[int], torch.Tensor],
                               bound: Bound) -> Callable[[], torch.Tensor]:
     """Start an all-reduce (sum) of ``sent`` (``[n]``, contiguous) whose every element is the ranks' values added in

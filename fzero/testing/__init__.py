@@ -13,7 +13,8 @@ import subprocess
 import sys
 import tempfile
 import weakref
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ __all__ = ["Census", "CorruptResult", "Delay", "FaultRecord", "FaultyWorld", "Ga
 
 
 def run_torchrun(nproc: int, script: str, args: Sequence[str], *, timeout: float, pythonpath: Sequence[str] = (),
-                 capture: bool = True) -> tuple[Optional[int], str]:
+                 capture: bool = True) -> tuple[int | None, str]:
     """Run ``script`` under ``torch.distributed.run`` on ``nproc`` local ranks in a new session, killing torchrun and
     every rank on timeout, Ctrl-C or any other exit: ``(exit code or None on timeout, output)`` (``capture=False``:
     printed, not returned). Ranks get ``pythonpath`` prepended to ``PYTHONPATH``, a shared inductor cache, and unless
@@ -40,7 +41,7 @@ def run_torchrun(nproc: int, script: str, args: Sequence[str], *, timeout: float
         proc = subprocess.Popen(cmd, stdout=log if capture else None, stderr=subprocess.STDOUT if capture else None,
                                 env=env, start_new_session=True)
         try:
-            rc: Optional[int] = proc.wait(timeout=timeout)
+            rc: int | None = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = None
         finally:

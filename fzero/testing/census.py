@@ -12,13 +12,13 @@ import bisect
 import dataclasses
 import time
 import weakref
-from typing import Callable, Iterable, Mapping, Optional, Union
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 __all__ = ["Allocation", "Census", "malloc_in_use", "storages_of"]
 
-KnownTensors = Union[Iterable[torch.Tensor], Callable[[], Iterable[torch.Tensor]]]
+KnownTensors = Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]]
 OTHER = "other"
 SCOPE_PREFIXES = ("fzero::",)  # record_function scopes that name allocations (fzero.memory.SCOPES)
 
@@ -32,7 +32,7 @@ class Allocation:
     ptr: int
     nbytes: int
     start_ns: int
-    end_ns: Optional[int]
+    end_ns: int | None
     kind: str = OTHER
     op: str = ""
     scope: str = ""
@@ -61,7 +61,7 @@ class _Baseline:
     category: str
     ptr: int
     nbytes: int
-    freed_ns: Optional[int] = None
+    freed_ns: int | None = None
 
     def live_at(self, t_ns: int) -> bool:
         return self.freed_ns is None or t_ns < self.freed_ns
@@ -96,7 +96,7 @@ class Census:
         self.missed_frees = self.peak_bytes = self.peak_ns = self.end_bytes = self.start_ns = self.end_ns = 0
         self.category_note = ""
 
-    def __enter__(self) -> "Census":
+    def __enter__(self) -> Census:
         seen: set[int] = set()  # entry-time known storages -> address ranges, watched by a finalizer
         for name, storages in self._at_entry.items():
             for s in storages:
@@ -180,7 +180,7 @@ class Census:
         """Everything the census sees live at the peak, by category (baseline + in block)."""
         return _sums([*self.baseline_by_category.items(), *self.in_block_by_category.items()])
 
-    def by_op(self, category: Optional[str] = OTHER) -> dict[str, int]:
+    def by_op(self, category: str | None = OTHER) -> dict[str, int]:
         """In-block bytes live at the peak of ``category`` (``None``: all) by allocating operator, largest first."""
         out = _sums((a.op or "?", a.nbytes) for i, a in enumerate(self.allocations)
                     if a.live_at(self.peak_ns) and category in (None, self._attributed.get(i, a.kind)))
@@ -198,13 +198,13 @@ class Census:
     def scope_peaks(self) -> dict[str, int]:
         """Each scope's own peak: the most bytes its allocations held at once (at any time)."""
         scopes = dict.fromkeys(a.scope for a in self.allocations if a.scope)
-        return {s: self._peak_of(lambda a: a.scope == s)[0] for s in scopes}
+        return {s: self._peak_of(lambda a, s=s: a.scope == s)[0] for s in scopes}
 
     def scope_peak_ns(self, scope: str) -> int:
         """When ``scope``'s allocations first held their peak (:attr:`scope_peaks`)."""
         return self._peak_of(lambda a: a.scope == scope)[1]
 
-    def unseen_bytes(self, scope: Optional[str] = None, at_ns: Optional[int] = None) -> int:
+    def unseen_bytes(self, scope: str | None = None, at_ns: int | None = None) -> int:
         """Bytes whose free was not seen (another thread's, e.g. a backend's; live until the address is reused)
         of ``scope``'s allocations (``None``: all), live at ``at_ns`` (``None``: whenever in the block)."""
         return sum(a.nbytes for a in self.allocations if not a.free_seen
@@ -297,7 +297,7 @@ def _replay(events: list[tuple[int, int, int, str, str]],
     out: list[Allocation] = []
     missed = 0
 
-    def close(ptr: int, t: Optional[int], seen: bool = True) -> None:
+    def close(ptr: int, t: int | None, seen: bool = True) -> None:
         start, n, op, scope = open_.pop(ptr)
         out.append(Allocation(ptr, n, start, t, kinds.get((ptr, start), OTHER), op, scope, seen))
 
@@ -327,7 +327,7 @@ def _peak(allocations: list[Allocation], start_ns: int) -> tuple[int, int]:
     return best, when
 
 
-def malloc_in_use() -> Optional[int]:
+def malloc_in_use() -> int | None:
     """Bytes glibc's malloc has handed out and not taken back, all arenas plus mmapped chunks
     (``mallinfo2``: ``uordblks + hblkhd``), whatever RSS it keeps. ``None`` without glibc 2.33+."""
     import ctypes

@@ -13,7 +13,8 @@ import dataclasses
 import math
 import time
 from collections import Counter
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ class CorruptResult:
     rank: int
     op: str = "all_gather"
     index: int = 0
-    value: Optional[float] = None
+    value: float | None = None
     call: int = 0
 
 
@@ -55,11 +56,11 @@ class Delay:
     step: int
     rank: int
     seconds: float
-    op: Optional[str] = None
+    op: str | None = None
     call: int = 0
 
 
-Fault = Union[GradFault, CorruptResult, Delay]
+Fault = GradFault | CorruptResult | Delay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +73,9 @@ class FaultRecord:
     rank: int
     op: str
     call: int
-    index: Optional[int] = None
-    before: Optional[float] = None
-    after: Optional[float] = None
+    index: int | None = None
+    before: float | None = None
+    after: float | None = None
 
     @property
     def kind(self) -> str:
@@ -152,7 +153,7 @@ class FaultyWorld(Communicator):
 
     def _inject(self, x: torch.Tensor, faults: list[Fault], op: str, call: int) -> torch.Tensor:
         """``x``, or a copy with element ``index`` of each fault's rank's rows set to its ``value`` (None: bit flip)."""
-        for f, row in [(f, row) for f in faults for row in self._rows(f.rank)]:
+        for f, row in [(fault, row) for fault in faults for row in self._rows(fault.rank)]:
             n, index = x[row].numel(), f.index
             if not -n <= index < n:
                 raise IndexError(f"FaultyWorld: {f!r}: index {index} is out of range for the {op} row of {n} elements")
@@ -166,7 +167,7 @@ class FaultyWorld(Communicator):
         return x
 
     def _collective(self, op: str, x: torch.Tensor, run: Callable[[torch.Tensor], torch.Tensor],
-                    reduce_op: Optional[str] = None) -> torch.Tensor:
+                    reduce_op: str | None = None) -> torch.Tensor:
         if not self._active:
             return run(x)
         call = self._calls[op]

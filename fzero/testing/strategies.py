@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ __all__ = ["FLOAT_DTYPES", "shapes", "float_dtypes", "world_sizes", "alignments"
            "scalers", "precisions", "fault_schedules"]
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-IntOrStrategy = Union[int, st.SearchStrategy]
+IntOrStrategy = int | st.SearchStrategy
 
 
 def _ints(x: IntOrStrategy) -> st.SearchStrategy:
@@ -93,7 +94,7 @@ class ParamTree:
         g = torch.Generator().manual_seed(self.seed)
         return [torch.randn(s, generator=g, dtype=torch.float64).to(d) for s, d in zip(self.shapes, self.dtypes)]
 
-    def tree(self, leaves: Optional[Sequence[Any]] = None) -> dict:
+    def tree(self, leaves: Sequence[Any] | None = None) -> dict:
         leaves = list(self.tensors() if leaves is None else leaves)
         return {"a": leaves[: self.split], "b": tuple(leaves[self.split :])}
 
@@ -129,12 +130,12 @@ class LayoutCase(ParamTree):
     world: int = 1
     alignment: int = 16
 
-    def grads(self, world: Optional[int] = None, scale: float = 1.0) -> list[torch.Tensor]:  # type: ignore[override]
+    def grads(self, world: int | None = None, scale: float = 1.0) -> list[torch.Tensor]:  # type: ignore[override]
         return super().grads(self.world if world is None else world, scale)
 
 
 @st.composite
-def layout_cases(draw: Any, min_leaves: int = 1, max_leaves: int = 6, *, worlds: Optional[st.SearchStrategy] = None,
+def layout_cases(draw: Any, min_leaves: int = 1, max_leaves: int = 6, *, worlds: st.SearchStrategy | None = None,
                  allow_empty: bool = False, allow_frozen: bool = False, **tree_kw: Any) -> LayoutCase:
     """:class:`LayoutCase` s: a parameter tree, a world size (``worlds``, default 1-8) and an alignment."""
     t = draw(param_trees(min_leaves, max_leaves, allow_empty=allow_empty, allow_frozen=allow_frozen, **tree_kw))
@@ -217,7 +218,7 @@ overflow_patterns = st.lists(st.booleans(), min_size=1, max_size=40)  # per step
 
 
 @st.composite
-def scalers(draw: Any, dynamic: Optional[bool] = None) -> ScalerState:
+def scalers(draw: Any, dynamic: bool | None = None) -> ScalerState:
     """Static (a power-of-two scale) or dynamic scalers (``dynamic=None``: either): power-of-two
     initial scale, growth factor, backoff, interval, optional ``min_scale`` floor and hysteresis."""
     if dynamic is None:
