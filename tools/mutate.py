@@ -63,6 +63,8 @@ TEST_MAP = {
                       "tests/test_training_features.py", "tests/test_donation.py", "tests/test_user_models.py",
                       "tests/test_stage3_modules.py"],
     "fzero/units.py": ["tests/test_zero3.py", "tests/test_stage3_modules.py"],
+    "fzero/buckets.py": ["tests/test_errors.py", "tests/test_overlap.py", "tests/test_param_ownership.py",
+                         "tests/test_memory_census.py", "tests/test_step.py"],
 }
 
 BINOP_SWAPS = {
