@@ -60,7 +60,8 @@ def bind_step(step: ComposedStep, loss_fn: LossFn, comm: Communicator, *, accum_
     round differently). ``check`` runs on the host before the graph (a bad shape raises, not recompiles). Around a
     compiled call: ``trace_autograd_ops`` (for ``torch.autograd.grad``); the remat pass only with one backward region
     (local ranks x micro-batches == 1: torch refuses random ops in a rematerialised one); row 0's generator state
-    installed and stored back (several rows warn once); ``OptState.all_stepped`` read on the host; stage 3: the units'
+    installed and stored back (several rows warn once); ``OptState.all_stepped`` read on the host; the hyperparameters
+    handed in as ``[1]`` views (:func:`_hyper_as_vectors`: dynamo traces once, not twice); stage 3: the units'
     regathering forwards installed, inductor's reordering passes off (they hoist the gathers)."""
     workspace = Workspace(loss_fn, accum_steps)
     arguments = compile_arguments(compile)
@@ -86,8 +87,8 @@ def bind_step(step: ComposedStep, loss_fn: LossFn, comm: Communicator, *, accum_
                 in_order = inductor_config.patch(reorder_for_peak_memory=False, reorder_for_locality=False)
             patches = (torch._dynamo.config.patch(**dynamo_flags), torch._functorch.config.patch(**functorch_flags),
                        in_order)
-            by_regather[regather] = (torch.compile(_with_own_code(step), fullgraph=True, dynamic=False, **arguments),
-                                     patches)
+            by_regather[regather] = (torch.compile(_with_own_code(_scalars_inside(step)), fullgraph=True,
+                                                   dynamic=False, **arguments), patches)
         return by_regather[regather]
 
     def run(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
@@ -103,6 +104,7 @@ def bind_step(step: ComposedStep, loss_fn: LossFn, comm: Communicator, *, accum_
             state = state.replace(opt=state.opt.replace(all_stepped=stepped))
         device = state.params[0].device if state.params else state.shard.master[0].device
         installed = units.installed(state.module.units) if units is not None else contextlib.nullcontext()
+        state = _hyper_as_vectors(state)
         with patches[0], patches[1], patches[2], _quiet_regather_warning(units is not None), installed:
             if not state.rng:
                 return compiled(state, batch, traced, workspace)
@@ -128,6 +130,24 @@ def no_missed_steps(opt: OptState) -> bool:
         return True
     missed = opt.missed[0]
     return missed.device.type == "cpu" and not bool(missed.any())
+
+
+def _hyper_as_vectors(state: TrainState) -> TrainState:
+    """The state with each hyperparameter (0-d float64 on the CPU) as a ``[1]`` view of itself, to enter a compiled
+    graph: dynamo gives every 0-d float64 CPU input a symbolic float and, finding it used only as a tensor, traces the
+    whole step a second time without it (a GPT-2 step: 19 s of compile, 9 of them the second trace)."""
+    hyper = tuple({k: v.reshape(1) for k, v in group.items()} for group in state.opt.hyper)
+    return state.replace(opt=state.opt.replace(hyper=hyper))
+
+
+def _scalars_inside(step: ComposedStep) -> ComposedStep:
+    """``step`` taking a state from :func:`_hyper_as_vectors`: its hyperparameters 0-d again, as views, in the graph."""
+
+    def vectors_in(state: TrainState, batch: Any, comm: Communicator, workspace: Workspace) -> Any:
+        hyper = tuple({k: v.reshape(()) for k, v in group.items()} for group in state.opt.hyper)
+        return step(state.replace(opt=state.opt.replace(hyper=hyper)), batch, comm, workspace)
+
+    return vectors_in
 
 
 def _with_own_code(fn: StepFn) -> StepFn:

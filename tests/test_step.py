@@ -9,7 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import fzero
-from helpers import batches, max_rel_err, mlp
+from helpers import CHEAP_COMPILE, batches, max_rel_err, mlp
 
 mse = torch.nn.functional.mse_loss
 
@@ -81,6 +81,30 @@ def test_compile_passes_torch_compile_arguments_on():
     assert len(graphs) == 1
     for a, b in zip(got.shard.master, want.shard.master):
         assert max_rel_err(a, b) <= 1e-7  # measured 2.9e-8
+
+
+@pytest.mark.parametrize("optimizer", [fzero.adamw(lr=1e-2), fzero.sgd(lr=0.1, momentum=0.9)], ids=["adamw", "sgd"])
+def test_a_compiled_step_is_traced_once(optimizer):
+    """Dynamo gives a 0-d float64 CPU input (a hyperparameter) a symbolic float and, seeing it used only as a tensor,
+    restarts its analysis and traces the whole step again (GPT-2 at stage 2: 19 s of compile, 9 of them the second
+    trace); the compiled call hands the hyperparameters in as ``[1]`` views, so one trace, and a new value is no
+    recompile."""
+    from torch._dynamo.utils import compilation_time_metrics, compile_times
+
+    comm = fzero.SimulatedWorld(2)
+    model = mlp()
+    state = fzero.init_train_state(model, optimizer, comm)
+    torch._dynamo.reset()
+    counters.clear()
+    compilation_time_metrics.clear()  # the process's, from every compile before
+    compiled = fzero.make_train_step(fzero.module_loss(model, mse), comm, compile=CHEAP_COMPILE)
+    for i, batch in enumerate(batches(3, 2, 2, torch.float32)):
+        state = state.replace(opt=fzero.optim.set_hyperparams(state.opt, lr=0.01 * (i + 1)))
+        state, _ = compiled(state, comm.split_batch(batch))
+        assert state.opt.hyper[0]["lr"].shape == () and state.opt.hyper[0]["lr"].item() == 0.01 * (i + 1)
+    attempts = [line.split(",")[0] for line in compile_times(repr="str").splitlines() if "compile_attempt" in line]
+    assert attempts == ["compile_attempt_0"], attempts
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters["recompiles"])
 
 
 @pytest.mark.parametrize("compile,error,named", [
