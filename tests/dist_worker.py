@@ -181,12 +181,18 @@ def case_compiled_s2(comm):
     return _compiled_compare(comm, stage=2)
 
 
-def _compiled_compare(comm, stage):
+def case_compiled_s2_cheap(comm):
+    """Compiled by ``helpers.CHEAP_COMPILE``: dynamo's graph with gloo's traced operators (the rank-order all-reduce
+    beyond 2 ranks), run by eager kernels; inductor's at 2 ranks: ``compiled_s2``."""
+    return _compiled_compare(comm, stage=2, compiled=CHEAP_COMPILE)
+
+
+def _compiled_compare(comm, stage, compiled=True):
     """The compiled run's results, with dynamo's graph, graph-break and recompile counts."""
     from torch._dynamo.utils import counters
 
     counters.clear()
-    out = _sim_compare(comm, stage=stage, compiled=True)
+    out = _sim_compare(comm, stage=stage, compiled=compiled)
     out["graph_breaks"] = sum(counters["graph_break"].values())
     out["unique_graphs"] = counters["stats"]["unique_graphs"]
     out["recompiles"] = sum(counters["recompiles"].values())

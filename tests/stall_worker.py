@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import fzero
 from fzero.dist import TorchCommunicator
-from helpers import batches, mlp
+from helpers import CHEAP_COMPILE, batches, mlp
 
 STALL_AT = 3
 
@@ -34,7 +34,9 @@ def main(mode: str, timeout: float, out: str, compiled: bool = False) -> None:
     comm = TorchCommunicator(timeout=timeout)
     mse = torch.nn.functional.mse_loss
     state = fzero.init_train_state(mlp(), fzero.adamw(lr=1e-2), comm)
-    step = fzero.make_train_step(fzero.module_loss(mlp(), mse), comm, compile=compiled)
+    # compiled: dynamo's graph with gloo's traced operators, each waiting within the timeout (helpers.CHEAP_COMPILE:
+    # the operators are the same whatever kernels surround them)
+    step = fzero.make_train_step(fzero.module_loss(mlp(), mse), comm, compile=CHEAP_COMPILE if compiled else False)
     for i, batch in enumerate(batches(STALL_AT + 2, 2, 4, torch.float32)):
         if comm.rank == 1 and i + 1 == STALL_AT:
             print("rank 1 stalls", flush=True)

@@ -15,7 +15,7 @@ import dist_cases as cases
 import fzero
 from dist_harness import run_torchrun
 from fzero.scopes import GRAD_BUCKETS
-from helpers import branchy_reference, max_rel_err
+from helpers import CHEAP_COMPILE, branchy_reference, max_rel_err
 
 pytestmark = pytest.mark.distributed
 
@@ -25,7 +25,7 @@ W2_CASES = [
     "live_tensors", "reduce_scatter_ways", "stage3_calls", "reduction_buffers", "torch_nadam",
     "muon", "adafactor", "eager_s3_pooled", "gather_ways", "compiled_s2_donating", "all_reduce_ways",
 ]
-W4_CASES = ["eager_s2", "compiled_s2", "inf_even", "volume", "padding_only", "fp16_40000", "ddp_adamw",
+W4_CASES = ["eager_s2", "compiled_s2_cheap", "inf_even", "volume", "padding_only", "fp16_40000", "ddp_adamw",
             "reduce_scatter_ways", "reduction_buffers", "gather_ways", "all_reduce_ways"]
 
 
@@ -135,14 +135,15 @@ def test_gloo_adafactor_equals_simulated_world_w2_bitwise(w2):
     _compare([res["stage3"] for res in results], sim3, exact=True)
 
 
-@pytest.mark.parametrize("case,compiled", [("eager_s2", False), ("compiled_s2", True)])
+@pytest.mark.parametrize("case,compiled", [("eager_s2", False), ("compiled_s2_cheap", CHEAP_COMPILE)])
 def test_gloo_equals_simulated_world_w4_bitwise(w4, case, compiled):
-    """Beyond 2 ranks too: every sum adds in rank order on both (``all_reduce_via="rank_order"``, gloo's default)."""
+    """Beyond 2 ranks too: every sum adds in rank order on both (``all_reduce_via="rank_order"``, gloo's default),
+    eagerly and in a compiled graph (dynamo's, with gloo's operators; inductor's kernels at W=2 above)."""
     sim, _, _ = _sim(4, stage=2, compiled=compiled)
     _compare(_case(w4, case), sim, exact=True)
 
 
-@pytest.mark.parametrize("fixture,case", [("w2", "compiled_s1"), ("w2", "compiled_s2"), ("w4", "compiled_s2")])
+@pytest.mark.parametrize("fixture,case", [("w2", "compiled_s1"), ("w2", "compiled_s2"), ("w4", "compiled_s2_cheap")])
 def test_compiled_on_gloo_has_no_graph_breaks_or_recompiles(fixture, case, request):
     for res in _case(request.getfixturevalue(fixture), case):
         assert res["graph_breaks"] == 0

@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 
 import fzero
 import user_models as um
-from helpers import max_rel_err, run_steps
+from helpers import CHEAP_COMPILE, max_rel_err, run_steps
 
 pytest.importorskip("transformers")
 
@@ -204,13 +204,15 @@ def test_activation_checkpointing_equals_none(build, stage):
     assert_buffers_match(b, replicas)
 
 
+# inductor compiles GPT-2's step; the others' subject is dynamo's side of a model nobody here wrote (one graph, no
+# break, no recompile, the eager numbers): helpers.CHEAP_COMPILE, inductor in the long profile
 @pytest.mark.parametrize(
-    "kind,build",
-    [("lm", um.gpt2), ("labels", um.llama), ("image", um.resnet),
-     ("lm", lambda: um.gpt2(checkpointing=True))],
+    "kind,build,how",
+    [("lm", um.gpt2, True), ("labels", um.llama, CHEAP_COMPILE), ("image", um.resnet, CHEAP_COMPILE),
+     ("lm", lambda: um.gpt2(checkpointing=True), CHEAP_COMPILE)],
     ids=["gpt2", "llama_labels", "resnet_bn", "gpt2_checkpointing"],
 )
-def test_compiled_equals_eager(kind, build):
+def test_compiled_equals_eager(kind, build, how):
     model = build()
     world = 2
     data = _data(kind, world, torch.float32, n=4)
@@ -219,7 +221,7 @@ def test_compiled_equals_eager(kind, build):
     # SGD: Adam would turn rounding noise in near-zero gradients (GPT-2's key biases) into
     # lr-sized steps, and compiled kernels round differently from eager ones
     opt = fzero.sgd(lr=0.1, momentum=0.9)
-    compiled, _, lc = fzero_run(model, opt, data, world, kind, stage=2, compile=True)
+    compiled, _, lc = fzero_run(model, opt, data, world, kind, stage=2, compile=how)
     eager, comm, le = fzero_run(model, opt, data, world, kind, stage=2)
     assert lc == pytest.approx(le, rel=1e-4)
     for x, y in zip(compiled.shard.master, eager.shard.master):
