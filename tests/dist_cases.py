@@ -347,12 +347,13 @@ def _rss_bytes() -> int:
 
 
 def memory_growth(comm: fzero.Communicator, stage: int, compiled: bool, steps: int = 1000,
-                  sizes: tuple[int, ...] = (64, 1024, 1024, 8)) -> dict:
-    """Train an MLP (about 1.1M parameters) for ``steps`` steps as a training loop would (no
-    ``gc.collect()``), reading malloc's live bytes (``mallinfo2``) and the RSS after steps
-    ``steps // 4``, ``steps // 2``, ``3 * steps // 4`` and the last one. Returns both lists of
-    readings and the model's fp32 size in bytes. Stages 1-2 in buckets of 200000 elements
-    (the gradient hooks of several buckets).
+                  sizes: tuple[int, ...] = (64, 256, 256, 8), bucket_numel: int = 20_000) -> dict:
+    """Train an MLP (about 0.08M parameters: a step's buffers left behind are a bucket or more, tens
+    of kB, at any size; its steps cost a third less than a 1.1M one's, most of a step being its fixed
+    overhead) for ``steps`` steps as a training loop would (no ``gc.collect()``), reading malloc's live bytes (``mallinfo2``) and the RSS
+    after steps ``steps // 4``, ``steps // 2``, ``3 * steps // 4`` and the last one. Returns both lists
+    of readings, ``steps`` and the model's fp32 size in bytes. Stages 1-2 in buckets of
+    ``bucket_numel`` elements (the gradient hooks of several buckets).
 
     Steps 2-4 run with Python's cyclic collector off (:func:`unreachable_after`): under
     ``"cyclic"``, what the collector then freed. The same model and compiled graph as the long
@@ -362,7 +363,7 @@ def memory_growth(comm: fzero.Communicator, stage: int, compiled: bool, steps: i
     model = mlp(torch.float32, sizes=sizes)
     units = children if stage == 3 else None
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-4), comm, stage=stage, units=units,
-                                   bucket_numel=None if units else 200_000)
+                                   bucket_numel=None if units else bucket_numel)
     step = fzero.make_train_step(fzero.module_loss(model, mse), comm, compile=compiled)
     data = [comm.split_batch(b) for b in batches(8, comm.world_size, 2, torch.float32, d_in=sizes[0],
                                                   d_out=sizes[-1])]
@@ -387,7 +388,7 @@ def memory_growth(comm: fzero.Communicator, stage: int, compiled: bool, steps: i
             else:
                 got.append(malloc_in_use())
                 heap.append(min(got))
-    return {"heap": heap, "rss": rss, "cyclic": cyclic, "model_bytes": 4 * state.layout.num_params}
+    return {"heap": heap, "rss": rss, "cyclic": cyclic, "model_bytes": 4 * state.layout.num_params, "steps": steps}
 
 
 def _settle() -> None:

@@ -23,5 +23,5 @@ def test_gloo_steps_leave_no_cyclic_garbage(readings, key):
 
 
 @pytest.mark.parametrize("key", KEYS)
-def test_live_heap_from_step_250_to_1000_grows_less_than_1_percent_of_the_model(readings, key):
+def test_live_heap_from_step_250_to_1000_grows_less_than_60_bytes_a_step(readings, key):
     check_heap_growth(readings, key)
