@@ -16,7 +16,10 @@ for the gathers). Ways, each on the same input:
   ``all_to_all`` (the shard repeated W times, exchanged) and
   ``point_to_point`` (``isend``/``irecv`` of the shard straight into the
   output: ``TorchCommunicator``'s default on gloo, ``all_gather_via``);
-* ``all-reduce``: ``native``, for reference.
+* ``all-reduce``: ``native`` (``dist.all_reduce``, in gloo's order) and ``rank_order``
+  (``fzero.dist.gloo.point_to_point_all_reduce``: a point-to-point reduce-scatter adding in rank
+  order, then the point-to-point all-gather: ``TorchCommunicator``'s sums beyond 2 ranks,
+  ``all_reduce_via="rank_order"``).
 
 Each size runs every way ``--reps`` times per round over ``--rounds`` rounds in
 an order that rotates per round (load from other processes hits every way
@@ -61,6 +64,7 @@ def ways(n: int, world: int) -> dict[tuple[str, str], Callable[[], object]]:
     import torch.distributed as dist
 
     from fzero.dist import _c10d_all_gather, _c10d_reduce_scatter  # the *_single names where torch has them
+    from fzero.dist.gloo import point_to_point_all_reduce as _point_to_point_all_reduce
     from fzero.dist.gloo import point_to_point_gather as _point_to_point_gather
 
     full = torch.randn(n)  # a reduction's input
@@ -86,6 +90,8 @@ def ways(n: int, world: int) -> dict[tuple[str, str], Callable[[], object]]:
         ("all-gather", "point_to_point"): lambda: _point_to_point_gather(gathered, shard, None, dist.get_rank(),
                                                                         world, 1).wait(),
         ("all-reduce", "native"): lambda: dist.all_reduce(total),
+        ("all-reduce", "rank_order"): lambda: _point_to_point_all_reduce(full, None, dist.get_rank(), world, (3, 5),
+                                                                         torch.empty, None)(),
     }
 
 
