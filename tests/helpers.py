@@ -22,6 +22,17 @@ LONG = os.environ.get("FZERO_HYPOTHESIS_PROFILE", "ci") == "long"
 CHEAP_COMPILE = True if LONG else {"backend": "aot_eager"}
 
 
+def examples(ci: int) -> int:
+    """``max_examples`` for a property test whose own count is sized to its time in CI (a slow one, fewer than the
+    ``ci`` profile's default): ``ci`` there, and in the long profile as many times more as the two profiles'
+    defaults are apart (conftest.py), so the long run explores each test as much more as it does the rest."""
+    if not LONG:
+        return ci
+    from hypothesis import settings
+
+    return ci * settings.get_profile("long").max_examples // settings.get_profile("ci").max_examples
+
+
 def mlp(dtype: torch.dtype = torch.float32, seed: int = 0, sizes=(6, 9, 5, 3)) -> torch.nn.Module:
     torch.manual_seed(seed)
     layers: list[torch.nn.Module] = []

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import fzero
 from fzero.checkpoint import load_checkpoint, save_checkpoint
 from fzero.comm import CountingCommunicator, SimulatedWorld, mesh_groups
-from helpers import CHEAP_COMPILE
+from helpers import CHEAP_COMPILE, examples
 
 
 class Block(torch.nn.Module):
@@ -80,7 +80,7 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor], tol: float) -> float:
     return worst
 
 
-@settings(deadline=None, max_examples=8)
+@settings(deadline=None, max_examples=examples(8))
 @given(shape=st.sampled_from([(2, 2), (4, 1), (1, 4), (2, 3), (3, 2)]), stage=st.sampled_from([1, 2, 3]),
        accum=st.sampled_from([1, 3]))
 def test_mesh_trains_as_the_flat_world(shape, stage, accum):

@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fzero
+from helpers import examples
 
 FLT_MAX = struct.unpack("<f", struct.pack("<I", 0x7F7FFFFF))[0]
 INF, NAN = float("inf"), float("nan")
@@ -395,7 +396,7 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
     init=st.one_of(init_scales, st.floats(1e-3, 1.0, allow_nan=False)),
     seed=st.integers(0, 2**31 - 1),
 )
-@settings(max_examples=15)
+@settings(max_examples=examples(15))
 def test_scale_matches_grad_scaler(dtype, init, seed):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(4, 3, generator=g) * 2.0 ** torch.randint(-20, 8, (4, 3), generator=g)).to(dtype)
@@ -483,7 +484,7 @@ unscale_scales = st.one_of(powers_of_two, st.floats(1e-3, 2.0**24, allow_nan=Fal
     scale_value=unscale_scales,
     seed=st.integers(0, 2**31 - 1),
 )
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 def test_unscale_and_check_matches_torch(data, W, dtype, scale_value, seed):
     bad = data.draw(
         st.one_of(

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import fzero
 from fzero.testing import CorruptResult, FaultyWorld, GradFault
 from fzero.testing import strategies as fst
+from helpers import examples
 
 
 def tree_loss(params, batch):
@@ -30,7 +31,7 @@ def tree_batch(n: int, seed: int = 0):
     return torch.randn(n, generator=g), torch.randn(n, generator=g)
 
 
-@settings(max_examples=15)
+@settings(max_examples=examples(15))
 @given(data=st.data(), tree=fst.param_trees(max_leaves=4), world=fst.world_sizes(1, 4), stage=st.sampled_from([1, 2]))
 def test_generated_trees_optimizers_scalers_train(data, tree, world, stage):
     optimizer = data.draw(fst.optimizers(paths=tree.trainable_paths))
@@ -103,7 +104,7 @@ def test_shrinking_finds_the_minimal_broken_case():
     assert tree.shapes == ((),) and tree.dtypes == (torch.float32,)
 
 
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(world=fst.world_sizes(1, 3), data=st.data())
 def test_fault_schedules_are_observed(world, data):
     steps = 3
@@ -138,3 +139,16 @@ def test_fzero_testing_imports_without_hypothesis():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "ImportError" in out.stdout and "fzero[testing]" in out.stdout
+
+
+def test_slow_property_tests_explore_more_in_the_long_profile(monkeypatch):
+    """A test that sets its own (CI-sized) example count gets it in CI and the long profile's multiple of it
+    locally, as the tests on the profiles' defaults do."""
+    import helpers
+
+    ci, long = settings.get_profile("ci").max_examples, settings.get_profile("long").max_examples
+    assert long > ci
+    monkeypatch.setattr(helpers, "LONG", False)
+    assert helpers.examples(8) == 8
+    monkeypatch.setattr(helpers, "LONG", True)
+    assert helpers.examples(8) == 8 * long // ci
