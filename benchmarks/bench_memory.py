@@ -69,6 +69,18 @@ max over the 2 ranks unless said):
   steps and its profiler runs after every RSS number was read, so its overhead is in
   neither; the census step itself sees the same allocations as any other step.
 
+Where a system's training state is on a CUDA device (:func:`fzero.testing.census.device_of` of its tensors), the
+table adds the CUDA caching allocator's columns beside the RSS ones (MiB per rank, max over the ranks, each minus the
+allocator's bytes before the system was built, read where the RSS ones are):
+
+* ``cu init``: peak allocated while building the system (``max_memory_allocated``);
+* ``cu step``: peak allocated during the timed steps (``reset_peak_memory_stats`` after warm-up);
+* ``cu held``: allocated after the timed steps (``memory_allocated``): the device's share of ``held``;
+* ``cu resv``: reserved then (``memory_reserved``): what the allocator keeps from the driver, cached blocks included;
+
+and the census counts that device's allocations, with the allocator's own peak beside it in the system's details.
+``--long`` adds a ``cuda`` row (allocated). A state on the CPU prints none of these: the table is as before.
+
 A compiled system's note says whether its warm-up found inductor's cache warm (hits and misses
 of the FX graph cache): compiling with a cold cache leaves the compiler's own memory in the
 process (about 100 MiB more held at 162M parameters, one launch each), so run a compiled system
@@ -107,7 +119,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from fzero.testing.census import malloc_in_use  # noqa: E402
+from fzero.testing.census import AllocatorReading, CudaAllocator, device_of, malloc_in_use  # noqa: E402
 from models import LORA_RANK, LORA_TARGETS, GPTConfig, build, random_batch  # noqa: E402
 
 WORLD = 2
@@ -156,6 +168,23 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+def cuda_before() -> AllocatorReading:
+    """The CUDA caching allocator's counters before a system is built, its peak reset: all zero where CUDA is not
+    initialised yet (nothing is allocated on a GPU then, and reading would initialise CUDA, whose context costs RSS a
+    CPU run must not pay)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return AllocatorReading(0, 0, 0, 0)
+    reader = CudaAllocator(torch.cuda.current_device())
+    reader.reset_peak()
+    return reader.read()
+
+
+def cuda_reader(runner) -> CudaAllocator | None:
+    """The caching allocator of the device the system's state lives on, or ``None`` for a state on the CPU."""
+    device = device_of(runner.tensors().get("state", []))
+    return CudaAllocator(device) if device.type == "cuda" else None
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -297,12 +326,15 @@ def census_step(runner, i: int) -> dict:
     with c:
         runner.step(i)
     cats = c.by_category
-    return {"state": cats.get("state", 0), "new st.": cats.get("new st.", 0), "module": cats.get("module", 0),
-            "other": cats.get("other", 0), "total": c.total_at_peak, "end": c.end_bytes,
-            "missed": c.missed_frees, "scope_peaks": c.scope_peaks, "predicted": dict(runner.step_buffers),
-            "predicted peak": runner.step_peak, "table": c.table(),
-            "joint": c.joint_peak(("fzero::gather", "fzero::grad_reduction")),
-            "unseen": c.unseen_bytes(at_ns=c.peak_ns)}
+    out = {"state": cats.get("state", 0), "new st.": cats.get("new st.", 0), "module": cats.get("module", 0),
+           "other": cats.get("other", 0), "total": c.total_at_peak, "end": c.end_bytes,
+           "missed": c.missed_frees, "scope_peaks": c.scope_peaks, "predicted": dict(runner.step_buffers),
+           "predicted peak": runner.step_peak, "table": c.table(),
+           "joint": c.joint_peak(("fzero::gather", "fzero::grad_reduction")),
+           "unseen": c.unseen_bytes(at_ns=c.peak_ns)}
+    if c.allocator_peak_bytes is not None:  # a state on a GPU: the census counted that device (module doc)
+        out["device"], out["allocator peak"] = str(c.device), c.allocator_peak_bytes
+    return out
 
 
 def measure(key: str, ctx: dict, args: argparse.Namespace) -> dict:
@@ -314,12 +346,18 @@ def measure(key: str, ctx: dict, args: argparse.Namespace) -> dict:
     dist.barrier()
     can_reset = reset_peak_rss()
     base, heap0 = rss_bytes(), malloc_in_use()
+    cuda0 = cuda_before()
     runner = build_system(key, ctx)
     out = {"init_peak": peak_rss_bytes() - base, "peak_reset": can_reset}
+    cuda = cuda_reader(runner)  # None: the state is on the CPU, and nothing below reads CUDA
+    if cuda is not None:
+        out["cuda"] = {"init_peak": cuda.read().peak_allocated - cuda0.allocated}
     for i in range(args.warmup):
         runner.step(i)
     out["inductor_cache"] = inductor_cache_use()
     reset_peak_rss()
+    if cuda is not None:
+        cuda.reset_peak()
     dist.barrier()
     if args.long:
         marks = sorted({max(1, args.long * k // 4) for k in (1, 2, 3, 4)})
@@ -329,6 +367,8 @@ def measure(key: str, ctx: dict, args: argparse.Namespace) -> dict:
             if n in marks:
                 heap = malloc_in_use()
                 out["long"][n] = [rss_bytes() - base, heap - heap0 if heap is not None and heap0 is not None else None]
+                if cuda is not None:
+                    out["long"][n].append(cuda.read().allocated - cuda0.allocated)
         out["step_peak"] = peak_rss_bytes() - base
         return out
     times, faults = [], []
@@ -341,6 +381,10 @@ def measure(key: str, ctx: dict, args: argparse.Namespace) -> dict:
     dist.barrier()
     time.sleep(SETTLE)
     out["held"] = rss_bytes() - base
+    if cuda is not None:
+        now = cuda.read()
+        out["cuda"].update(step_peak=now.peak_allocated - cuda0.allocated, held=now.allocated - cuda0.allocated,
+                           reserved=now.reserved - cuda0.reserved)
     heap = malloc_in_use()
     out["heap"] = heap - heap0 if heap is not None and heap0 is not None else None
     out["ms"] = statistics.median(times) * 1e3
@@ -399,6 +443,10 @@ def launch(key: str, args: argparse.Namespace) -> dict:
     return {"error": why + (": " + " | ".join(tail) if tail else "")[:400]}
 
 
+# the CUDA allocator's columns (module doc): header, key of a rank's result["cuda"]
+CUDA_COLUMNS = (("cu init", "init_peak"), ("cu step", "step_peak"), ("cu held", "held"), ("cu resv", "reserved"))
+
+
 def _mib(x: float) -> str:
     return f"{x / MIB:.1f}"
 
@@ -411,6 +459,10 @@ def format_table(args: argparse.Namespace, results: dict[str, dict]) -> str:
     """The per-system table (module doc); ``results``: key -> a launch's result."""
     cols = ["init peak", "step peak", "held", "heap", "ms/step", "kflt/step", "state", "new st.", "module", "other",
             "total", "/peak"]
+    # the CUDA allocator's columns only where a system's state was on a GPU (module doc): a CPU table is unchanged
+    on_cuda = any("cuda" in r for res in results.values() if not _failure(res) for r in res["ranks"])
+    if on_cuda:
+        cols += [c for c, _ in CUDA_COLUMNS]
     head = f"{'system':<11} " + " ".join(f"{c:>9}" for c in cols) + "  note"
     lines = [head, "-" * len(head)]
     for key, res in results.items():
@@ -427,6 +479,9 @@ def format_table(args: argparse.Namespace, results: dict[str, dict]) -> str:
                  f"{ranks[0]['faults'] / 1e3:.1f}" if "faults" in ranks[0] else "-",
                  *(_mib(c[k]) for k in ("state", "new st.", "module", "other", "total")),
                  f"{c['total'] / max(ranks[0]['step_peak'], 1):.2f}"]
+        if on_cuda:
+            cells += [_mib(max(r["cuda"][k] for r in ranks)) if all("cuda" in r for r in ranks) else "-"
+                      for _, k in CUDA_COLUMNS]
         note = ranks[0]["note"] + (f"; census missed {c['missed']} frees" if c["missed"] else "")
         if ranks[0].get("inductor_cache"):
             hits, misses = ranks[0]["inductor_cache"]
@@ -455,6 +510,10 @@ def format_details(results: dict[str, dict]) -> str:
                 got = census["scope_peaks"].get(scope, 0)
                 out.append(f"memory_report predicts {scope} {want / MIB:.2f} MiB; census: {got / MIB:.2f} MiB")
             stage3 = key.startswith("fzero-s3") and "c" not in key[len("fzero-s3"):]
+            if "allocator peak" in census:  # a state on a GPU: the allocator's own count beside the replay's
+                out.append(f"{census['device']} caching allocator: {census['allocator peak'] / MIB:.2f} MiB allocated "
+                           f"at the step's peak above before it (census of the profiler's events: "
+                           f"{census['total'] / MIB:.2f} MiB live at its peak, the state included)")
             if census.get("predicted peak") is not None and stage3:
                 # the gathers and the reductions together, against the census's joint peak
                 out.append(f"memory_report predicts fzero::gather and fzero::grad_reduction together "
@@ -488,8 +547,8 @@ def format_long(args: argparse.Namespace, results: dict[str, dict]) -> str:
         if not lines:
             lines.append(f"{'system':<11} {'':<5}" + " ".join(f"{'step ' + str(n):>10}" for n in marks)
                          + f" {'MB/step':>9}   (minus the baseline, MiB, max over ranks)")
-        for what, j in (("RSS", 0), ("heap", 1)):
-            vals = [[r["long"][str(n)][j] for r in ranks] for n in marks]
+        for what, j in (("RSS", 0), ("heap", 1), ("cuda", 2)):  # cuda: a state on a GPU, allocated (module doc)
+            vals = [[r["long"][str(n)][j] if len(r["long"][str(n)]) > j else None for r in ranks] for n in marks]
             if any(v is None for vs in vals for v in vs):
                 continue
             top = [max(vs) for vs in vals]
@@ -497,7 +556,9 @@ def format_long(args: argparse.Namespace, results: dict[str, dict]) -> str:
             lines.append(f"{key if j == 0 else '':<11} {what:<5}" + " ".join(f"{v / MIB:>10.1f}" for v in top)
                          + f" {growth:>9.3f}")
     lines.append("RSS: /proc/self/statm; heap: malloc's live bytes (mallinfo2); MB/step: from the first "
-                 "checkpoint to the last")
+                 "checkpoint to the last" + ("; cuda: the caching allocator's bytes allocated" if any(
+                     len(v) > 2 for res in results.values() if not _failure(res) for r in res["ranks"]
+                     for v in r["long"].values()) else ""))
     return "\n".join(lines)
 
 

@@ -74,7 +74,8 @@ def main() -> None:
         formula = fzero.memory.zero_paper_bytes(r.num_params, r.stage, r.world_size)
         print(f"  stage {r.stage}: report - padding = {(r.total - r.padding) / mib:.3f} MiB, "
               f"ZeRO paper formula = {formula / mib:.3f} MiB; the state holds {r.held_total / mib:.3f} MiB "
-              f"between steps, {r.transient_total / mib:.3f} MiB of the formula lives only inside a step")
+              f"between steps (the module's own parameters {r.module_params / mib:.3f} MiB more), "
+              f"{r.transient_total / mib:.3f} MiB of the formula lives only inside a step")
 
 
 if __name__ == "__main__":

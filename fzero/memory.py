@@ -11,8 +11,16 @@ only *inside* a step. Then ``step_buffers``: the eager step's own buffers at the
   declared ``reduce_scatter_buffers``/``all_reduce_buffers`` times their input;
 * ``fzero::gather`` (stage 3): the root and the three largest units gathered at once.
 
+Beside the training state, ``module_params``: what the module's own parameters hold between steps that the state's
+buffers do not (``init_train_state(model, ...)`` at stages 1-2; stage 3 moves them to the meta device: 0). A trainable
+parameter whose compute dtype is its own dtype is a view of the state's gathered buffer, which a donating step gathers
+into (0); after a pure step it still views the *first* state's buffer, which nothing else holds then (the group's
+compute-dtype bytes, once more). One whose compute dtype differs (fp32 parameters under ``param_dtype=bf16``) is never a
+view: the module keeps its own copy, its dtype's bytes per element, unpadded (+4 bytes per fp32 parameter), one per
+process whatever the steps. Frozen parameters are shared with the state (0).
+
 Not counted: activations, a deferred accumulation's whole gradients. ``tests/test_memory_census.py`` holds these within
-10 % of what :class:`fzero.testing.Census` measures.
+10 % of what :class:`fzero.testing.Census` measures, ``module_params`` to the byte.
 
 Imports: buckets, comm, layout, optim, precision, scopes, sharding.
 """
@@ -44,7 +52,9 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 class MemoryReport:
     """Bytes per rank. ``by_kind``: params, grads, master, moments and the frozen parameters; ``held``/``transient``:
     each kind's part kept between steps / only inside one (sum: ``by_kind``); ``padding``: total padding, averaged over
-    ranks; ``step_buffers``: the eager step's buffers' peaks by scope; ``step_peak``: those together."""
+    ranks; ``step_buffers``: the eager step's buffers' peaks by scope; ``step_peak``: those together;
+    ``module_params``: what the module's own parameters hold beside the state between steps (module doc; not in
+    ``by_kind``, which is the training state's, ZeRO's formula)."""
 
     stage: int
     world_size: int
@@ -55,6 +65,7 @@ class MemoryReport:
     transient: dict[str, float] = dataclasses.field(default_factory=dict)
     step_buffers: dict[str, float] = dataclasses.field(default_factory=dict)
     step_peak: float | None = None
+    module_params: float = 0.0
 
     @property
     def total(self) -> float:
@@ -70,6 +81,11 @@ class MemoryReport:
         """Bytes of the paper's model that live only inside a step."""
         return sum(self.transient.values())
 
+    @property
+    def held_with_module(self) -> float:
+        """Bytes held between steps, the training state's and the module's own parameters' together."""
+        return self.held_total + self.module_params
+
 
 def _size(dtype: torch.dtype) -> int:
     return dtype.itemsize
@@ -77,10 +93,14 @@ def _size(dtype: torch.dtype) -> int:
 
 def memory_report(layout: Layout, optimizer: Optimizer, *, stage: int, precision: MixedPrecision = MixedPrecision(),
                   world_size: int | None = None, local_ranks: int = 1,
-                  comm: Communicator | None = None) -> MemoryReport:
+                  comm: Communicator | None = None, donate: bool = False, module: bool = True) -> MemoryReport:
     """Bytes per rank for ``layout``'s parameters at ``stage`` (module doc). ``world_size``: laid out for that many
-    ranks instead (default: the layout's own). ``local_ranks``: ranks this process simulates; ``comm``: the step's
-    communicator (its ``local_ranks`` and ``buffer_factor`` then apply). No collective."""
+    ranks instead (default: the layout's own). ``local_ranks``: ranks this process simulates (a process's one copy of
+    something counts ``1 / local_ranks`` per rank); ``comm``: the step's communicator (its ``local_ranks`` and
+    ``buffer_factor`` then apply). ``donate``: the steps donate (``make_train_step(donate=)``), which only changes
+    ``module_params``. ``module``: the parameters are a materialised ``nn.Module``'s that ``init_train_state`` took
+    over; ``False`` for a pytree (its tensors stay the caller's) or a meta-device module built by ``init=`` (it stays
+    on meta): no module copy (``module_params`` 0). No collective."""
     if stage not in (1, 2, 3):
         raise ValueError(f"memory_report: stage must be 1, 2 or 3, got {stage!r}")
     if comm is not None:
@@ -108,7 +128,26 @@ def memory_report(layout: Layout, optimizer: Optimizer, *, stage: int, precision
             else 0.0 for kind in KINDS}
     transient = {kind: by_kind[kind] - held[kind] for kind in KINDS}
     buffers, peak = _step_buffers(layout, precision, stage, local_ranks, comm)
-    return MemoryReport(stage, n, layout.num_params, by_kind, padding, held, transient, buffers, peak)
+    own = _module_params(layout, precision, stage, local_ranks, donate) if module else 0.0
+    return MemoryReport(stage, n, layout.num_params, by_kind, padding, held, transient, buffers, peak, own)
+
+
+def _module_params(layout: Layout, precision: MixedPrecision, stage: int, rows: int, donate: bool) -> float:
+    """Per rank, the bytes the module's own parameters hold between steps beside the state's buffers (module doc):
+    ``fzero.module.hand_over_parameters`` makes a trainable parameter a view of row 0 of its group's gathered buffer
+    (``[rows, padded_numel]`` in the compute dtype) only where the compute dtype is its own."""
+    if stage == 3:  # moved to the meta device (frozen ones too): nothing
+        return 0.0
+    out = 0.0
+    for g in layout.groups:
+        compute = precision.compute_dtype(g)
+        slots = [layout.slots[i] for i in g.slots]
+        # not a view: the module's own tensor (numel elements of its dtype), one per process
+        out += sum(s.numel * _size(s.dtype) for s in slots if s.dtype != compute) / rows
+        if not donate and any(s.dtype == compute for s in slots):
+            # a view of the first state's buffer, which a pure step replaced: the process's whole [rows, padded]
+            out += _size(compute) * g.padded_numel
+    return out  # frozen parameters: the state's tensors are the module's (shared, or its rounded copy)
 
 
 def _bytes(groups: tuple[FlatGroup, ...], dtype_of) -> int:  # noqa: ANN001 - FlatGroup -> dtype
@@ -206,14 +245,17 @@ def zero_paper_bytes(num_params: int, stage: int, world_size: int, k: int = 12) 
 
 
 def format_memory_table(reports: list[MemoryReport]) -> str:
-    """A plain-text table of reports (MiB per rank): each kind, held, in-step, total, the step's buffers at peak."""
+    """A plain-text table of reports (MiB per rank): each kind, held, the module's own parameters, in-step, total,
+    the step's buffers at peak."""
     mib = 2.0**20
     head = (f"{'stage':>5} {'ranks':>5} " + " ".join(f"{k:>9}" for k in KINDS)
-            + f" {'padding':>9} {'held':>9} {'in-step':>9} {'total':>9} {'buffers':>9}")
+            + f" {'padding':>9} {'held':>9} {'module':>9} {'in-step':>9} {'total':>9} {'buffers':>9}")
     lines = [head + "   (MiB per rank)"]
     for r in reports:
         cells = " ".join(f"{r.by_kind[k] / mib:8.3f}{' ' if r.held[k] or not r.by_kind[k] else '*'}" for k in KINDS)
         lines.append(f"{r.stage:>5} {r.world_size:>5} {cells} {r.padding / mib:9.3f} {r.held_total / mib:9.3f} "
-                     f"{r.transient_total / mib:9.3f} {r.total / mib:9.3f} {(r.step_peak or 0) / mib:9.3f}")
-    lines.append("* only inside a step; held: the training state between steps; buffers: the step's own at their peak")
+                     f"{r.module_params / mib:9.3f} {r.transient_total / mib:9.3f} {r.total / mib:9.3f} "
+                     f"{(r.step_peak or 0) / mib:9.3f}")
+    lines.append("* only inside a step; held: the training state between steps; module: the module's own parameters "
+                 "beside it; buffers: the step's own at their peak")
     return "\n".join(lines)

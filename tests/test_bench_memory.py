@@ -68,3 +68,40 @@ def test_sizes_are_the_model_sizes_they_name_and_the_summary_divides_by_ddp():
     lines = {ln.split()[0]: ln for ln in table.splitlines()[3:]}
     assert "125.0 (1.25x)" in lines["fzero-s2d"] and lines["fzero-s2d"].rstrip().endswith("-")
     assert "100.0 (1.00x)" in lines["ddp-fused"] and "1000.0 (1.00x)" in lines["ddp-fused"]
+
+
+def _bench_memory():
+    sys.path[:0] = [str(ROOT / "benchmarks")]
+    try:
+        import bench_memory as bm
+    finally:
+        del sys.path[:1]
+    return bm
+
+
+def test_the_table_adds_the_cuda_allocator_columns_only_for_a_state_on_cuda():
+    """A system whose state was on a GPU (a rank's result has ``cuda``) gets the caching
+    allocator's four columns, max over the ranks; a CPU table keeps its 12 numbers and header."""
+    bm = _bench_memory()
+    mib = 2**20
+    census = {k: 1.0 * mib for k in ("state", "new st.", "module", "other", "total")} | {"missed": 0}
+
+    def rank(cuda=None):
+        r = {"init_peak": 10 * mib, "step_peak": 20 * mib, "held": 5 * mib, "heap": 4 * mib, "ms": 1.0,
+             "faults": 0, "census": census, "note": ""}
+        return r | ({"cuda": cuda} if cuda else {})
+
+    args = bm.parse_args(["--systems", "ddp"])
+    number = r"\s+-?\d+\.\d+"
+    cpu = bm.format_table(args, {"ddp": {"ranks": [rank(), rank()]}}).splitlines()
+    assert "cu " not in cpu[0] and cpu[0].split()[1:] == ["init", "peak", "step", "peak", "held", "heap", "ms/step",
+                                                          "kflt/step", "state", "new", "st.", "module", "other",
+                                                          "total", "/peak", "note"]
+    assert re.fullmatch(f"ddp({number}){{12}}\\s*", cpu[2]), cpu[2]
+    cuda = [{"init_peak": 3 * mib, "step_peak": 7 * mib, "held": 2 * mib, "reserved": 8 * mib},
+            {"init_peak": 4 * mib, "step_peak": 6 * mib, "held": 1 * mib, "reserved": 9 * mib}]
+    gpu = bm.format_table(args, {"ddp": {"ranks": [rank(cuda[0]), rank(cuda[1])]}}).splitlines()
+    assert [c for c, _ in bm.CUDA_COLUMNS] == ["cu init", "cu step", "cu held", "cu resv"]
+    assert gpu[0].rstrip().endswith("cu init   cu step   cu held   cu resv  note")
+    assert gpu[2].split()[-4:] == ["4.0", "7.0", "2.0", "9.0"]  # max over the ranks
+    assert re.fullmatch(f"ddp({number}){{16}}\\s*", gpu[2]), gpu[2]

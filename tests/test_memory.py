@@ -82,3 +82,51 @@ def test_steps_leave_no_cyclic_garbage(stage, compiled):
 
     got = cyclic_garbage(fzero.SimulatedWorld(2), stage, compiled)
     assert got["tensors"] == 0 and got["bytes"] == 0, got
+
+
+def _mixed_model() -> torch.nn.Module:
+    """fp32: two Linears (64*128+128 and 128*64+64 elements), a BatchNorm1d between them (128+128: computed in fp32,
+    ``keep_dtype``) and the first Linear's weight frozen (64*128)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.BatchNorm1d(128), torch.nn.Tanh(),
+                                torch.nn.Linear(128, 64))
+    model[0].weight.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_module_params_by_formula(stage, donate, world):
+    """What the module's own parameters hold beside the state, per rank: at stages 1-2 under ``param_dtype=bf16`` each
+    trainable fp32 parameter cast to bf16 keeps its fp32 original (+4 bytes per parameter, unpadded, one copy per
+    process); the kept BatchNorm and an fp32 run's parameters are views of the gathered buffers (0 when steps donate;
+    after a pure step the first state's whole buffer, padded); frozen parameters are shared; stage 3: nothing."""
+    comm = fzero.SimulatedWorld(world)
+    bf16 = fzero.MixedPrecision(param_dtype=torch.bfloat16)
+    cast = 128 + 128 * 64 + 64  # trainable, fp32, computed in bf16: the first bias and the second Linear
+    for precision in (bf16, fzero.MixedPrecision()):
+        state = fzero.init_train_state(_mixed_model(), fzero.adamw(), comm, stage=stage, precision=precision,
+                                       units=children if stage == 3 else None)
+        lay = state.layout
+        rep = fzero.memory_report(lay, state.opt.optimizer, stage=stage, precision=precision, comm=comm,
+                                  donate=donate)
+        kept = sum(g.padded_numel for g in lay.groups if g.keep_dtype)  # the BatchNorm's group, padded
+        assert kept >= 256 if precision is bf16 else kept == 0  # kept groups only beside a param_dtype
+        if stage == 3:
+            expected = 0.0
+        elif precision is bf16:
+            expected = 4 * cast / world + (0 if donate else 4 * kept)
+        else:  # every trainable parameter a view: after a pure step, the first state's buffers (= held params)
+            expected = 0 if donate else 4 * lay.num_padded
+            assert expected == (0 if donate else rep.held["params"])
+        assert rep.module_params == pytest.approx(expected, rel=1e-12), (precision, rep.module_params, expected)
+        assert rep.held_with_module == rep.held_total + rep.module_params
+        # not the training state's: ZeRO's formula and held are as before
+        assert rep.total == sum(rep.by_kind.values())
+        # a pytree's tensors, or a meta module built by init=, are no module copy
+        assert fzero.memory_report(lay, state.opt.optimizer, stage=stage, precision=precision, comm=comm,
+                                   donate=donate, module=False).module_params == 0
+    head, row = fzero.memory.format_memory_table([rep]).splitlines()[:2]
+    cell = row.split()[head.split().index("module")].rstrip("*")  # MiB per rank
+    assert float(cell) == pytest.approx(rep.module_params / 2**20, abs=5e-4)

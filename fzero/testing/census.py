@@ -1,7 +1,14 @@
-"""A census of live CPU tensor storage at a block's peak: inside a :class:`Census` block PyTorch's profiler records the
-c10 CPU allocator's allocations and frees on this thread, replayed on exit: the peak and what was live at it, named by
-``known`` tensors. Not counted: Python objects, memory outside the c10 allocator (oneDNN/MKL, malloc overhead), threads
-the profiler does not follow (their frees unseen until the address is reused). The first profiler session costs ~2 s.
+"""A census of live tensor storage at a block's peak: inside a :class:`Census` block PyTorch's profiler records the
+allocator's allocations and frees of one device (the CPU's c10 allocator by default; a CUDA device's caching allocator,
+which reports each block to the profiler too) on this thread, replayed on exit: the peak and what was live at it, named
+by ``known`` tensors. The device is the ``device`` argument, else that of the first ``known`` tensor off the CPU, else
+the CPU. On a device with an :class:`AllocatorReader` (on CUDA by default :class:`CudaAllocator`:
+``memory_allocated``, ``memory_reserved``, ``max_memory_allocated`` after ``reset_peak_memory_stats``) the census also
+reads the allocator's own counters at entry and exit, which count every thread and stream, and what the allocator keeps
+cached (``reserved``).
+Not counted: Python objects, memory outside the allocator (oneDNN/MKL, malloc overhead, cuBLAS workspaces before the
+block), threads the profiler does not follow (their frees unseen until the address is reused). The first profiler
+session costs ~2 s.
 
 Imports: none of fzero.
 """
@@ -13,14 +20,18 @@ import dataclasses
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Allocation", "Census", "malloc_in_use", "storages_of"]
+__all__ = ["Allocation", "AllocatorReader", "AllocatorReading", "Census", "CudaAllocator", "device_of",
+           "malloc_in_use", "storages_of"]
 
 KnownTensors = Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]]
 OTHER = "other"
 SCOPE_PREFIXES = ("fzero::",)  # record_function scopes that name allocations (fzero.memory.SCOPES)
+CPU = torch.device("cpu")
+DeviceLike = torch.device | str | int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,16 +53,77 @@ class Allocation:
         return self.start_ns <= t_ns and (self.end_ns is None or t_ns < self.end_ns)
 
 
-def storages_of(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
-    """The distinct CPU storages behind ``tensors`` (views share one; a DTensor's local shard; empty skipped)."""
+def _on(device: torch.device, want: torch.device) -> bool:
+    """Whether ``device`` is ``want`` (``want`` without an index: any device of its type)."""
+    return device.type == want.type and (want.index is None or device.index == want.index)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # DTensor (FSDP2 parameters): its local shard
+
+
+def storages_of(tensors: Iterable[torch.Tensor], device: DeviceLike = CPU) -> list[torch.UntypedStorage]:
+    """The distinct storages on ``device`` (default the CPU; without an index: every device of its type) behind
+    ``tensors`` (views share one; a DTensor's local shard; empty skipped; others' devices skipped)."""
+    want = torch.device(device)
     out: dict[int, torch.UntypedStorage] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            t = t.to_local() if hasattr(t, "to_local") else t  # DTensor (FSDP2 parameters)
-            s = t.untyped_storage() if t.device.type == "cpu" else None
+            t = _local(t)
+            s = t.untyped_storage() if _on(t.device, want) else None
             if s is not None and s.nbytes() != 0:
                 out.setdefault(s.data_ptr(), s)
     return list(out.values())
+
+
+def device_of(tensors: Iterable[Any]) -> torch.device:
+    """The device of the first of ``tensors`` (or anything else with a ``torch.device`` as ``device``) on neither the
+    CPU nor meta, else the CPU: a training state on a GPU keeps a few CPU tensors too (a call counter, generator
+    states, the hyperparameters), so any accelerator tensor decides."""
+    for t in tensors:
+        d = getattr(_local(t) if isinstance(t, torch.Tensor) else t, "device", None)
+        if isinstance(d, torch.device) and d.type not in ("cpu", "meta"):
+            return d
+    return CPU
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocatorReading:
+    """One reading of a device allocator's counters, bytes: ``allocated`` (live tensor blocks), ``reserved`` (what it
+    holds from the driver, cached free blocks included), ``peak_allocated`` / ``peak_reserved`` (the most of each since
+    its peak was last reset)."""
+
+    allocated: int
+    reserved: int
+    peak_allocated: int
+    peak_reserved: int
+
+
+class AllocatorReader(Protocol):
+    """A device allocator's counters, as :class:`Census` reads them: ``reset_peak()`` at entry, ``read()`` at entry and
+    exit. :class:`CudaAllocator` is CUDA's; a test passes its own."""
+
+    def reset_peak(self) -> None: ...
+
+    def read(self) -> AllocatorReading: ...
+
+
+class CudaAllocator:
+    """The CUDA caching allocator's counters on ``device`` (``torch.cuda.memory_allocated``, ``memory_reserved``,
+    ``max_memory_allocated``, ``max_memory_reserved``; ``reset_peak_memory_stats``). Its counters change on the host at
+    each allocation and free call, not when kernels run, so a reading needs no synchronisation; resetting the peak
+    resets it for the whole process (``torch.cuda.max_memory_allocated`` reads from there on)."""
+
+    def __init__(self, device: DeviceLike | None = None):
+        self.device = torch.device("cuda") if device is None else torch.device(device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def read(self) -> AllocatorReading:
+        d = self.device
+        return AllocatorReading(int(torch.cuda.memory_allocated(d)), int(torch.cuda.memory_reserved(d)),
+                                int(torch.cuda.max_memory_allocated(d)), int(torch.cuda.max_memory_reserved(d)))
 
 
 @dataclasses.dataclass
@@ -78,16 +150,27 @@ def _sums(pairs: Iterable[tuple[str, int]]) -> dict[str, int]:
 
 
 class Census:
-    """Live CPU storage of a block. ``known``: category -> tensors, an iterable read at entry (its storages are the
-    ``baseline``) or a zero-argument callable read at exit; an in-block allocation holding a known storage belongs to
-    the first category naming it, the rest to ``"other"`` (``categories=True``: the profiler's kinds). ``scopes``:
-    ``record_function`` name prefixes naming an allocation's ``scope``. After the block: ``peak_bytes`` (first at
-    ``peak_ns``), ``end_bytes`` (live at exit), ``allocations``, ``missed_frees`` (address reused) and breakdowns."""
+    """Live storage of a block on one device. ``known``: category -> tensors, an iterable read at entry (its storages
+    are the ``baseline``) or a zero-argument callable read at exit; an in-block allocation holding a known storage
+    belongs to the first category naming it, the rest to ``"other"`` (``categories=True``: the profiler's kinds).
+    ``scopes``: ``record_function`` name prefixes naming an allocation's ``scope``. ``device``: the device counted
+    (default: :func:`device_of` the entry-time known tensors, so a state on a GPU is counted there; a census whose known
+    tensors are all callables says its device). ``reader``: that device's allocator counters (default
+    :class:`CudaAllocator` on CUDA, none on the CPU). After the block: ``peak_bytes`` (first at ``peak_ns``),
+    ``end_bytes`` (live at exit), ``allocations``, ``missed_frees`` (address reused) and breakdowns; with a reader,
+    ``allocator_at_entry`` / ``allocator_at_exit`` and :attr:`allocator_peak_bytes` / :attr:`allocator_end_bytes`."""
 
     def __init__(self, known: Mapping[str, KnownTensors] = {}, *, categories: bool = False,
-                 scopes: tuple[str, ...] = SCOPE_PREFIXES):
+                 scopes: tuple[str, ...] = SCOPE_PREFIXES, device: DeviceLike | None = None,
+                 reader: AllocatorReader | None = None):
         self.categories, self.scopes = categories, scopes
-        self._at_entry = {k: storages_of(v) for k, v in known.items() if not callable(v)}
+        entry = {k: list(v) for k, v in known.items() if not callable(v)}  # read once: a generator is spent after
+        self.device = torch.device(device) if device is not None else device_of(t for v in entry.values() for t in v)
+        self.reader = reader if reader is not None else CudaAllocator(self.device) if self.device.type == "cuda" \
+            else None
+        self.allocator_at_entry: AllocatorReading | None = None
+        self.allocator_at_exit: AllocatorReading | None = None
+        self._at_entry = {k: storages_of(v, self.device) for k, v in entry.items()}
         self._at_exit = {k: v for k, v in known.items() if callable(v)}
         self._baseline: list[_Baseline] = []
         self._attributed: dict[int, str] = {}  # index in allocations -> category
@@ -109,16 +192,21 @@ class Census:
         from torch.profiler import ProfilerActivity, profile
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=self.categories)
         self._prof.__enter__()
+        if self.reader is not None:  # after the profiler started: its own start-up is not the block's
+            self.reader.reset_peak()
+            self.allocator_at_entry = self.reader.read()
         self.start_ns = time.time_ns()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.end_ns = time.time_ns()
+        if self.reader is not None:  # before the profiler stops (and frees its own)
+            self.allocator_at_exit = self.reader.read()
         self._prof.__exit__(*exc)
         if exc[0] is not None:
             return
         results = self._prof.profiler.kineto_results
-        events = _allocation_events(results, self.scopes)
+        events = _allocation_events(results, self.scopes, self.device)
         kinds = _profiler_kinds(results) if self.categories else {}
         if self.categories and not kinds:
             self.category_note = "torch's memory profiler gave no categories"
@@ -129,6 +217,21 @@ class Census:
         self.attribute({name: fn() for name, fn in self._at_exit.items()})
         self._at_exit = {}
 
+    @property
+    def allocator_peak_bytes(self) -> int | None:
+        """The allocator's most bytes allocated at once in the block above what was allocated at entry (``None``
+        without a reader): every thread and stream, where :attr:`peak_bytes` is the profiler's replay."""
+        if self.allocator_at_entry is None or self.allocator_at_exit is None:
+            return None
+        return self.allocator_at_exit.peak_allocated - self.allocator_at_entry.allocated
+
+    @property
+    def allocator_end_bytes(self) -> int | None:
+        """The allocator's bytes allocated at exit minus at entry (``None`` without a reader)."""
+        if self.allocator_at_entry is None or self.allocator_at_exit is None:
+            return None
+        return self.allocator_at_exit.allocated - self.allocator_at_entry.allocated
+
     def attribute(self, known: Mapping[str, Iterable[torch.Tensor]]) -> None:
         """Name allocations live at exit holding a ``known`` tensor's storage (first claim wins); a known
         storage the block did not allocate joins the category's baseline."""
@@ -136,7 +239,7 @@ class Census:
         starts = [p for p, _ in live]
         have = {b.ptr for b in self._baseline}
         for name, tensors in known.items():
-            for s in storages_of(tensors):
+            for s in storages_of(tensors, self.device):
                 ptr, n = s.data_ptr(), s.nbytes()
                 j = bisect.bisect_right(starts, ptr) - 1
                 if j >= 0:
@@ -240,6 +343,16 @@ class Census:
         lines.append(f"{'live at the peak':<{w}} {self.baseline_at_peak / unit:10.2f} "
                      f"{self.peak_bytes / unit:10.2f} {self.total_at_peak / unit:10.2f}")
         lines.append(f"{'allocated in block, live at exit':<{w}} {'':>10} {self.end_bytes / unit:10.2f}")
+        a, b = self.allocator_at_entry, self.allocator_at_exit
+        if a is not None and b is not None:  # the allocator's own counters: entry, the block's, exit
+            lines.append(f"{self.device.type + ' allocator (' + unit_name + ')':<{w}} {'entry':>10} {'in block':>10} "
+                         f"{'exit':>10}")
+            lines.append(f"{'  allocated':<{w}} {a.allocated / unit:10.2f} {(b.allocated - a.allocated) / unit:10.2f} "
+                         f"{b.allocated / unit:10.2f}")
+            lines.append(f"{'  peak allocated':<{w}} {'':>10} {(b.peak_allocated - a.allocated) / unit:10.2f} "
+                         f"{b.peak_allocated / unit:10.2f}")
+            lines.append(f"{'  reserved':<{w}} {a.reserved / unit:10.2f} {(b.reserved - a.reserved) / unit:10.2f} "
+                         f"{b.reserved / unit:10.2f}")
         missed = f"{self.missed_frees} frees not seen (address reused)" if self.missed_frees else ""
         notes = [f"{len(self.allocations)} allocations in the block", missed, self.category_note]
         return "\n".join([*lines, "(" + "; ".join(n for n in notes if n) + ")"])
@@ -252,17 +365,26 @@ def _short(op: str, width: int = 40) -> str:
     return op if len(op) <= width else op[:width - 3] + "..."
 
 
-def _allocation_events(results, scopes: tuple[str, ...] = ()) -> list[tuple[int, int, int, str, str]]:
-    """``(time ns, ptr, signed bytes, operator, scope)`` of every CPU allocator event, in time order;
-    the scope is the innermost enclosing ``record_function`` whose name starts with one of ``scopes``."""
+def _allocation_events(results: Any, scopes: tuple[str, ...] = (),
+                       device: torch.device = CPU) -> list[tuple[int, int, int, str, str]]:
+    """``(time ns, ptr, signed bytes, operator, scope)`` of every allocator event on ``device`` in the profiler's
+    ``results``, in time order (:func:`_events_of`)."""
+    return _events_of(results.experimental_event_tree(), scopes, device)
+
+
+def _events_of(roots: Iterable[Any], scopes: tuple[str, ...] = (),
+               device: torch.device = CPU) -> list[tuple[int, int, int, str, str]]:
+    """``(time ns, ptr, signed bytes, operator, scope)`` of every allocator event on ``device`` (:func:`_on`) under
+    the profiler event tree ``roots``, in time order; the scope is the innermost enclosing ``record_function`` whose
+    name starts with one of ``scopes``."""
     from torch._C._profiler import _EventType
     out: list[tuple[int, int, int, str, str]] = []
-    stack = [(node, "", "") for node in reversed(results.experimental_event_tree())]
+    stack = [(node, "", "") for node in reversed(list(roots))]
     while stack:  # depth first, in recorded order
         node, op, scope = stack.pop()
         if node.tag == _EventType.Allocation:
             f = node.extra_fields
-            if f.device.type == "cpu" and f.alloc_size != 0:
+            if _on(f.device, device) and f.alloc_size != 0:
                 out.append((node.start_time_ns, f.ptr, f.alloc_size, op, scope))
         if node.name.startswith(scopes):
             scope = node.name
