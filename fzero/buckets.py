@@ -20,7 +20,7 @@ from .layout import FlatGrads, FlatGroup, Layout, compute_dtype, named_leaves, s
 from .scopes import GRAD_BUCKETS, step_scope
 
 __all__ = ["MIN_BUCKET_NUMEL", "SMALL_MODEL_NUMEL", "LARGE_BUCKET_NUMEL", "default_bucket_numel", "MAX_IN_FLIGHT",
-           "size_buckets", "buckets_of", "Runner", "BufferPool", "BucketReduction", "BucketWatcher"]
+           "size_buckets", "buckets_of", "Runner", "BufferPool", "BucketReduction", "BucketWatcher", "used_flags"]
 
 # Small models' buckets keep a step's per-bucket blocks under the 4 MiB mmap pin (fzero.host_malloc): reused from the
 # heap, not faulted in afresh (58M: 1.24x -> 1.04x DDP, held +48 MiB); at 162M they held more and were no faster
@@ -83,7 +83,7 @@ class Runner:
             return lambda: out
         if self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fzero-collectives")
-        future = self._thread.submit(fn, *args, **kwargs)
+        future = self._thread.submit(_on_caller_stream(fn), *args, **kwargs)
         self._pending.append(future)
         return future.result
 
@@ -97,6 +97,21 @@ class Runner:
     def __del__(self) -> None:
         if self._thread is not None:
             self._thread.shutdown(wait=False)
+
+
+def _on_caller_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` to run on another thread with the caller's current CUDA device and stream (a thread starts on the default
+    stream of device 0: its collectives would race the caller's kernels on another stream, or run on another GPU);
+    ``fn`` itself where CUDA is not in use."""
+    if not torch.cuda.is_initialized():
+        return fn
+    stream = torch.cuda.current_stream()
+
+    def on_stream(*args: Any, **kwargs: Any) -> Any:
+        with torch.cuda.stream(stream):  # sets the stream's device too
+            return fn(*args, **kwargs)
+
+    return on_stream
 
 
 class BufferPool:
@@ -294,3 +309,25 @@ class BucketWatcher:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+
+def used_flags(used: Sequence[Sequence[float]], device: torch.device | str) -> torch.Tensor:
+    """``[R, T]`` float64 on ``device``: 1 where local rank ``r``'s loss reached trainable parameter ``t`` (``used``,
+    what the hooks saw on the host). Made there by fills, never copied from the host: a host list copied to a GPU
+    waits for every kernel queued before it."""
+    rows, width = len(used), len(used[0]) if used else 0
+    if all(all(row) for row in used):
+        return torch.ones(rows, width, dtype=torch.float64, device=device)
+    out = torch.zeros(rows, width, dtype=torch.float64, device=device)
+    for r, row in enumerate(used):
+        t = 0
+        while t < width:  # one fill per run of used parameters
+            if not row[t]:
+                t += 1
+                continue
+            end = t
+            while end < width and row[end]:
+                end += 1
+            out.select(0, r).narrow(0, t, end - t).fill_(1.0)
+            t = end
+    return out

@@ -111,6 +111,9 @@ class Communicator:
     ranks: tuple[int, ...]  # each local row's rank in its shard group: the shard it holds
     replicas: int = 1  # copies of the sharded state (a mesh's replica axis); the batch: world_size * replicas parts
     node: Communicator | None = None  # hpZ: this rank's shard group (a node), where stage 3 regathers for backward
+    # where the small tensors a piece builds to send live (unit-call tags, init agreement, layout digests): a
+    # process group's device (NCCL: this rank's GPU; a CPU tensor is refused there), the simulated world's tensors'
+    device: torch.device = torch.device("cpu")
     traced: bool = False  # its collectives are being traced into a graph (see ``tracing``)
     overlaps: bool = False  # they may run on a thread of their own while backward goes on
     # what one gradient reduction allocates beside its result, per element of one rank's input (memory_report)
@@ -136,7 +139,7 @@ class Communicator:
         ``capabilities``, its ``overlaps`` and buffer factors: in one place, so no wrapper misses what the protocol
         gains."""
         self.inner, self.world_size, self.local_ranks = inner, inner.world_size, inner.local_ranks
-        self.ranks, self.replicas, self.node = inner.ranks, inner.replicas, inner.node
+        self.ranks, self.replicas, self.node, self.device = inner.ranks, inner.replicas, inner.node, inner.device
         if capabilities:
             self.overlaps = inner.overlaps
             self.reduce_scatter_buffers = inner.reduce_scatter_buffers
@@ -282,17 +285,20 @@ class SimulatedWorld(Communicator):
     ``mesh`` (:func:`mesh_groups`): rows are the job's ranks, each collective runs per shard group as a world of its
     own, and :meth:`all_reduce_replicas_start` adds each shard's copies in replica order; ``broadcast`` spans all.
     ``hpz=True`` (ZeRO++ hpZ, with a mesh): the state sharded over every rank, and ``node`` the mesh's shard groups,
-    within which stage 3 regathers each unit for backward from a secondary shard."""
+    within which stage 3 regathers each unit for backward from a secondary shard. ``device``: where its tensors live
+    (:attr:`Communicator.device`; it runs on tensors of any device)."""
 
-    def __init__(self, world_size: int, *, mesh: Mesh | None = None, hpz: bool = False):
+    def __init__(self, world_size: int, *, mesh: Mesh | None = None, hpz: bool = False,
+                 device: torch.device | str = "cpu"):
         if not (isinstance(world_size, int) and world_size >= 1):
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if hpz and mesh is None:
             raise ValueError("SimulatedWorld(hpz=True) needs a mesh: its shard groups are the nodes")
         groups = None if mesh is None else mesh_groups(mesh, world_size)
+        self.device = torch.device(device)
         self._text = "" if groups is None else (", hpz " if hpz else ", ") + mesh_text(groups)
         if hpz:  # the state over every rank; the mesh's groups only where stage 3 regathers
-            self.node, groups = SimulatedWorld(world_size, mesh=mesh), None
+            self.node, groups = SimulatedWorld(world_size, mesh=mesh, device=device), None
         # one group in rank order: the flat world's code and bits
         self._groups = None if groups is None or groups == (tuple(range(world_size)),) else groups
         shards = world_size if self._groups is None else len(groups[0])
@@ -300,14 +306,15 @@ class SimulatedWorld(Communicator):
         place = {r: j for g in groups or (range(world_size),) for j, r in enumerate(g)}  # each rank's shard
         self.ranks = tuple(place[r] for r in range(world_size))
         self.reduce_scatter_buffers, self.all_reduce_buffers = 0.0, float(shards)  # the sum, one per row
-        self._flat = self if self._groups is None else SimulatedWorld(shards)
+        self._flat = self if self._groups is None else SimulatedWorld(shards, device=device)
 
     @property
     def data_ranks(self) -> tuple[int, ...]:
         return tuple(range(self.local_ranks))
 
     def __repr__(self) -> str:
-        return f"SimulatedWorld({self.local_ranks}{self._text})"
+        on = "" if self.device.type == "cpu" else f", device={str(self.device)!r}"
+        return f"SimulatedWorld({self.local_ranks}{self._text}{on})"
 
     def _per_group(self, x: torch.Tensor, op: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         if self._groups is None:

@@ -125,11 +125,14 @@ def bind_step(step: ComposedStep, loss_fn: LossFn, comm: Communicator, *, accum_
 
 
 def no_missed_steps(opt: OptState) -> bool:
-    """Whether no parameter ever sat out a step, known without a device sync (``opt.missed`` absent, or CPU zeros)."""
+    """Whether no parameter ever sat out a step, known without a device sync: ``opt.missed`` absent or CPU zeros; on
+    another device what the state knows on the host (``OptState.all_stepped``, kept by every step and load)."""
     if not opt.missed:
         return True
     missed = opt.missed[0]
-    return missed.device.type == "cpu" and not bool(missed.any())
+    if missed.device.type != "cpu":
+        return opt.all_stepped
+    return not bool(missed.any())
 
 
 def _hyper_as_vectors(state: TrainState) -> TrainState:

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils._pytree as tp
 
-from .buckets import BucketReduction, BucketWatcher, BufferPool, Runner, buckets_of
+from .buckets import BucketReduction, BucketWatcher, BufferPool, Runner, buckets_of, used_flags
 from .comm import Communicator
 from .layout import FlatGrads, compute_dtype, flatten_one, group_views, stack_rows
 from .module import ModuleLoss, check_loss, row_of
@@ -210,4 +210,4 @@ def _rank_grads(loss_fn: LossFn, state: TrainState, params: Sequence[torch.Tenso
     return Grads(FlatGrads(lay.groups, [stack_rows(f) for f in flat]) if reduction is None else (),
                  torch.stack(losses), tuple(stack_rows(b) for b in new_buffers),
                  (stack_rows(new_rng),) if swap_rng else state.rng,
-                 torch.tensor(used, dtype=torch.float64, device=device), all(all(row) for row in used))
+                 used_flags(used, device), all(all(row) for row in used))

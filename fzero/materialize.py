@@ -1,5 +1,6 @@
 """Models larger than one rank: ``init_train_state(model, ..., init=...)`` with a meta-device model. The init runs in
-``model.apply``'s order; each tensor is created on the CPU just before its first module, and cut into this process's
+``model.apply``'s order; each tensor is created on the state's device (``init_train_state(device=)``, default the CPU) just
+before its first module, and cut into this process's
 rows and dropped once its piece (:func:`piece_of`) is done; the module stays on meta. Random inits draw from the global
 generator as ``model.apply(fn)`` does: seed every rank alike. Weights files: :class:`InitSource`.
 
@@ -43,7 +44,7 @@ class InitSource(Protocol):
     """An init that builds the shards itself (weights from files: :func:`fzero.pretrained`)."""
 
     def materialize(self, module: torch.nn.Module, layout: Layout, comm: Communicator,
-                    units: Sequence[str]) -> Materialized: ...
+                    units: Sequence[str], device: torch.device) -> Materialized: ...
 
 
 Init = str | InitFn | InitSource
@@ -105,11 +106,13 @@ def generator_digest() -> list[float]:
 
 def agree(comm: Communicator, failure: Exception | None, digest: list[float] | None) -> None:
     """Raise on every rank if materialising failed on any rank (``failure`` as it is), or (``digest`` given) the
-    ranks' generators differed. One ``all_reduce(max)`` of 9 float64, none when this process holds every rank."""
+    ranks' generators differed. One ``all_reduce(max)`` of 9 float64 on the communicator's device, read back to the
+    host; none when this process holds every rank."""
     if comm.local_ranks < comm.data_world_size:
         parts = digest or [0.0] * 4
-        x = torch.tensor([parts + [-p for p in parts] + [float(failure is not None)]], dtype=torch.float64)
-        top = comm.all_reduce_replicas_start(comm.all_reduce(x.repeat(comm.local_ranks, 1), "max"), "max")()[0]
+        x = torch.tensor([parts + [-p for p in parts] + [float(failure is not None)]], dtype=torch.float64,
+                         device=comm.device)
+        top = comm.all_reduce_replicas_start(comm.all_reduce(x.repeat(comm.local_ranks, 1), "max"), "max")()[0].cpu()
         if failure is None and top[8] > 0:
             raise ValueError("init_train_state: another rank failed to fill the model (its error says why); this "
                              "rank stops too, rather than wait for it in the first step")
@@ -125,11 +128,13 @@ class ShardRows:
     """This process's master rows: ``rows[g]``, ``[R, shard_numel]``, master dtype, zero padded (``frozen``: stage 3's
     frozen group rows, in their dtype); :meth:`write` copies as :func:`fzero.layout.flat_shard` does."""
 
-    def __init__(self, layout: Layout, ranks: Sequence[int]):
+    def __init__(self, layout: Layout, ranks: Sequence[int], device: torch.device | str | None = None):
         self.layout = layout
         self.ranks = tuple(ranks)
-        self.rows = tuple(torch.zeros(len(self.ranks), g.shard_numel, dtype=g.master_dtype) for g in layout.groups)
-        self.frozen = tuple(torch.zeros(len(self.ranks), g.shard_numel, dtype=g.dtype) for g in layout.frozen_groups)
+        self.rows = tuple(torch.zeros(len(self.ranks), g.shard_numel, dtype=g.master_dtype, device=device)
+                          for g in layout.groups)
+        self.frozen = tuple(torch.zeros(len(self.ranks), g.shard_numel, dtype=g.dtype, device=device)
+                            for g in layout.frozen_groups)
 
     def write(self, i: int, read: Callable[[int, int], torch.Tensor]) -> None:
         """Slot ``i``'s owned parts; ``read(start, stop)``: its flat elements ``[start, stop)`` (1-D, any float)."""
@@ -208,7 +213,9 @@ def _take(e: _Entry, who: str, hint: str = _WHAT_TO_PASS) -> torch.Tensor:
             f"{who} replaced {e.name!r} ({tuple(e.original.shape)} {e.original.dtype}) by a tensor "
             f"{tuple(t.shape)} {t.dtype}")
     unwritten = t is e.installed and t._version == e.version
-    if e.original.is_meta and (unwritten or t.is_meta):
+    # a state built on the meta device (shapes only, as a test of where tensors go) installs meta tensors: written
+    # is what counts there
+    if e.original.is_meta and (unwritten or (t.is_meta and not e.installed.is_meta)):
         kind = "parameter" if e.is_param else "buffer"
         raise ValueError(
             f"{who} did not write {kind} {e.name!r} (of module {e.owners[0] or '<root>'!r}, a "
@@ -293,13 +300,15 @@ def _walk(module: torch.nn.Module, fn: InitFn, who: str, units: Sequence[str],
 
 
 def materialize(module: torch.nn.Module, layout: Layout, comm: Communicator, init: Init,
-                units: Sequence[str] = ()) -> Materialized:
-    """The :class:`Materialized` of ``module`` filled by ``init``. ``ValueError`` if the init leaves a meta tensor
-    unwritten, writes a finished piece, breaks ties or changes a shape or dtype. Collective: :func:`agree`."""
+                units: Sequence[str] = (), device: torch.device | str = "cpu") -> Materialized:
+    """The :class:`Materialized` of ``module`` filled by ``init``, every tensor on ``device`` (each piece built and
+    initialised there). ``ValueError`` if the init leaves a meta tensor unwritten, writes a finished piece, breaks ties
+    or changes a shape or dtype. Collective: :func:`agree`."""
+    device = torch.device(device)
     digest = None if isinstance(init, InitSource) else generator_digest()
     try:
-        made = (init.materialize(module, layout, comm, units) if isinstance(init, InitSource)
-                else _random_init(module, layout, comm.ranks, init, units))
+        made = (init.materialize(module, layout, comm, units, device) if isinstance(init, InitSource)
+                else _random_init(module, layout, comm.ranks, init, units, device))
     except Exception as e:  # noqa: BLE001 - every rank learns of it (agree), then it is raised
         agree(comm, e, digest)
         raise
@@ -308,10 +317,10 @@ def materialize(module: torch.nn.Module, layout: Layout, comm: Communicator, ini
 
 
 def _random_init(module: torch.nn.Module, layout: Layout, ranks: Sequence[int], init: str | InitFn,
-                 units: Sequence[str]) -> Materialized:
-    """:func:`materialize` by ``"reset_parameters"`` or ``fn(module)``: the walk, cutting each tensor."""
+                 units: Sequence[str], device: torch.device) -> Materialized:
+    """:func:`materialize` by ``"reset_parameters"`` or ``fn(module)``: the walk on ``device``, cutting each tensor."""
     fn = init_fn(init)
-    rows = ShardRows(layout, ranks)
+    rows = ShardRows(layout, ranks, device)
     slot_of = {s.path: i for i, s in enumerate(layout.slots)}
     frozen: dict[int, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
@@ -327,7 +336,7 @@ def _random_init(module: torch.nn.Module, layout: Layout, ranks: Sequence[int], 
         else:  # kept whole; a tensor the init put in place of ours may be the caller's: copied
             frozen[i] = value if value.data_ptr() == e.installed.data_ptr() else value.clone()
 
-    _walk(module, fn, init_name(init), units, cut, torch.device("cpu"))
+    _walk(module, fn, init_name(init), units, cut, device)
     return Materialized(rows.rows, rows.frozen or tuple(frozen[i] for i, s in enumerate(layout.slots) if s.group < 0),
                         tuple(buffers[n] for n, _ in module.named_buffers()))
 
@@ -337,7 +346,7 @@ def materialized_shard(module: torch.nn.Module, comm: Communicator, init: Init, 
     """:func:`fzero.sharding.init_shard` for a module filled by ``init`` (:func:`materialize`), and its buffers
     ``[R, *shape]``. ``layout_kw``: for :func:`fzero.sharding.shard_layout`. Collective (with ``comm.check_layout``)."""
     layout = shard_layout(module, comm, **layout_kw)
-    made = materialize(module, layout, comm, init, units)
+    made = materialize(module, layout, comm, init, units)  # on the CPU, as init_shard of a CPU module
     return ShardState(made.master, made.frozen, layout), made.buffers
 
 

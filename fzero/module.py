@@ -297,7 +297,7 @@ def release_parameters(module: torch.nn.Module, names: Sequence[str]) -> None:
             if not probe.is_meta:
                 return
             bound = (mod.get_submodule(owner) if owner else mod)._parameters.get(attr)  # a step binds its own
-            if bound is not None and bound.is_meta:
+            if bound is probe:  # (a state on the meta device binds meta tensors: identity, not the device, tells)
                 raise RuntimeError(f"{type(mod).__name__}: its parameters were handed to a fzero stage-3 state by "
                                    "init_train_state and live there (this module holds none): call "
                                    "fzero.write_back(state, comm, model) before running the module itself")

@@ -325,25 +325,32 @@ class Adam(Optimizer):
     def update_(self, param, grad, moments, hyper, step, found_inf=None) -> None:  # noqa: ANN001
         """:meth:`update` in place, a no-op where ``found_inf`` is nonzero: ``fzero::fused_adam_`` (traced too)."""
         # one tensor per row, as on a real rank: the kernel's vector blocks and scalar tail round differently
+        if any(hyper[k].device.type != "cpu" for k in _FUSED_HYPER[1:]):
+            # the kernel takes these as host numbers: one on the device (a schedule's) would be read back each step
+            return super().update_(param, grad, moments, hyper, step, found_inf)
         rows = [list(t.unbind(0)) for t in (param, grad, *moments)]
         skip = None if found_inf is None else (found_inf != 0).to(param.device, torch.float32)
         torch.ops.fzero.fused_adam_(rows[0], rows[1], rows[2], rows[3], rows[4] if self.amsgrad else [],
-                                    torch.stack([hyper[k].to(torch.float64) for k in _FUSED_HYPER]),
+                                    hyper["lr"].to(torch.float64),
+                                    torch.stack([hyper[k].to(torch.float64) for k in _FUSED_HYPER[1:]]),
                                     (step + 1).to(torch.float32), skip, self.decoupled, self.amsgrad, self.maximize)
 
 
 _FUSED_HYPER = ("lr", "beta1", "beta2", "weight_decay", "eps")
 # registered plainly: torch.library.custom_op's eager call imports the compiler stack (+75 MiB resident per rank)
 _LIB = torch.library.Library("fzero", "FRAGMENT")
-_LIB.define("fused_adam_(Tensor(a!)[] p, Tensor[] g, Tensor(b!)[] m, Tensor(c!)[] v, Tensor(d!)[] vmax, Tensor hyper, "
-            "Tensor step, Tensor? skip, bool decoupled, bool amsgrad, bool maximize) -> ()")
+_LIB.define("fused_adam_(Tensor(a!)[] p, Tensor[] g, Tensor(b!)[] m, Tensor(c!)[] v, Tensor(d!)[] vmax, Tensor lr, "
+            "Tensor hyper, Tensor step, Tensor? skip, bool decoupled, bool amsgrad, bool maximize) -> ()")
 
 
-def _fused_adam(p, g, m, v, vmax, hyper, step, skip, decoupled, amsgrad, maximize) -> None:  # noqa: ANN001
-    """``fzero::fused_adam_``: torch's fused Adam(W), skipped where ``skip`` is 1; ``hyper``: ``_FUSED_HYPER``."""
-    lr, beta1, beta2, weight_decay, eps = hyper.tolist()
+def _fused_adam(p, g, m, v, vmax, lr, hyper, step, skip, decoupled, amsgrad, maximize) -> None:  # noqa: ANN001
+    """``fzero::fused_adam_``: torch's fused Adam(W), skipped where ``skip`` is 1. ``lr``: 0-d, on the host (read as a
+    number) or on the device (a schedule's: the kernel reads it there, no copy back); ``hyper``: the rest of
+    ``_FUSED_HYPER``, on the host."""
+    beta1, beta2, weight_decay, eps = hyper.tolist()
+    rate = float(lr) if lr.device.type == "cpu" else lr
     (torch._fused_adamw_ if decoupled else torch._fused_adam_)(
-        p, g, m, v, vmax, [step] * len(p), lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+        p, g, m, v, vmax, [step] * len(p), lr=rate, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
         amsgrad=amsgrad, maximize=maximize, found_inf=skip)
 
 
@@ -404,7 +411,7 @@ def zeros_on_demand(like: torch.Tensor) -> torch.Tensor:
 def init_opt_state(optimizer: Optimizer, master: Sequence[torch.Tensor],
                    num_params: int | None = None, shapes: Sequence[tuple[int, ...]] | None = None) -> OptState:
     """The state before any step; scalars with ``num_params``, vectors with (trainable) ``shapes``, else later."""
-    hyper = tuple({k: torch.tensor(v, dtype=torch.float64) for k, v in optimizer.hyperparams(i).items()}
+    hyper = tuple({k: torch.tensor(v, dtype=torch.float64, device="cpu") for k, v in optimizer.hyperparams(i).items()}
                   for i in range(optimizer.num_groups))
     moments = tuple(tuple(zeros_on_demand(m) for _ in optimizer.moment_names) for m in master)
     scalars = () if num_params is None else init_scalars(optimizer, num_params)
@@ -437,7 +444,7 @@ def init_vectors(optimizer: Optimizer, shapes: Sequence[tuple[int, ...]], dtype:
 
 def init_scalars(optimizer: Optimizer, num_params: int) -> tuple[torch.Tensor, ...]:
     """``OptState.scalars`` before any step: a ``[num_params]`` float64 CPU zero vector per scalar name."""
-    return tuple(torch.zeros(num_params, dtype=torch.float64) for _ in optimizer.scalar_names)
+    return tuple(torch.zeros(num_params, dtype=torch.float64, device="cpu") for _ in optimizer.scalar_names)
 
 
 def set_hyperparams(state: OptState, group: int | None = None, **values: float | torch.Tensor) -> OptState:
@@ -457,8 +464,17 @@ def set_hyperparams(state: OptState, group: int | None = None, **values: float |
 
 
 def hyper_scalars(h: Mapping[str, torch.Tensor], dtype: torch.dtype, **extra: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Hyperparameters and ``extra`` (computed in float64) as 0-d tensors of ``dtype``, as torch.optim's kernels."""
+    """Hyperparameters and ``extra`` (computed in float64) as 0-d tensors of ``dtype``, as torch.optim's kernels, each
+    on the device it was given on."""
     items = {**h, **extra}
-    # one small vector: under torch.compile computed once, not inside the elementwise kernel's loop
-    packed = torch.stack([v.reshape(()).to(torch.float64) for v in items.values()]).to(dtype)
-    return {k: packed[i] for i, k in enumerate(items)}
+    # one small vector per device: under torch.compile computed once, not inside the elementwise kernel's loop. The
+    # hyperparameters are host scalars and what depends on the step count is on the state's device: never copied
+    # across (a copy to the device waits for it), each taken by the elementwise kernels as it is
+    by_device: dict[torch.device, list[str]] = {}
+    for k, v in items.items():
+        by_device.setdefault(v.device, []).append(k)
+    out: dict[str, torch.Tensor] = {}
+    for keys in by_device.values():
+        packed = torch.stack([items[k].reshape(()).to(torch.float64) for k in keys]).to(dtype)
+        out.update({k: packed.select(0, i) for i, k in enumerate(keys)})
+    return {k: out[k] for k in items}

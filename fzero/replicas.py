@@ -163,12 +163,28 @@ def _to_columns(h: torch.Tensor) -> torch.Tensor:
     return torch.stack([(h & 0xFFFFFFFF).to(torch.float64), (h >> 32).to(torch.float64)], dim=2).reshape(h.shape[0], -1)
 
 
+def _device(state: Any) -> torch.device:
+    """Where the state lives, and so its digests, and the collectives that compare them (a process group's device)."""
+    return (*state.params, *state.shard.master, state.opt.step)[0].device
+
+
+def _sent(x: torch.Tensor, device: torch.device, traced: bool) -> torch.Tensor:
+    """Host tensor ``x`` on ``device``: on CUDA from pinned memory, asynchronously (a copy from pageable memory waits
+    for the device to finish its queue)."""
+    if traced:
+        return x.to(device)
+    return (x.pin_memory() if device.type == "cuda" else x).to(device, non_blocking=True)
+
+
 def _hashes(items: list[Item], state: Any, rows: int, traced: bool = False) -> torch.Tensor:
     """``[rows, k]`` int64, a hash per item: 0-d replicated ones (and "static") their bits, others :func:`_fold`."""
-    device = (*state.params, *state.shard.master, state.opt.step)[0].device
+    device = _device(state)
     static = (getattr(state.shard, "layout", None), getattr(state.opt, "optimizer", None),
               tuple(getattr(state.scaler, k, None) for k in _SCALER_STATIC), getattr(state, "precision", None))
-    by_size = {8: [(0, torch.tensor(_signature_of(*static), dtype=torch.int64, device=device))]}
+    # each 0-d item's bits as one int64 where it lives: the host's (the signature, hyperparameters) sent to the
+    # device in one copy (_sent)
+    host: list[tuple[int, torch.Tensor]] = [(0, torch.tensor(_signature_of(*static), dtype=torch.int64, device="cpu"))]
+    on_device: list[tuple[int, torch.Tensor]] = []
     folded = []
     for i, (_, t, ranked) in enumerate(items[1:], 1):
         if ranked or t.dim() > 0:
@@ -178,15 +194,18 @@ def _hashes(items: list[Item], state: Any, rows: int, traced: bool = False) -> t
         es = v.element_size()
         if es not in _INT_OF_SIZE:  # complex128: the sum of its words
             v, es = v.reshape(1).view(torch.int64).sum(), 8
-        by_size.setdefault(es, []).append((i, v.to(device)))
+        (host if v.device.type == "cpu" else on_device).append((i, v.view(_INT_OF_SIZE[es]).to(torch.int64)))
     cols, order = [], []
-    for es, group in by_size.items():
-        bits = torch.stack([v.view(_INT_OF_SIZE[es]) for _, v in group]).to(torch.int64)
-        cols.append(bits.unsqueeze(0).expand(rows, -1))
+    for group, sent in ((host, device.type != "cpu"), (on_device, False)):
+        if not group:
+            continue
+        bits = torch.stack([v for _, v in group])
+        cols.append((_sent(bits, device, traced) if sent else bits).unsqueeze(0).expand(rows, -1))
         order += [i for i, _ in group]
     for i in folded:
         _, t, ranked = items[i]
-        h = _fold(_words(t.to(device), rows if ranked else 1, traced))
+        h = _fold(_words(t, rows if ranked else 1, traced))  # where t lives: a host one's hashes alone are sent
+        h = _sent(h, device, traced) if h.device != device else h
         cols.append((h if ranked else h.expand(rows)).unsqueeze(1))
         order.append(i)
     out = torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]
@@ -211,9 +230,10 @@ def replicas_differ(state: Any, comm: Communicator, *, buffers: Policy = "local"
 
 
 def _compare(comm: Communicator, h: torch.Tensor) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """One ``all_gather`` of the ``[R, k]`` hashes ``h``; per column ``(agree, differ)`` as in :class:`Divergence`."""
+    """One ``all_gather`` of the ``[R, k]`` hashes ``h`` (on the state's device), read back to the host; per column
+    ``(agree, differ)`` as in :class:`Divergence`."""
     w, k = comm.world_size, h.shape[1]
-    table = comm.all_gather(_to_columns(h))[0].reshape(w, k, 2).tolist()
+    table = comm.all_gather(_to_columns(h))[0].cpu().reshape(w, k, 2).tolist()
     out = []
     for j in range(k):
         values = [tuple(table[r][j]) for r in range(w)]
@@ -301,7 +321,7 @@ def with_replica_check(step: Callable[[Any, Any], tuple[Any, dict]], comm: Commu
                 check_replicas(new_state, comm, buffers=buffers, rng=rng)
             return new_state, metrics
         flag = (replicas_differ(new_state, comm, buffers=buffers, rng=rng).to(torch.float32)
-                if due else torch.zeros((), dtype=torch.float32))
+                if due else torch.zeros((), dtype=torch.float32, device=_device(new_state)))
         return new_state, {**metrics, "replicas_differ": flag}
 
     return checked_step

@@ -1,5 +1,6 @@
 """Randomness as state: ``init_train_state(..., seed=s)`` gives rank ``r`` the state of
-``torch.Generator().manual_seed(rank_seed(s, r))`` on the parameters' device, in ``TrainState.rng`` (``[R, n]`` uint8).
+``torch.Generator().manual_seed(rank_seed(s, r))`` on the parameters' device, in ``TrainState.rng`` (``[R, n]`` uint8,
+on the host where torch keeps generator states, CUDA's included).
 Eagerly the step installs rank ``r``'s state for its forward and backward and keeps what it leaves: a rank's masks
 depend only on ``(s, r)`` and the draws before them, alike in a simulated world, on real ranks and in plain torch.
 Dynamo cannot trace ``set_rng_state``: a compiled step installs row 0's state around the call (exact on a real rank; a
@@ -43,8 +44,12 @@ def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
 
 
 def init_rng(seed: int, ranks: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``[R, n]`` uint8: the generator state of each of ``ranks`` for ``seed`` on ``device``."""
-    return torch.stack([torch.Generator(device=device).manual_seed(rank_seed(seed, r)).get_state() for r in ranks])
+    """``[R, n]`` uint8 on the CPU: the generator state of each of ``ranks`` for ``seed`` on ``device`` (a CUDA
+    generator's state is host bytes, its seed and offset, as torch gives and takes it: kept there, installing it
+    before a forward copies nothing from the device; a device without generators, such as meta, takes the CPU's)."""
+    device = torch.device(device)
+    kind = device if device.type == "cuda" else torch.device("cpu")
+    return torch.stack([torch.Generator(device=kind).manual_seed(rank_seed(seed, r)).get_state() for r in ranks])
 
 
 @contextlib.contextmanager

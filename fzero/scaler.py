@@ -153,7 +153,7 @@ def unscale_and_check(scaler: ScalerState, grads: Any, comm: Communicator, *, cl
         out = [(g.to(_opmath(g.dtype)) * inv.to(device=g.device, dtype=_opmath(g.dtype))).to(g.dtype) for g in leaves]
         return Checked(tp.tree_unflatten(out, spec), found)
     norm_sq = local_sq_norm(leaves).unsqueeze(1)
-    data = [(losses if losses is not None else torch.zeros(comm.local_ranks)).double().unsqueeze(1)]
+    data = [(losses if losses is not None else norm_sq.new_zeros(comm.local_ranks)).double().unsqueeze(1)]
     n_used = 0 if used is None else used.shape[1]
     data += [] if used is None else [used.to(norm_sq.device, torch.float64)]
     data += [] if riders is None else [riders.to(norm_sq.device, torch.float64)]

@@ -91,7 +91,8 @@ def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, final: float
 def apply_schedules(opt: Any, schedules: Mapping[str, Schedule]) -> Any:
     """``opt`` (:class:`~fzero.optim.OptState`) with hyperparameters set by ``schedules`` (``{hyperparameter:
     schedule}``) at its step count: group 0 takes ``schedule(step)``, other groups that times ``base_group /
-    base_default`` (as ``LambdaLR``). ``ValueError``: a hyperparameter the rule lacks. No collective."""
+    base_default`` (as ``LambdaLR``), each on the step count's device (the rules take a device hyperparameter as a
+    tensor). ``ValueError``: a hyperparameter the rule lacks. No collective, no host read."""
     if not schedules:
         return opt
     hyper = [dict(h) for h in opt.hyper]
@@ -103,5 +104,6 @@ def apply_schedules(opt: Any, schedules: Mapping[str, Schedule]) -> Any:
         base0 = opt.optimizer.hyperparams(0)[name]
         for i, h in enumerate(hyper):
             base = opt.optimizer.hyperparams(i)[name]
-            h[name] = value.to(h[name].device) * (base / base0 if base0 and base != base0 else 1.0)
+            # on the step count's device: copied to the host it would wait for the device every step
+            h[name] = value * (base / base0 if base0 and base != base0 else 1.0)
     return replace(opt, hyper=tuple(hyper))

@@ -259,40 +259,50 @@ def shard_step(shard: ShardState, opt_state: OptState, grads: Sequence[torch.Ten
         raise ValueError(f"shard_step: used must be [{n}] (one flag per trainable parameter), got {tuple(used.shape)}")
     traced = comm is not None and comm.traced
     with step_scope(UPDATE, traced):
-        missed = opt_state.missed[0] if opt_state.missed else torch.zeros(n, dtype=torch.int64)
+        missed = opt_state.missed[0] if opt_state.missed else opt_state.step.new_zeros(n)
         if not opt.elementwise:
             if traced:
                 check_compilable(opt)
             return _step_in_place(shard, opt_state, grads, found_inf, used, comm, donate, missed)
-        if traced:
-            plain = used is None and opt_state.all_stepped
-        else:
-            plain = (used is None or bool(used.all())) and not bool(missed.any())
+        # known on the host without reading the device: every parameter has a gradient and none ever sat out a step
+        plain = used is None and opt_state.all_stepped
         skip = None if found_inf is None else found_inf.to(torch.bool)
         step = opt_state.step + 1 if skip is None else opt_state.step + (~skip).to(opt_state.step.dtype)
         grads = tuple(g.to(p.dtype) for g, p in zip(grads, shard.master))
-        if plain:  # the rule's in-place form (torch's fused kernel), on copies unless donating
-            master = tuple(p if donate else p.clone() for p in shard.master)
-            moments = tuple(tuple(m if donate else m.clone() for m in ms) for ms in opt_state.moments)
+        master, moments = shard.master, opt_state.moments
+        applied = torch.ones((), dtype=torch.bool, device=step.device) if skip is None else ~skip
+        take_all = applied
+        if plain or not traced:  # the rule's in-place form (torch's fused kernel), on copies unless donating
+            master = tuple(p if donate else p.clone() for p in master)
+            moments = tuple(tuple(m if donate else m.clone() for m in ms) for ms in moments)
+            hold = found_inf
+            if not plain:
+                # eagerly the fused kernel still runs where it applies, decided on the device: where every parameter
+                # had a gradient on some rank and none sat out a step (the common case), else the written-out rule
+                # below, each a no-op where the other applies; the bits of either, no host read
+                fused = ~missed.any() if used is None else used.all() & ~missed.any()
+                hold = (~fused if skip is None else skip | ~fused).to(torch.float32)
+                take_all = applied & ~fused
             for g, p, grad, ms in zip(lay.groups, master, grads, moments):
-                opt.update_(p, grad, ms, opt_state.hyper[g.opt_group], opt_state.step, found_inf)
-            return replace(shard, master=master), replace(opt_state, step=step, moments=moments)
-        applied = torch.ones((), dtype=torch.bool) if skip is None else ~skip
+                opt.update_(p, grad, ms, opt_state.hyper[g.opt_group], opt_state.step, hold)
+            if plain:
+                return replace(shard, master=master), replace(opt_state, step=step, moments=moments)
+            donate = True  # the copies are this step's own
         ranks, where = _rows_ranks(lay, shard.master, comm), trainable_index(lay)
         flags = torch.ones(n, dtype=torch.bool, device=missed.device) if used is None else used.to(missed.device)
         steps = opt_state.step.to(missed.device) - missed
         out_missed = (missed + (~flags & applied.to(missed.device)).to(missed.dtype),)
-        all_stepped = False if traced else not bool(out_missed[0].any())
         new_master, new_moments = [], []
-        for g, p, grad, moments in zip(lay.groups, shard.master, grads, opt_state.moments):
+        for g, p, grad, ms in zip(lay.groups, master, grads, moments):
             hyper = opt_state.hyper[g.opt_group]
             per_slot = torch.cat([opt.step_scalars(hyper, steps), flags.to(torch.float64).unsqueeze(1)], dim=1)
-            p2, m2 = _update_by_element(opt, lay, g, p, grad, moments, hyper, opt_state.step,
-                                        per_slot.to(p.device), applied.to(p.device), ranks, where, donate)
+            p2, m2 = _update_by_element(opt, lay, g, p, grad, ms, hyper, opt_state.step,
+                                        per_slot.to(p.device), take_all.to(p.device), ranks, where, donate)
             new_master.append(p2)
             new_moments.append(tuple(m2))
+        # whether some parameter sat out this step is on the device: from now on the host assumes one did
         return (replace(shard, master=tuple(new_master)),
-                replace(opt_state, step=step, moments=tuple(new_moments), missed=out_missed, all_stepped=all_stepped))
+                replace(opt_state, step=step, moments=tuple(new_moments), missed=out_missed, all_stepped=False))
 
 
 def _update_by_element(opt: Optimizer, layout: Layout, group: FlatGroup, p: torch.Tensor, grad: torch.Tensor,
@@ -300,18 +310,19 @@ def _update_by_element(opt: Optimizer, layout: Layout, group: FlatGroup, p: torc
                        take_all: torch.Tensor, ranks: Sequence[int], where: dict[int, int],
                        donate: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """One flat group's update, each parameter with its own step scalars (``per_slot[k]``, then its used flag), only
-    where used and ``take_all``; padding left alone. Rows found by ``bucketize`` of the static piece ends: one pass,
+    where used and ``take_all``; padding left alone. Each element's row filled in piece by piece (static): one pass,
     fused when compiled."""
     names = opt.step_scalar_names
     table = torch.cat([per_slot, per_slot.new_zeros(1, per_slot.shape[1])])  # last row: the padding's
     index = []
     for rank in ranks:
-        pieces = shard_pieces(layout, group, rank, where)
-        ends = torch.tensor([hi for _, _, hi in pieces], dtype=torch.int32, device=p.device)
-        rows = torch.tensor([table.shape[0] - 1 if k is None else k for k, _, _ in pieces], dtype=torch.int32,
-                            device=p.device)
-        position = torch.arange(group.shard_numel, dtype=torch.int32, device=p.device)
-        index.append(rows[torch.bucketize(position, ends, right=True, out_int32=True)])
+        # each piece's elements take its row, the padding the last: fills on the device (no host list copied to it,
+        # which would wait for the device; traced, one fused kernel)
+        row = torch.full((group.shard_numel,), table.shape[0] - 1, dtype=torch.int32, device=p.device)
+        for k, lo, hi in shard_pieces(layout, group, rank, where):
+            if k is not None and hi > lo:
+                row.narrow(0, lo, hi - lo).fill_(k)
+        index.append(row)
     index = torch.stack(index)  # [R, n]: each element's row of the table
     spread = {name: table[index, j].to(p.dtype) for j, name in enumerate(names)}
     new_p, new_m = opt.update(p, grad, moments, hyper, step, spread)
@@ -346,9 +357,12 @@ def _step_in_place(shard: ShardState, opt_state: OptState, grads: Sequence[torch
         opt.update_shards(Update(lay, tuple(master), tuple(g.to(p.dtype) for g, p in zip(grads, master)),
                                  tuple(moments), opt_state.hyper, [step - int(m) for m in missed.tolist()], take,
                                  ranks, scalars, vectors), comm)
-    new_missed = missed + torch.tensor([applied and not t for t in take], dtype=torch.int64)
+    sat_out = [applied and not t for t in take]
+    new_missed = missed + torch.tensor(sat_out, dtype=torch.int64, device=missed.device)
     return (replace(shard, master=tuple(master)),
             replace(opt_state, step=opt_state.step + int(applied), moments=tuple(moments),
                     missed=(new_missed,) if (opt_state.missed or used is not None) else (),
-                    scalars=tuple(torch.tensor(s, dtype=torch.float64) for s in scalars), vectors=tuple(vectors),
-                    all_stepped=not bool(new_missed.any())))
+                    # per-parameter scalars stay host numbers: the rules read them on the host (OptState)
+                    scalars=tuple(torch.tensor(s, dtype=torch.float64, device="cpu") for s in scalars),
+                    vectors=tuple(vectors),
+                    all_stepped=opt_state.all_stepped and not any(sat_out)))

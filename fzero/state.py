@@ -64,12 +64,19 @@ class TrainState:
     def layout(self):  # noqa: ANN201 - Layout, re-exported for convenience
         return self.shard.layout
 
+    @property
+    def device(self) -> torch.device:
+        """The device the state lives on (its shards'; ``init_train_state(device=...)``)."""
+        held = (*self.shard.master, *self.shard.frozen, *self.params)
+        return held[0].device if held else self.opt.step.device
+
 
 def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, stage: int = 2,
                      units: UnitPolicy | None = None, bucket_numel: int | None = None,
                      precision: MixedPrecision = MixedPrecision(), scaler: ScalerState | None = None,
                      trainable: Callable[[str], bool] | None = None, alignment: int = 16,
-                     seed: int | None = 0, init: Init | None = None) -> TrainState:
+                     seed: int | None = 0, init: Init | None = None,
+                     device: torch.device | str | None = None) -> TrainState:
     """The initial state for ``params`` (an ``nn.Module`` or a pytree of tensors); each local rank builds only its own
     shards. Stages 1-2 keep the gathered compute-dtype parameters, stage 3 none.
 
@@ -80,8 +87,13 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
     reduced in buckets (flat groups) of about this many elements as backward completes them (DDP's ``bucket_cap_mb``).
     ``scaler``: default dynamic in fp16, a static 1 otherwise. ``precision``: ``keep_dtype`` parameters get flat groups
     of their own (:meth:`MixedPrecision.keeps`). ``seed``: rank ``r``'s generator starts from ``rank_seed(seed, r)``;
-    ``None``: the step draws from the caller's generator. ``ValueError``/``TypeError`` for a bad stage, units or
-    bucket_numel. Collectives: ``comm.check_layout``; stages 1-2 one ``all_gather`` per flat group."""
+    ``None``: the step draws from the caller's generator. ``device``: where the state lives; default the device of
+    ``params`` (a model moved with ``.to("cuda:0")`` gives a state on ``cuda:0``), for a meta model built with
+    ``init=`` (or :func:`fzero.pretrained`) the CPU. Every state tensor is built on it (the pieces and files go
+    straight to it), but two kinds torch keeps on the host: the hyperparameters (0-d float64, taken by kernels as
+    scalars) and the generators' states and ``calls`` counter (``TrainState``). ``ValueError``/``TypeError`` for a bad
+    stage, units or bucket_numel, parameters on several devices, or a ``device`` other than theirs. Collectives:
+    ``comm.check_layout``; stages 1-2 one ``all_gather`` per flat group."""
     if stage not in (1, 2, 3):
         raise ValueError(f"init_train_state: stage must be 1, 2 or 3, got {stage!r}")
     is_module = isinstance(params, torch.nn.Module)
@@ -98,6 +110,7 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
     # 1. the layout: the buckets (shard units, or sizes), the kept dtypes, built and checked across ranks
     if is_module and init is None:
         check_materialized(params)  # a module an earlier stage-3 state took: say so
+    device = _state_device(params, device, made=init is not None)
     unit_names: tuple[str, ...] = ()
     if units is not None:
         unit_names = select_units(params, units)
@@ -113,7 +126,7 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
     check_init(params, init)
     made_buffers = None
     if init is not None:
-        made = materialize(params, layout, comm, init, unit_names)
+        made = materialize(params, layout, comm, init, unit_names, device)
         shard, made_buffers = ShardState(made.master, made.frozen, layout), made.buffers
         del made
     else:
@@ -128,8 +141,7 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
     opt = replace(opt, missed=(torch.zeros(len(layout.trainable_slots), dtype=torch.int64, device=opt.step.device),))
     if scaler is None:
         scaler = init_scaler() if precision.param_dtype == torch.float16 else static_scaler(1.0)
-    # a meta model is materialised on the CPU (fzero.materialize)
-    device = next((t.device for t in (*shard.master, *shard.frozen) if not t.is_meta), torch.device("cpu"))
+    scaler = tp.tree_map(lambda t: t.to(device), scaler)  # scaled and unscaled on the device: no copy per step
     rng = () if seed is None else (init_rng(seed, comm.data_ranks, device),)
     spec, buffers = ModuleSpec(), ()
     if is_module:
@@ -147,6 +159,35 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
     gathered = tuple(gathered)
     calls = (torch.zeros((), dtype=torch.int64),)
     return TrainState(shard, opt, scaler, gathered, buffers, rng, calls, stage, precision, spec)
+
+
+def _state_device(params: Any, device: torch.device | str | None, made: bool) -> torch.device:
+    """The device a state of ``params`` lives on: ``device`` if given, else the one device their tensors are on (a meta
+    model made by ``init=``: the CPU). ``ValueError`` naming a tensor on another device than the rest or ``device``.
+    ``made``: ``init=`` builds the values (the module's buffers are copied to the device then, so not checked)."""
+    if isinstance(params, torch.nn.Module):
+        named = [*params.named_parameters(remove_duplicate=True),
+                 *(() if made else params.named_buffers(remove_duplicate=True))]
+    else:
+        named = [(tp.keystr(path), x) for path, x in tp.tree_flatten_with_path(params)[0]
+                 if isinstance(x, torch.Tensor)]
+    # a model made by init= is on the meta device: its values are built on `device` (fzero.materialize); one without
+    # init= on meta is refused by check_init, naming the way out
+    placed = [(name, x.device) for name, x in named if not x.is_meta]
+    if device is not None:
+        want = torch.device(device)
+    elif placed:
+        want = placed[0][1]
+    else:
+        want = torch.device("cpu")
+    if want.type == "cuda" and want.index is None:  # "cuda": the current device, as tensors made on it say
+        want = torch.device("cuda", torch.cuda.current_device())
+    for name, at in placed:
+        if at != want:
+            given = f"device={str(device)!r}" if device is not None else f"{placed[0][0]!r} on {placed[0][1]}"
+            raise ValueError(f"init_train_state: {name!r} is on {at}, but {given}: a state lives on one device; "
+                             f"move the model first (model.to({str(want)!r}))")
+    return want
 
 
 _CONSUMED = "_fzero_consumed"

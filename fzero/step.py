@@ -29,9 +29,13 @@ __all__ = ["make_train_step", "train_step", "module_loss", "check_batch", "check
 UNUSED = ("skip", "zeros")  # make_train_step(unused=...): what a parameter without a gradient does
 
 
-def _check_leaf(path: Any, x: Any, what: str, rows: int, accum_steps: int) -> None:
+def _check_leaf(path: Any, x: Any, what: str, rows: int, accum_steps: int, device: torch.device | None) -> None:
     if not isinstance(x, torch.Tensor):
         return
+    if device is not None and x.device != device:
+        # before any collective: a mixed op would raise mid-step on some ranks, the others waiting for them
+        raise ValueError(f"{what}: batch{tp.keystr(path)} is on {x.device}, the state on {device}: move the batch to "
+                         f"the state's device first (batch.to({str(device)!r}))")
     many = accum_steps > 1
     need = 2 if many else 1
     if x.dim() < need or x.shape[0] != rows or (accum_steps != 1 and x.shape[1] != accum_steps):
@@ -46,10 +50,12 @@ def _check_leaf(path: Any, x: Any, what: str, rows: int, accum_steps: int) -> No
                          f"(dim {need}); every rank needs at least one example")
 
 
-def check_batch(batch: Any, rows: int, accum_steps: int = 1, what: str = "train step") -> None:
+def check_batch(batch: Any, rows: int, accum_steps: int = 1, what: str = "train step",
+                device: torch.device | None = None) -> None:
     """Raise ``ValueError`` unless every tensor leaf of ``batch`` is ``[R, ...]`` (``[R, K, ...]`` with
-    ``accum_steps=K``) and not empty, naming the leaf, its shape and the fix (free under compile)."""
-    tp.tree_map_with_path(lambda p, x: _check_leaf(p, x, what, rows, accum_steps), batch)
+    ``accum_steps=K``), not empty and (``device`` given) on ``device``, naming the leaf, its shape or device and the fix
+    (free under compile)."""
+    tp.tree_map_with_path(lambda p, x: _check_leaf(p, x, what, rows, accum_steps, device), batch)
 
 
 def check_state(state: TrainState, comm: Communicator, stage: int | None = None) -> None:
@@ -100,7 +106,8 @@ def make_train_step(loss_fn: LossFn, comm: Communicator, *, stage: int | None = 
                       check_replicas=bool(check_replicas_every), unused=unused)
     core = bind_step(step, loss_fn, comm, accum_steps=accum_steps, compile=compile,
                      check=lambda state, batch: (check_state(state, comm, stage),
-                                                 check_batch(batch, comm.local_ranks, accum_steps)))
+                                                 check_batch(batch, comm.local_ranks, accum_steps,
+                                                             device=state.device)))
     if check_replicas_every:
         core = checking_replicas(core, comm, check_replicas_every, replica_check)
     core = naming_step(core)
@@ -116,7 +123,7 @@ def train_step(loss_fn: LossFn, *, stage: int | None = None, clip_norm: float | 
 
     def step(state: TrainState, batch: Any, comm: Communicator, workspace: Workspace) -> tuple[TrainState, dict]:
         check_state(state, comm, stage)
-        check_batch(batch, comm.local_ranks, K)
+        check_batch(batch, comm.local_ranks, K, device=state.device)
         if defer_reduce and state.stage == 3:
             raise ValueError("make_train_step: stage 3 reduces every micro-step (defer_reduce needs full gradients)")
         defer = state.stage == 1 or defer_reduce  # one reduction, at the last micro-batch

@@ -107,7 +107,9 @@ class TorchOptimRule(ShardRule):
                 out[key] = moment[key]
             else:
                 value = float(step) if kind == STEP else scalar[key]
-                out[key] = value if self.scalar_dtype is None else torch.tensor(value, dtype=self.scalar_dtype)
+                # on the host, as torch.optim keeps a non-capturable step count, whatever the parameter's device
+                out[key] = value if self.scalar_dtype is None else torch.tensor(value, dtype=self.scalar_dtype,
+                                                                                device="cpu")
         return out
 
     def update_shards(self, u: Update, comm: Any) -> None:

@@ -19,7 +19,7 @@ import torch
 import torch.utils._pytree as tp
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .buckets import BucketReduction, Runner
+from .buckets import BucketReduction, Runner, used_flags
 from .comm import Communicator
 from .layout import FlatGrads, FlatGroup, Layout, compute_dtype, split_views, stack_rows
 from .module import ModuleLoss, UnitPolicy, _swapped, check_loss, default_units, row_of, select_units, unit_buckets
@@ -130,9 +130,10 @@ _NONE = -1  # no event (before the first)
 
 
 def _tags(comm: Communicator, tag: Sequence[int]) -> list[list[int]]:
-    """Every rank's int64 ``tag``, all-gathered as bytes (one float32 each: 0..255 is exact in any float dtype)."""
-    sent = torch.tensor(list(tag), dtype=torch.int64).view(torch.uint8).to(torch.float32)
-    got = comm.all_gather(sent.unsqueeze(0)).view(comm.world_size, -1)
+    """Every rank's int64 ``tag``, all-gathered as bytes (one float32 each: 0..255 is exact in any float dtype) on the
+    communicator's device (NCCL refuses a CPU tensor), read back to the host."""
+    data = torch.tensor(list(tag), dtype=torch.int64).view(torch.uint8).to(torch.float32)
+    got = comm.all_gather(data.to(comm.device).unsqueeze(0)).view(comm.world_size, -1).cpu()
     return got.round().to(torch.uint8).contiguous().view(torch.int64).tolist()
 
 
@@ -488,7 +489,7 @@ def unit_grads(loss_fn: ModuleLoss, state: TrainState, comm: Communicator, batch
         shards = reduction.finish(device, dtype)
     return (shards, torch.stack(losses), tuple(stack_rows(b) for b in zip(*new_buffers)),
             (stack_rows(new_rng),) if rng is not None else state.rng,
-            torch.tensor(used, dtype=torch.float64, device=device), all(all(row) for row in used))
+            used_flags(used, device), all(all(row) for row in used))
 
 
 # -- compiled stage 3: hooks do not trace, so each unit's ``forward`` runs inside ``torch.utils.checkpoint`` with a
@@ -627,4 +628,4 @@ def compiled_unit_grads(units_run: CompiledUnits, loss_fn: ModuleLoss, state: Tr
     # per flat group (known when tracing): a unit that ran used all its parameters, one that did not, none
     used = [[float(grads[s.group] is not None) for s in lay.slots if s.group >= 0]]
     return (shards, loss.detach().unsqueeze(0), tuple(b.unsqueeze(0) for b in bufs), state.rng,
-            torch.tensor(used, dtype=torch.float64, device=leaves[0].device), all(used[0]))
+            used_flags(used, leaves[0].device), all(used[0]))

@@ -224,8 +224,9 @@ class Pretrained:
     cast: bool = False
 
     def materialize(self, module: torch.nn.Module, layout: Layout, comm: Communicator,
-                    units: Sequence[str] = ()) -> Materialized:
-        """This process's shards, frozen parameters and buffers from the files (no collective)."""
+                    units: Sequence[str] = (), device: torch.device | str = "cpu") -> Materialized:
+        """This process's shards, frozen parameters and buffers from the files, on ``device``: each tensor read on the
+        host (a mapped slice) and copied straight into its shard rows there (no collective)."""
         wants, transient, keys = _wanted(module, layout)
         # before the files are opened: their mappings and the buffer init's temporaries apart
         fn, who = self._buffer_init(module)
@@ -233,18 +234,18 @@ class Pretrained:
         with contextlib.ExitStack() as stack:
             files = _open(self.path, stack)
             chosen = _check(files, wants, keys, self.cast)
-            rows = ShardRows(layout, comm.ranks)
+            rows = ShardRows(layout, comm.ranks, device)
             frozen = []
             for i, s in enumerate(layout.slots):  # to the parameter's dtype first, as load_state_dict
                 key = chosen[s.path]
                 if s.group >= 0 or s.frozen_group >= 0:
                     rows.write(i, lambda start, stop, key=key, s=s: files.read_flat(key, start, stop).to(s.dtype))
                 else:
-                    frozen.append(files.read(key).to(s.dtype, copy=True))
-            persistent = {w.name: _rows(files.read(chosen[w.name]).to(w.dtype), len(comm.ranks))
+                    frozen.append(files.read(key).to(device, s.dtype, copy=True))
+            persistent = {w.name: _rows(files.read(chosen[w.name]).to(device, w.dtype), len(comm.ranks))
                           for w in wants[len(layout.slots):]}
             files = None  # the mappings go with it
-        buffers = {**persistent, **{n: _rows(b, len(comm.ranks)) for n, b in computed.items()}}
+        buffers = {**persistent, **{n: _rows(b.to(device), len(comm.ranks)) for n, b in computed.items()}}
         return Materialized(rows.rows, rows.frozen or tuple(frozen),
                             tuple(buffers[n] for n, _ in module.named_buffers()))
 

@@ -353,10 +353,13 @@ def _assemble(template: TrainState, comm: Communicator, masters: tuple[torch.Ten
     saved = dict(persistent_buffers(template))
     buffers = tuple(replicated[f"{BUFFER_PREFIX}{n}"].unsqueeze(0).expand_as(b).clone() if n in saved else b
                     for n, b in zip(template.module.buffers, template.buffers))
+    missed = (replicated[MISSED_KEY],) if MISSED_KEY in replicated else opt.missed
+    # read once here, so that the step knows on the host whether any parameter sat out a step (no read in a step)
+    all_stepped = not any(bool(m.any()) for m in missed)
     return replace(
         template, shard=shard,
-        opt=replace(opt, step=replicated["fzero/step"], hyper=hyper, moments=moments,
-                    missed=(replicated[MISSED_KEY],) if MISSED_KEY in replicated else opt.missed,
+        opt=replace(opt, step=replicated["fzero/step"], hyper=hyper, moments=moments, missed=missed,
+                    all_stepped=all_stepped,
                     scalars=tuple(replicated[f"{SCALAR_PREFIX}{n}"] for n in opt.optimizer.scalar_names)
                     if opt.scalars else opt.scalars,
                     vectors=tuple(replicated.get(f"{VECTOR_PREFIX}{n}", v)

@@ -235,15 +235,16 @@ def module_state_dict(params: dict[str, torch.Tensor], buffers: dict[str, torch.
 def write_back(state: TrainState, comm: Communicator, module: torch.nn.Module) -> torch.nn.Module:
     """Put the trained parameters and buffers (rank 0's, non-persistent ones too) into ``module`` (the model the state
     was built from, or one like it), and return it. Stages 1-2: parameters in the compute dtype become views of the
-    state's gathered parameters; others are copied in, meta parameters getting memory first (tied names stay tied).
+    state's gathered parameters; others are copied in, meta parameters getting memory on the state's device first (tied
+    names stay tied).
     Collectives: those of :func:`export_model_state_dict`."""
     exported = export_model_state_dict(state, comm)
     viewed = hand_over_parameters(module, state.layout, state.params) if state.params else set()
     viewed |= {alias for alias, canonical in state.module.aliases if canonical in viewed}
     # meta parameters get memory in place (same Parameter objects, ties kept), a stage-3 guard goes
     restore_parameters(module, exported)
-    if has_meta(module):
-        to_empty_tied(module)
+    if has_meta(module):  # on the state's device: the module comes back where it trained
+        to_empty_tied(module, state.device)
     _, unexpected = module.load_state_dict({k: v for k, v in exported.items() if k not in viewed}, strict=False)
     missing = set(module.state_dict(keep_vars=True)) - set(exported)
     if missing or unexpected:

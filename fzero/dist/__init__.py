@@ -1,6 +1,8 @@
 """:class:`TorchCommunicator`, over a ``torch.distributed`` process group, one process per rank (``torchrun``). Eagerly
 its collectives are c10d calls with ``async_op=True``; traced, fzero's operators on gloo (:mod:`fzero.dist.gloo`),
-functional collectives elsewhere: the same algorithm, so eager and compiled steps reduce to the same bits.
+functional collectives elsewhere: the same algorithm, so eager and compiled steps reduce to the same bits. Its
+``device`` is the CPU on gloo and this process's accelerator on NCCL (``LOCAL_RANK``'s: :func:`start_process_group`
+sets it current and binds the group to it), where every tensor it sends lives.
 
 Imports: comm, layout, dist.gloo.
 """
@@ -11,6 +13,7 @@ import contextlib
 import datetime
 import math
 import os
+import pickle
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -32,7 +35,8 @@ from .gloo import (
 )
 
 __all__ = ["TorchCommunicator", "LayoutMismatchError", "REDUCE_SCATTER_PATHS", "ALL_GATHER_PATHS",
-           "ALL_REDUCE_PATHS", "DEFAULT_TIMEOUT", "launcher_world_size", "choose_comm"]
+           "ALL_REDUCE_PATHS", "DEFAULT_TIMEOUT", "launcher_world_size", "choose_comm", "start_process_group",
+           "device_for"]
 
 REDUCE_SCATTER_PATHS = ("reduce_scatter", "all_to_all", "all_reduce")
 ALL_GATHER_PATHS = ("all_gather", "point_to_point")
@@ -42,6 +46,7 @@ DEFAULT_TIMEOUT: float = 600.0
 
 # torch 2.13 names these *_single; older torch only has the *_tensor names
 _funcol_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_funcol_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 _c10d_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _c10d_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -68,6 +73,71 @@ def choose_comm(requested: str, env: Mapping[str, str] | None = None) -> str:
     return requested
 
 
+# backends whose collectives the host runs on host tensors; any other runs on an accelerator's streams
+HOST_BACKENDS = ("gloo", "mpi")
+# an accelerator backend's device type (one not named here: the accelerator torch has, else the CPU)
+_BACKEND_DEVICE = {"nccl": "cuda", "xccl": "xpu", "hccl": "hpu"}
+
+
+def local_rank(env: Mapping[str, str] | None = None) -> int | None:
+    """This process's ``LOCAL_RANK`` (its place on its node, which a launcher sets), or ``None``."""
+    env = os.environ if env is None else env
+    return int(env["LOCAL_RANK"]) if env.get("LOCAL_RANK", "") != "" else None
+
+
+def device_for(backend: str, rank: int | None = None) -> torch.device:
+    """The device a process group of ``backend`` takes its tensors on, for the process of local rank ``rank``: the
+    CPU for gloo (and MPI), else the backend's accelerator, index ``rank`` (``"nccl"`` -> ``cuda:rank``; ``rank`` None:
+    the accelerator's current device, where torch knows it). A backend per device (``"cpu:gloo,cuda:nccl"``): its
+    accelerator's. Needs no accelerator to answer."""
+    text = str(backend).lower()
+    if ":" in text:  # one backend per device type
+        kind = next((d for d, _ in (e.split(":", 1) for e in text.split(",")) if d != "cpu"), "cpu")
+    elif text in HOST_BACKENDS:
+        kind = "cpu"
+    else:
+        accelerator = getattr(torch, "accelerator", None)
+        found = accelerator.current_accelerator() if accelerator is not None else None
+        kind = _BACKEND_DEVICE.get(text) or (found.type if found is not None else "cpu")
+    if kind == "cpu":
+        return torch.device("cpu")
+    if rank is not None:
+        return torch.device(kind, rank)
+    module = getattr(torch, kind, None)
+    available = module is not None and getattr(module, "is_available", lambda: False)()
+    return torch.device(kind, module.current_device()) if available else torch.device(kind)
+
+
+def start_process_group(backend: str | None = None, *, timeout: float | datetime.timedelta | None = None,
+                        env: Mapping[str, str] | None = None, **kwargs: Any) -> torch.device:
+    """``torch.distributed.init_process_group`` for a process a launcher started; returns its device (that of
+    :func:`device_for`, ``LOCAL_RANK``'s). ``backend``: default ``"nccl"`` where CUDA is available, else ``"gloo"``. On
+    an accelerator the device is made current (``torch.cuda.set_device``: what torch's own object collectives and
+    ``.cuda()`` use) and the group bound to it (``device_id=``: NCCL's communicator made now, on this GPU).
+    ``timeout`` (seconds or a ``timedelta``; default :data:`DEFAULT_TIMEOUT`): the group's own, which on NCCL is
+    what bounds a stalled collective (the watchdog ends the process), as :class:`TorchCommunicator` does not wait
+    with a timeout there. ``kwargs``: passed on (``store``, ``rank``, ``world_size``...)."""
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = device_for(backend, local_rank(env))
+    seconds = DEFAULT_TIMEOUT if timeout is None else timeout
+    if not isinstance(seconds, datetime.timedelta):
+        if math.isinf(seconds):  # no bound of fzero's: torch's default
+            seconds = None
+        else:
+            seconds = datetime.timedelta(seconds=float(seconds))
+    if seconds is not None:
+        kwargs.setdefault("timeout", seconds)
+    if device.type != "cpu":
+        if device.index is None:
+            raise ValueError(f"start_process_group: backend {backend!r} runs on {device.type}, but there is no "
+                             "LOCAL_RANK to say which device: launch with torchrun, or set LOCAL_RANK")
+        getattr(torch, device.type).set_device(device)
+        kwargs.setdefault("device_id", device)
+    dist.init_process_group(backend, **kwargs)
+    return device
+
+
 class LayoutMismatchError(ValueError):
     """Ranks built different parameter layouts (different models or settings)."""
 
@@ -89,14 +159,27 @@ class TorchCommunicator(Communicator):
     group per shard group and per replica group (every rank creates them all, in one order; a wrong mesh raises
     ``ValueError`` before any collective); the replica axis is a ``TorchCommunicator`` of its own, ``self.replica``.
     ``hpz=True`` (with a mesh; ZeRO++ hpZ): the state sharded over the whole world, and ``self.node`` a
-    ``TorchCommunicator`` over this rank's shard group, within which stage 3 regathers for backward."""
+    ``TorchCommunicator`` over this rank's shard group, within which stage 3 regathers for backward.
+
+    ``device`` (:attr:`fzero.comm.Communicator.device`: where the tensors it sends live, and those it builds to send:
+    the layout check's, the pieces' tags and agreements): default the CPU on gloo, on an accelerator backend (NCCL)
+    ``LOCAL_RANK``'s device (:func:`device_for`). **Waits.** On the CPU each wait is ``work.wait(timeout)``, bounded as
+    above (gloo's thread does the work, the host waits for it anyway). On an accelerator a wait is ``work.wait()``
+    without a timeout, which only makes the current stream wait for the collective's and returns at once; with a
+    timeout NCCL's wait would hold the host, polling, until the GPU finished, and the host could not run ahead
+    queuing kernels. There ``timeout`` is not fzero's to bound (``self.timeout`` is None): a stalled peer is bounded
+    by the process group's own timeout (``init_process_group(timeout=...)``, :func:`start_process_group`'s), past
+    which NCCL's watchdog aborts the collective and ends the process, for torchrun to stop or restart the job."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, reduce_scatter_via: str | None = None,
                  timeout: float | datetime.timedelta | None = None, all_gather_via: str | None = None,
-                 mesh: Mesh | None = None, hpz: bool = False, all_reduce_via: str | None = None):
+                 mesh: Mesh | None = None, hpz: bool = False, all_reduce_via: str | None = None,
+                 device: torch.device | str | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchCommunicator needs an initialised default process group: call "
                                "torch.distributed.init_process_group (e.g. under torchrun) first")
+        self.device = (torch.device(device) if device is not None
+                       else device_for(str(dist.get_backend(group if mesh is None else None)), local_rank()))
         self.replica: TorchCommunicator | None = None
         self._mesh, self._data_rank, self._groups = "", dist.get_rank(group), ()
         if hpz and mesh is None:
@@ -112,12 +195,13 @@ class TorchCommunicator(Communicator):
             group, self._mesh = shard_groups[q], ", " + mesh_text(groups)
             if hpz:
                 self.node = TorchCommunicator(group, timeout=timeout, reduce_scatter_via=reduce_scatter_via,
-                                              all_gather_via=all_gather_via, all_reduce_via=all_reduce_via)
+                                              all_gather_via=all_gather_via, all_reduce_via=all_reduce_via,
+                                              device=self.device)
                 group, self._mesh, self._groups = None, ", hpz " + mesh_text(groups), ()
             elif len(groups) > 1:
                 self.replica = TorchCommunicator(replica_groups[groups[q].index(self._data_rank)], timeout=timeout,
                                                  reduce_scatter_via=reduce_scatter_via, all_gather_via=all_gather_via,
-                                                 all_reduce_via=all_reduce_via)
+                                                 all_reduce_via=all_reduce_via, device=self.device)
         # None, not the default group: holding it kept gloo's threads alive past shutdown, and could abort the process
         self._pg = group
         self._name = (group if group is not None else dist.group.WORLD).group_name
@@ -144,7 +228,8 @@ class TorchCommunicator(Communicator):
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds (float('inf'): no bound) or a timedelta, "
                              f"got {timeout!r}")
-        self.timeout: float | None = None if math.isinf(timeout) else float(timeout)
+        # on an accelerator a wait orders streams, never holds the host: the process group's timeout bounds a stall
+        self.timeout: float | None = None if math.isinf(timeout) or self.device.type != "cpu" else float(timeout)
         self.overlaps = True
         # beside the result: all_to_all receives the peers' chunks after the first, the others copy the input
         copies = 0.0 if reduce_scatter_via == "reduce_scatter" and not gloo else 1.0
@@ -165,8 +250,9 @@ class TorchCommunicator(Communicator):
 
     def __repr__(self) -> str:
         bound = "" if self.timeout is None else f", timeout={self.timeout:g}s"
-        return (f"TorchCommunicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend}{bound}"
-                f"{self._mesh})")
+        on = "" if self.device.type == "cpu" else f", device={self.device}"
+        return (f"TorchCommunicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend}{on}"
+                f"{bound}{self._mesh})")
 
     def all_reduce_replicas_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
         self._check_rows(x, "all_reduce_replicas")
@@ -280,7 +366,7 @@ class TorchCommunicator(Communicator):
             return waiter(works, lambda: average_owned(total(), op, world).unsqueeze(0),
                           self._bound(what.replace(")", ", point to point)", 1)), sent)
         if self.traced:
-            started = funcol.reduce_scatter_tensor(x[0], "sum", 0, self._name)
+            started = _funcol_reduce_scatter(x[0], "sum", 0, self._name)
             return lambda: self._average(funcol.wait_tensor(started), op).unsqueeze(0)
         out, sent = x.new_empty(n), x[0].contiguous()
         work = _c10d_reduce_scatter(out, sent, dist.ReduceOp.SUM, group=self._pg, async_op=True)
@@ -348,7 +434,7 @@ class TorchCommunicator(Communicator):
             mine = next(g for g in self._groups if self._data_rank in g).index(self._data_rank)
             x = self.replica.broadcast(x, sorted(g[mine] for g in self._groups).index(home[mine]))
             src = home.index(src)
-        if self.timeout is not None and not self.traced:  # c10d's work, so that the wait is bounded
+        if not self.traced:  # c10d's work, waited for as every eager collective (bounded on the CPU)
             out = x[0].contiguous().clone()
             work = dist.broadcast(out, group_src=src, group=self._pg, async_op=True)
             return waiter(work, lambda: out, self._bound(f"broadcast of {out.numel()} {out.dtype}"))().unsqueeze(0)
@@ -356,15 +442,35 @@ class TorchCommunicator(Communicator):
         return funcol.wait_tensor(out).unsqueeze(0)
 
     def check_layout(self, layout: Layout) -> None:
-        """Raise :class:`LayoutMismatchError` on every rank unless all built ``layout`` alike: one
-        ``all_gather_object`` every rank joins whatever it built (an error, not a hang); on a mesh, per axis."""
+        """Raise :class:`LayoutMismatchError` on every rank unless all built ``layout`` alike: one all-gather of its
+        fingerprint's 16 bytes (on :attr:`device`), which every rank joins whatever it built (an error, not a hang);
+        where they differ (every rank sees it), a second of each rank's ``layout.describe()`` to name the difference.
+        On a mesh, per axis. Not ``all_gather_object``: on NCCL that takes the current CUDA device, not this one."""
         if self.replica is not None:
             self.replica.check_layout(layout)
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, (layout.fingerprint, layout.describe()), group=self._pg)
-        odd = next((r for r, g in enumerate(gathered) if g[0] != gathered[0][0]), None)
+        mine = torch.frombuffer(bytearray.fromhex(layout.fingerprint), dtype=torch.uint8)
+        table = self._gather_host(mine.to(self.device), "the layout check's fingerprints").view(self.world_size, -1)
+        odd = next((r for r in range(1, self.world_size) if not torch.equal(table[r], table[0])), None)
         if odd is None:
             return
+        described = self._gather_objects(layout.describe(), "the layout check's descriptions")
         raise LayoutMismatchError(f"rank {self.rank}: ranks built different parameter layouts (rank 0 vs rank {odd}: "
-                                  f"{first_difference(gathered[0][1], gathered[odd][1])}); every rank must build the "
+                                  f"{first_difference(described[0], described[odd])}); every rank must build the "
                                   "same model with the same trainable set, parameter groups, dtypes and alignment")
+
+    def _gather_host(self, sent: torch.Tensor, what: str) -> torch.Tensor:
+        """Eagerly every rank's 1-D ``sent`` (on :attr:`device`), by c10d's all-gather, read back to the host:
+        ``[world_size * n]`` on the CPU."""
+        out = sent.new_empty(self.world_size * sent.numel())
+        work = _c10d_all_gather(out, sent, group=self._pg, async_op=True)
+        return waiter(work, lambda: out, self._bound(f"all_gather of {what}"), sent)().cpu()
+
+    def _gather_objects(self, obj: Any, what: str) -> list[Any]:
+        """Every rank's picklable ``obj`` (c10d's ``all_gather_object``, on :attr:`device`): the lengths, then the
+        pickles padded to the longest."""
+        data = pickle.dumps(obj)
+        sizes = self._gather_host(torch.tensor([len(data)], dtype=torch.int64, device=self.device), what).tolist()
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        table = self._gather_host(padded.to(self.device), what).view(self.world_size, -1)
+        return [pickle.loads(table[r, :n].numpy().tobytes()) for r, n in enumerate(sizes)]
