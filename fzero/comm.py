@@ -215,6 +215,24 @@ class Communicator:
         n = x.shape[1]
         return self.all_gather(x)[:, src * n:(src + 1) * n].contiguous()
 
+    def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values`` on the host (one local rank; as many ints in ``[0, 2**63)`` on every rank), for a
+        check that must see them before going on (stage 3's unit calls): an ``all_gather`` of their bytes (one float32
+        each, exact) on :attr:`device`, read back, a host sync. A backend may wait for less
+        (``fzero.dist.TorchCommunicator`` on CUDA: for this gather alone, not for the kernels queued before it)."""
+        sent = self._int_bytes(values).to(self.device).unsqueeze(0)
+        return self._ints(self.all_gather(sent).view(self.world_size, -1).cpu())
+
+    @staticmethod
+    def _int_bytes(values: Sequence[int]) -> torch.Tensor:
+        """``values`` as float32 bytes on the host (what :meth:`all_gather_ints` sends)."""
+        return torch.tensor(list(values), dtype=torch.int64, device="cpu").view(torch.uint8).to(torch.float32)
+
+    @staticmethod
+    def _ints(table: torch.Tensor) -> list[list[int]]:
+        """``[W, 8k]`` float32 bytes on the host -> each rank's ``k`` ints."""
+        return table.round().to(torch.uint8).contiguous().view(torch.int64).tolist()
+
     def tracing(self) -> Communicator:
         """A copy as a compiled step traces it: ``traced`` set (a wrapper's ``.inner`` too). No communication.
         ``NotImplementedError`` with hpZ (``node``): its secondary shards are kept by eager steps."""

@@ -130,11 +130,8 @@ _NONE = -1  # no event (before the first)
 
 
 def _tags(comm: Communicator, tag: Sequence[int]) -> list[list[int]]:
-    """Every rank's int64 ``tag``, all-gathered as bytes (one float32 each: 0..255 is exact in any float dtype) on the
-    communicator's device (NCCL refuses a CPU tensor), read back to the host."""
-    data = torch.tensor(list(tag), dtype=torch.int64).view(torch.uint8).to(torch.float32)
-    got = comm.all_gather(data.to(comm.device).unsqueeze(0)).view(comm.world_size, -1).cpu()
-    return got.round().to(torch.uint8).contiguous().view(torch.int64).tolist()
+    """Every rank's int64 ``tag`` on the host (:meth:`~fzero.comm.Communicator.all_gather_ints`)."""
+    return comm.all_gather_ints(tag)
 
 
 class _CallCheck:
@@ -262,13 +259,15 @@ class _RankRun:
         def first() -> _Tensors:
             if not kept:
                 kept.append(done())
-                rows, pos = torch.arange(len(node.ranks)), torch.tensor(node.ranks)
                 lo = len(kept[0]) - sum(len(self.plan.gathered(b)) for b in buckets)
                 with step_scope(GATHER):
                     for b in buckets:
                         hi = lo + len(self.plan.gathered(b))
-                        self.secondary[b] = tuple(f.view(f.shape[0], node.world_size, -1)[rows, pos]
-                                                  for f in kept[0][lo:hi])
+                        # row r keeps its node place's slice (selects: no index tensor copied to the device)
+                        self.secondary[b] = tuple(
+                            torch.stack([f.view(f.shape[0], node.world_size, -1).select(0, r).select(0, q)
+                                         for r, q in enumerate(node.ranks)])
+                            for f in kept[0][lo:hi])
                         lo = hi
             return kept[0]
 

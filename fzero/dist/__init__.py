@@ -204,6 +204,7 @@ class TorchCommunicator(Communicator):
                                                  all_reduce_via=all_reduce_via, device=self.device)
         # None, not the default group: holding it kept gloo's threads alive past shutdown, and could abort the process
         self._pg = group
+        self._side: Any = None  # CUDA: the stream all_gather_ints waits on (made at its first use)
         self._name = (group if group is not None else dist.group.WORLD).group_name
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.local_ranks, self.ranks = 1, (self.rank,)
@@ -440,6 +441,24 @@ class TorchCommunicator(Communicator):
             return waiter(work, lambda: out, self._bound(f"broadcast of {out.numel()} {out.dtype}"))().unsqueeze(0)
         out = funcol.broadcast(x[0].contiguous(), src, self._name)  # the rank within the group
         return funcol.wait_tensor(out).unsqueeze(0)
+
+    def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """:meth:`Communicator.all_gather_ints`; on CUDA on a stream of its own, read back into pinned memory there:
+        the host waits for this small gather alone, not for every kernel the step has queued (stage 3 checks each unit
+        call so before its gather, a stall per unit on the compute stream)."""
+        if self.device.type != "cuda" or self.traced:
+            return super().all_gather_ints(values)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._side):
+            sent = self._int_bytes(values).pin_memory().to(self.device, non_blocking=True)
+            out = sent.new_empty(self.world_size * sent.numel())
+            _c10d_all_gather(out, sent, group=self._pg)  # NCCL orders this stream after the gather, no other
+            host = out.to("cpu", non_blocking=True)  # into pinned memory
+            done = torch.cuda.Event()
+            done.record(self._side)
+        done.synchronize()
+        return self._ints(host.view(self.world_size, -1))
 
     def check_layout(self, layout: Layout) -> None:
         """Raise :class:`LayoutMismatchError` on every rank unless all built ``layout`` alike: one all-gather of its
