@@ -13,6 +13,12 @@ On a simulated world of N ranks in this process (default: 2 ranks, stage 2):
 On real processes with torch.distributed (gloo on CPU, NCCL on GPU):
 
     torchrun --nproc-per-node 2 examples/train_gpt.py
+    torchrun --nproc-per-node 8 examples/train_gpt.py --device cuda   # one GPU per rank: cuda:LOCAL_RANK, NCCL
+
+``--device auto`` (the default) trains on CUDA when torch sees a GPU, else on the CPU: the model
+and every batch go to that device, the training state follows the model's, and under torchrun
+each rank takes ``cuda:LOCAL_RANK`` (``torch.cuda.set_device``) and the process group is NCCL
+(gloo with ``--device cpu``).
 
 (``--comm auto``, the default, is ``torch`` under a launcher; ``--comm sim`` under
 torchrun is refused: each process would train its own simulated world and write the
@@ -37,6 +43,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
+import os
 import sys
 import time
 import warnings
@@ -68,6 +75,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="HSDP: shard the state over groups of S ranks, replicated R times (R*S ranks)")
     p.add_argument("--hpz", action="store_true", help="with --mesh: ZeRO++ hpZ instead (shard over all ranks, stage 3 "
                    "regathers for backward within each group of S)")
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda when torch sees a GPU, else cpu), cpu or cuda; under torchrun each rank takes "
+                        "cuda:LOCAL_RANK and the process group is NCCL on CUDA, gloo on the CPU")
     p.add_argument("--stage", type=int, choices=[1, 2, 3], default=2, help="ZeRO stage")
     p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="compute dtype (the master copy stays fp32; fp16 uses dynamic loss scaling); "
@@ -117,7 +127,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.comm = choose_comm(args.comm)
     except ValueError as e:
         p.error(str(e))
+    if args.device not in ("auto", "cpu", "cuda"):
+        p.error(f"--device must be auto, cpu or cuda, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
     return args
+
+
+def choose_device(requested: str, comm: str) -> tuple[torch.device, str]:
+    """The device to train on and why: ``auto`` is CUDA when torch sees a GPU, else the CPU; on CUDA a rank that
+    torchrun started takes ``cuda:LOCAL_RANK`` (one GPU per rank), a simulated world the current GPU."""
+    if requested == "auto":
+        cuda = torch.cuda.is_available()
+        why = "--device auto: " + ("torch sees a CUDA device" if cuda else "no CUDA device")
+    else:
+        cuda, why = requested == "cuda", "as requested (--device)"
+    if not cuda:
+        return torch.device("cpu"), why
+    local = os.environ.get("LOCAL_RANK", "") if comm == "torch" else ""
+    index = int(local) if local else torch.cuda.current_device()
+    return torch.device("cuda", index), why + (f", LOCAL_RANK {local}" if local else "")
 
 
 class Progress:
@@ -197,10 +226,12 @@ def plot(history: dict[str, list[float]], path: Path, title: str, clip: float) -
 
 @torch.no_grad()
 def held_out_loss(model, params, text: CharText, criterion, context: int, batches: int = 8) -> float:
+    """The mean loss of ``params`` on ``batches`` fixed batches of the held-out text, on the parameters' device."""
     g = torch.Generator().manual_seed(4321)
+    device = next(iter(params.values())).device
     losses = []
     for _ in range(batches):
-        x, y = text.batch(32, context, g, split="val")
+        x, y = (t.to(device) for t in text.batch(32, context, g, split="val"))
         losses.append(criterion(torch.func.functional_call(model, params, (x,)), y).item())
     return sum(losses) / len(losses)
 
@@ -221,14 +252,16 @@ FP16_ON_CPU = ("--dtype fp16 on a CPU: slower than fp32 (the main job measured 1
                "is for GPUs: use --dtype auto (bf16 where native, else fp32)")
 
 
-def choose_dtype(requested: str) -> tuple[str, str]:
-    """The compute dtype to use and why: ``auto`` picks bf16 where it is native (CUDA with
-    bf16, a CPU with AVX512-BF16 or AMX) and fp32 elsewhere, where bf16 is emulated and slower."""
-    if requested == "fp16" and not torch.cuda.is_available():
+def choose_dtype(requested: str, device: torch.device | None = None) -> tuple[str, str]:
+    """The compute dtype to use on ``device`` (default: CUDA if available, else the CPU) and why:
+    ``auto`` picks bf16 where it is native (CUDA with bf16, a CPU with AVX512-BF16 or AMX) and fp32
+    elsewhere, where bf16 is emulated and slower."""
+    on_cpu = device.type == "cpu" if device is not None else not torch.cuda.is_available()
+    if requested == "fp16" and on_cpu:
         warnings.warn(FP16_ON_CPU, RuntimeWarning, stacklevel=2)
     if requested != "auto":
         return requested, "as requested (--dtype)"
-    native, why = fzero.precision.native_bf16()
+    native, why = fzero.precision.native_bf16() if device is None else fzero.precision.native_bf16(device)
     return ("bf16" if native else "fp32"), f"--dtype auto: {why}"
 
 
@@ -275,36 +308,37 @@ def params_digest(full: dict[str, torch.Tensor]) -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
+    device, device_why = choose_device(args.device, args.comm)
     if args.comm == "torch":
-        import datetime
+        from fzero.dist import TorchCommunicator, start_process_group
 
-        import torch.distributed as dist
-
-        from fzero.dist import TorchCommunicator
-
-        bound = {"timeout": datetime.timedelta(seconds=args.timeout)} if args.timeout else {}
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **bound)
+        # NCCL on CUDA: cuda:LOCAL_RANK made current and the group bound to it; without --timeout torch's own bound
+        start_process_group("nccl" if device.type == "cuda" else "gloo", timeout=args.timeout or float("inf"))
         comm: fzero.Communicator = TorchCommunicator(timeout=args.timeout or None, mesh=args.mesh, hpz=args.hpz)
     else:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         world_size = args.world_size or (args.mesh[0] * args.mesh[1] if args.mesh else 2)
-        comm = fzero.SimulatedWorld(world_size, mesh=args.mesh, hpz=args.hpz)
+        comm = fzero.SimulatedWorld(world_size, mesh=args.mesh, hpz=args.hpz, device=device)
     if args.qwz or args.qgz:
         from fzero.quantized import QuantizedCommunicator
 
         comm = QuantizedCommunicator(comm, weights=8 if args.qwz else None, grads=args.qgz)
-    if not torch.cuda.is_available():
+    if device.type == "cpu":
         fzero.host_malloc.tune_host_allocator()  # a CPU training program's allocator setting (README)
     world, shards = comm.data_world_size, comm.world_size  # ranks, and the ranks one copy of the state is sharded over
     lead = comm.data_ranks[0] == 0
     say = print if lead else (lambda *a, **k: None)
     t_start = time.perf_counter()
-    args.dtype, why = choose_dtype(args.dtype)
+    say(f"device: {device} ({device_why})")
+    args.dtype, why = choose_dtype(args.dtype, device)
     say(f"compute dtype: {args.dtype} ({why})")
 
     text = CharText()
     cfg = GPTConfig(vocab=text.vocab, d_model=args.d_model, n_layers=args.layers,
                     n_heads=args.heads, context=args.context, dropout=args.dropout)
-    model = build_gpt(cfg, seed=args.seed)  # every rank builds the same initial model
+    # every rank builds the same initial model (drawn on the CPU), then moves it: the state follows its device
+    model = build_gpt(cfg, seed=args.seed).to(device)
     criterion = make_criterion(cfg.vocab)
     optimizer = fzero.adamw(
         lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1,
@@ -351,10 +385,12 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     window = [(start, t0)]
     saved_at = start
+    logged = ("loss", "scale", "grad_norm", "found_inf", "lr")
     for i in range(start, end):
-        batch = text.batch(global_batch, cfg.context, data)
+        batch = tuple(t.to(device) for t in text.batch(global_batch, cfg.context, data))
         state, m = step(state, comm.split_batch(batch, micro_batches=args.accum))
-        vals = {k: m[k].item() for k in ("loss", "scale", "grad_norm", "found_inf", "lr")}
+        # one host read for the five (each .item() on a GPU waits for the step); float64 holds each value exactly
+        vals = dict(zip(logged, torch.stack([m[k].double() for k in logged]).tolist()))
         for k, v in vals.items():
             hist[k].append(v)
         skipped += int(vals["found_inf"])
@@ -399,7 +435,7 @@ def run(args: argparse.Namespace) -> dict:
     say(f"trained parameters: sha256 {result['params_sha256']}")
     model.eval()  # no dropout from here: evaluation and sampling
     if lead:
-        init = {n: p.detach() for n, p in build_gpt(cfg, seed=args.seed).named_parameters()}
+        init = {n: p.detach().to(device) for n, p in build_gpt(cfg, seed=args.seed).named_parameters()}
         result["val_loss_start"] = held_out_loss(model, init, text, criterion, cfg.context)
         result["val_loss"] = held_out_loss(model, full, text, criterion, cfg.context)
         print(f"held-out loss (last 10% of the text): {result['val_loss_start']:.3f} at init -> "
@@ -413,8 +449,9 @@ def run(args: argparse.Namespace) -> dict:
             print(f"plot: {path}")
         if args.sample_chars:
             prompt = "The "
-            ids = generate(model, full, text.encode(prompt), args.sample_chars, cfg.context,
-                           temperature=0.8, seed=args.seed)
+            # on the CPU: generate draws from a CPU generator, so every device samples the same text
+            ids = generate(model, {k: v.cpu() for k, v in full.items()}, text.encode(prompt), args.sample_chars,
+                           cfg.context, temperature=0.8, seed=args.seed)
             result["sample"] = prompt + text.decode(ids)
             print(f"\nsample (temperature 0.8, {args.sample_chars} characters):\n")
             print(result["sample"].rstrip())

@@ -86,6 +86,29 @@ def test_dtype_auto_follows_the_hardware(monkeypatch):
     assert mod.parse_args([]).dtype == "auto"
 
 
+def test_device_auto_follows_the_hardware_and_each_torchrun_rank_takes_its_gpu(monkeypatch):
+    """``--device auto``: the CPU without CUDA (``--device cuda`` then refused), CUDA with it; under torchrun
+    ``cuda:LOCAL_RANK``, in a simulated world the current GPU; ``--device cpu`` stays on the CPU."""
+    import torch
+
+    mod = _train_gpt()
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert mod.choose_device("auto", "sim") == (torch.device("cpu"), "--device auto: no CUDA device")
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--device", "cuda"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert mod.parse_args(["--device", "cuda"]).device == "cuda"
+    assert mod.choose_device("auto", "sim")[0] == torch.device("cuda", 1)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert mod.choose_device("auto", "torch") == (torch.device("cuda", 3), "--device auto: torch sees a CUDA device, "
+                                                                          "LOCAL_RANK 3")
+    assert mod.choose_device("cuda", "torch")[0] == torch.device("cuda", 3)
+    assert mod.choose_device("cpu", "torch")[0] == torch.device("cpu")
+
+
 @pytest.mark.parametrize("hardware,capability,onednn,native", [
     (True, "AVX512", None, True), (True, "AVX512", "AVX512_CORE_AMX", True), (False, "AVX512", None, False),
     (True, "AVX2", None, False), (True, "AVX512", "AVX2", False), (True, "AVX512", "avx512_core", False)])
