@@ -56,7 +56,8 @@ class ShardState:
 def shard_layout(params: Any, comm: Communicator, *, trainable: Any | None = None,
                  optimizer: Optimizer | None = None, bucket_of: Any | None = None,
                  keep_dtype: Any | None = None, alignment: int = 16, shard_frozen: bool = False) -> Layout:
-    """The layout of ``params`` (shapes only) for ``comm``'s world, checked across ranks (one ``all_gather_object``)."""
+    """The layout of ``params`` (shapes only) for ``comm``'s world, checked across ranks (``comm.check_layout``: one
+    small all-gather)."""
     layout = build_layout(params, comm.world_size, trainable=trainable,
                           group_of=optimizer.group_of if optimizer is not None else None, bucket_of=bucket_of,
                           keep_dtype=keep_dtype, alignment=alignment, shard_frozen=shard_frozen)
@@ -269,9 +270,7 @@ def shard_step(shard: ShardState, opt_state: OptState, grads: Sequence[torch.Ten
         skip = None if found_inf is None else found_inf.to(torch.bool)
         step = opt_state.step + 1 if skip is None else opt_state.step + (~skip).to(opt_state.step.dtype)
         grads = tuple(g.to(p.dtype) for g, p in zip(grads, shard.master))
-        master, moments = shard.master, opt_state.moments
-        applied = torch.ones((), dtype=torch.bool, device=step.device) if skip is None else ~skip
-        take_all = applied
+        master, moments, fused = shard.master, opt_state.moments, None
         if plain or not traced:  # the rule's in-place form (torch's fused kernel), on copies unless donating
             master = tuple(p if donate else p.clone() for p in master)
             moments = tuple(tuple(m if donate else m.clone() for m in ms) for ms in moments)
@@ -282,12 +281,13 @@ def shard_step(shard: ShardState, opt_state: OptState, grads: Sequence[torch.Ten
                 # below, each a no-op where the other applies; the bits of either, no host read
                 fused = ~missed.any() if used is None else used.all() & ~missed.any()
                 hold = (~fused if skip is None else skip | ~fused).to(torch.float32)
-                take_all = applied & ~fused
             for g, p, grad, ms in zip(lay.groups, master, grads, moments):
                 opt.update_(p, grad, ms, opt_state.hyper[g.opt_group], opt_state.step, hold)
             if plain:
                 return replace(shard, master=master), replace(opt_state, step=step, moments=moments)
             donate = True  # the copies are this step's own
+        applied = torch.ones((), dtype=torch.bool, device=step.device) if skip is None else ~skip
+        take_all = applied if fused is None else applied & ~fused
         ranks, where = _rows_ranks(lay, shard.master, comm), trainable_index(lay)
         flags = torch.ones(n, dtype=torch.bool, device=missed.device) if used is None else used.to(missed.device)
         steps = opt_state.step.to(missed.device) - missed

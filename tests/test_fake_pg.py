@@ -342,3 +342,24 @@ def test_a_mesh_step_on_the_device_sends_no_cpu_tensor(fake8):
         step = fzero.make_train_step(fzero.module_loss(model, torch.nn.functional.mse_loss), comm)
         step(state, (torch.zeros(1, 2, 6, device="meta"), torch.zeros(1, 2, 3, device="meta")))
     check_on(guard)
+
+
+@pytest.mark.parametrize("dtype,members,native", [(torch.float32, W, True), (torch.bfloat16, W, True),
+                                                  (torch.float16, W, False), (torch.float32, 6, False)],
+                         ids=["fp32 W=8", "bf16 W=8", "fp16 W=8", "fp32 W=6"])
+def test_averages_are_the_backends_avg_where_it_gives_the_divides_bits(fake8, monkeypatch, dtype, members, native):
+    """On an accelerator ``avg`` is ``ReduceOp.AVG`` (no divide pass after) where 1/W scales exactly (W a power of
+    two) and the scaled terms stay normal (not fp16); otherwise a SUM, then the divide, as on gloo."""
+    ops: list[Any] = []
+    real_all_reduce, real_reduce_scatter = dist.all_reduce, fdist._c10d_reduce_scatter
+    monkeypatch.setattr(fdist.dist, "all_reduce", lambda t, op, **kw: (ops.append(op), real_all_reduce(t, op, **kw))[1])
+    monkeypatch.setattr(fdist, "_c10d_reduce_scatter",
+                        lambda out, x, op, **kw: (ops.append(op), real_reduce_scatter(out, x, op, **kw))[1])
+    group = dist.new_group(list(range(members)))
+    comm = TorchCommunicator(group, device="meta", reduce_scatter_via="reduce_scatter", all_reduce_via="all_reduce")
+    x = torch.ones(1, members * 4, device="meta", dtype=dtype)
+    comm.all_reduce(x, "avg")
+    comm.reduce_scatter(x, "avg")
+    comm.all_reduce(x, "sum")
+    want = dist.ReduceOp.AVG if native else dist.ReduceOp.SUM
+    assert ops == [want, want, dist.ReduceOp.SUM]

@@ -298,6 +298,15 @@ class TorchCommunicator(Communicator):
     def _average(self, total: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         return total / self.world_size if op == "avg" and self.world_size > 1 else total
 
+    def _backend_avg(self, op: ReduceOp, dtype: torch.dtype) -> bool:
+        """Whether ``avg`` is the backend's own ``ReduceOp.AVG``, sparing the divide's pass over the result: where it
+        gives the bits of the sum divided by W, on an accelerator (gloo has no AVG) with W a power of two (1/W scales
+        exactly, before the sum as NCCL's float AVG does, or after), in a dtype whose scaled terms stay normal
+        (fp32, bf16, fp64; fp16 gradients scaled first would fall into subnormals)."""
+        w = self.world_size
+        return (op == "avg" and self.device.type != "cpu" and w > 1 and w & (w - 1) == 0
+                and dtype in (torch.float32, torch.bfloat16, torch.float64))
+
     def _rank_order(self, op: ReduceOp) -> bool:
         """Whether an all-reduce of ``op`` runs point to point in rank order: a sum or average beyond 2 ranks (a
         maximum, and a sum of two, are the same bits in any order)."""
@@ -318,13 +327,18 @@ class TorchCommunicator(Communicator):
                                              lambda numel: self._empty(numel, sent),
                                              self._bound(what.replace(")", ", point to point)", 1)))
             return lambda: average_owned(done(), op, self.world_size).unsqueeze(0)
+        native = self._backend_avg(op, x.dtype)
         if not self.traced:
             out = x[0].clone()  # c10d reduces in place; the caller's tensor stays as it was
-            work = dist.all_reduce(out, C10D_OP[op], group=self._pg, async_op=True)
-            return waiter(work, lambda: average_owned(out, op, self.world_size).unsqueeze(0), self._bound(what))
+            work = dist.all_reduce(out, dist.ReduceOp.AVG if native else C10D_OP[op], group=self._pg, async_op=True)
+            return waiter(work, lambda: (out if native else average_owned(out, op, self.world_size)).unsqueeze(0),
+                          self._bound(what))
         if self._ops:
             out = torch.ops.fzero.all_reduce_shard(x[0], self.world_size, -1, op, self._name, self._t(), rank_order)
             return lambda: out.unsqueeze(0)
+        if native:
+            started = funcol.all_reduce(x[0], "avg", self._name)
+            return lambda: funcol.wait_tensor(started).unsqueeze(0)
         started = funcol.all_reduce(x[0], "max" if op == "max" else "sum", self._name)
         # functional collectives are waited for in the returned function: states hold plain tensors
         return lambda: self._average(funcol.wait_tensor(started), op).unsqueeze(0)
@@ -366,12 +380,16 @@ class TorchCommunicator(Communicator):
                                                          lambda numel: self._empty(numel, sent))
             return waiter(works, lambda: average_owned(total(), op, world).unsqueeze(0),
                           self._bound(what.replace(")", ", point to point)", 1)), sent)
+        native = self._backend_avg(op, x.dtype)
         if self.traced:
-            started = _funcol_reduce_scatter(x[0], "sum", 0, self._name)
-            return lambda: self._average(funcol.wait_tensor(started), op).unsqueeze(0)
+            started = _funcol_reduce_scatter(x[0], "avg" if native else "sum", 0, self._name)
+            return lambda: (funcol.wait_tensor(started) if native
+                            else self._average(funcol.wait_tensor(started), op)).unsqueeze(0)
         out, sent = x.new_empty(n), x[0].contiguous()
-        work = _c10d_reduce_scatter(out, sent, dist.ReduceOp.SUM, group=self._pg, async_op=True)
-        return waiter(work, lambda: average_owned(out, op, world).unsqueeze(0), self._bound(what), sent)
+        work = _c10d_reduce_scatter(out, sent, dist.ReduceOp.AVG if native else dist.ReduceOp.SUM, group=self._pg,
+                                    async_op=True)
+        return waiter(work, lambda: (out if native else average_owned(out, op, world)).unsqueeze(0), self._bound(what),
+                      sent)
 
     def all_gather_start(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
         self._check_rows(x, "all_gather")
