@@ -163,11 +163,6 @@ def _to_columns(h: torch.Tensor) -> torch.Tensor:
     return torch.stack([(h & 0xFFFFFFFF).to(torch.float64), (h >> 32).to(torch.float64)], dim=2).reshape(h.shape[0], -1)
 
 
-def _device(state: Any) -> torch.device:
-    """Where the state lives, and so its digests, and the collectives that compare them (a process group's device)."""
-    return (*state.params, *state.shard.master, state.opt.step)[0].device
-
-
 def _sent(x: torch.Tensor, device: torch.device, traced: bool) -> torch.Tensor:
     """Host tensor ``x`` on ``device``: on CUDA from pinned memory, asynchronously (a copy from pageable memory waits
     for the device to finish its queue)."""
@@ -178,7 +173,7 @@ def _sent(x: torch.Tensor, device: torch.device, traced: bool) -> torch.Tensor:
 
 def _hashes(items: list[Item], state: Any, rows: int, traced: bool = False) -> torch.Tensor:
     """``[rows, k]`` int64, a hash per item: 0-d replicated ones (and "static") their bits, others :func:`_fold`."""
-    device = _device(state)
+    device = state.device  # its digests live there, and the collectives that compare them
     static = (getattr(state.shard, "layout", None), getattr(state.opt, "optimizer", None),
               tuple(getattr(state.scaler, k, None) for k in _SCALER_STATIC), getattr(state, "precision", None))
     # each 0-d item's bits as one int64 where it lives: the host's (the signature, hyperparameters) sent to the
@@ -321,7 +316,7 @@ def with_replica_check(step: Callable[[Any, Any], tuple[Any, dict]], comm: Commu
                 check_replicas(new_state, comm, buffers=buffers, rng=rng)
             return new_state, metrics
         flag = (replicas_differ(new_state, comm, buffers=buffers, rng=rng).to(torch.float32)
-                if due else torch.zeros((), dtype=torch.float32, device=_device(new_state)))
+                if due else torch.zeros((), dtype=torch.float32, device=new_state.device))
         return new_state, {**metrics, "replicas_differ": flag}
 
     return checked_step

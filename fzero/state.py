@@ -157,7 +157,7 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
         if is_module:
             hand_over_parameters(params, layout, gathered[-1:], groups=(g,))
     gathered = tuple(gathered)
-    calls = (torch.zeros((), dtype=torch.int64),)
+    calls = (torch.zeros((), dtype=torch.int64, device="cpu"),)  # a host counter (TrainState), whatever the device
     return TrainState(shard, opt, scaler, gathered, buffers, rng, calls, stage, precision, spec)
 
 

@@ -129,11 +129,6 @@ _END = 0  # the event "the forward called no further unit" (bucket 0, the root, 
 _NONE = -1  # no event (before the first)
 
 
-def _tags(comm: Communicator, tag: Sequence[int]) -> list[list[int]]:
-    """Every rank's int64 ``tag`` on the host (:meth:`~fzero.comm.Communicator.all_gather_ints`)."""
-    return comm.all_gather_ints(tag)
-
-
 class _CallCheck:
     """Checks that all ranks call the same units in one forward: *events* (unit calls, :data:`_END`) all-gathered as
     ``(index, previous, event)`` (:meth:`compare`), or compared with rank 0's when simulated (:meth:`record`)."""
@@ -288,7 +283,8 @@ class _RankRun:
         self.events.append(event)
         self.check.record(self.row, len(self.events) - 1, event)
         if self.check.tagged:
-            self.pending = self.runner.submit(self.comm.overlaps, _tags, self.comm, (len(self.events), prev, event))
+            self.pending = self.runner.submit(self.comm.overlaps, self.comm.all_gather_ints,
+                                              (len(self.events), prev, event))
         # at the forward's end too (no rank knows yet if its peers call another unit): the same gather, dropped
         self.prefetch(nxt)
         if event == _END or not self.held(event):  # a unit's own gather starts only once its call is checked

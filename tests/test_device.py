@@ -127,10 +127,10 @@ def off_device(state: fzero.TrainState, device: torch.device, scheduled: set[str
         name = tp.keystr(path)
         if not isinstance(x, torch.Tensor) or x.device == device:
             continue
-        host = (".opt.hyper" in name and not any(f"'{k}'" in name for k in scheduled)) or name.startswith(
-            (".rng", ".calls", ".opt.scalars"))
-        if not (host and x.device.type == "cpu" and (name.startswith((".rng", ".opt.scalars")) or x.dim() == 0)):
-            out.append(f"{name} on {x.device}")
+        hyper = ".opt.hyper" in name and x.dim() == 0 and not any(f"'{k}'" in name for k in scheduled)
+        if x.device.type == "cpu" and (hyper or name.startswith((".rng", ".calls", ".opt.scalars"))):
+            continue
+        out.append(f"{name} on {x.device}")
     return out
 
 

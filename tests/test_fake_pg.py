@@ -24,7 +24,6 @@ import fzero.dist as fdist
 from fzero.dist import DEFAULT_TIMEOUT, TorchCommunicator, device_for, local_rank, start_process_group
 from fzero.materialize import agree, generator_digest
 from fzero.sharding import shard_layout
-from fzero.units import _tags
 from helpers import children, mlp
 
 W = 8
@@ -172,7 +171,7 @@ def test_check_layout_names_the_difference_from_gathered_descriptions(fake8):
 def test_unit_call_tags_are_gathered_on_the_device(fake8):
     comm = TorchCommunicator(device="meta")
     with NoHostTensors() as guard:
-        tags = _tags(comm, (3, 1, 2))
+        tags = comm.all_gather_ints((3, 1, 2))
     check_on(guard)
     assert [dt for _, _, dts in guard.seen for dt in dts] == [torch.float32, torch.float32]
     assert tags == [[0, 0, 0]] * W  # the host's zeros for the meta data
