@@ -134,6 +134,21 @@ class Communicator:
         """The ranks the batch is split over: ``world_size * replicas``."""
         return self.world_size * self.replicas
 
+    def holder(self, shard_rank: int) -> int:
+        """The lowest data rank whose shard is shard ``shard_rank``'s, the same answer on every rank: where a piece of
+        that shard is :meth:`broadcast` from (``src`` is a data rank). Without replicas, ``shard_rank`` itself; a
+        wrapper answers as its inner communicator; a mesh backend that holds one rank here overrides it."""
+        inner = getattr(self, "inner", None)
+        if isinstance(inner, Communicator):
+            return inner.holder(shard_rank)
+        if not 0 <= shard_rank < self.world_size:
+            raise ValueError(f"holder: shard rank must be in [0, {self.world_size}), got {shard_rank}")
+        if self.replicas == 1:
+            return shard_rank
+        if self.local_ranks == self.data_world_size:  # every data rank here, row i data rank i
+            return self.ranks.index(shard_rank)
+        raise NotImplementedError(f"{type(self).__name__} does not say which data rank holds shard {shard_rank}")
+
     def wrapping(self, inner: Communicator, capabilities: bool = True) -> None:
         """Make this a wrapper of ``inner`` with its world's shape (sizes, ranks, replicas, node) and, with
         ``capabilities``, its ``overlaps`` and buffer factors: in one place, so no wrapper misses what the protocol

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from fzero.checkpoint import save_checkpoint
+from fzero.checkpoint import export_pretrained, save_checkpoint, torch_optim
 from fzero.comm import CountingCommunicator
 from fzero.dist import TorchCommunicator
 from fzero.quantized import QuantizedCommunicator
@@ -33,6 +33,10 @@ def run_case(name: str, _flat) -> dict:
         if name == "train2":
             out["ckpt"] = os.path.join(sys.argv[1], "ckpt")
             save_checkpoint(out["state"], out["ckpt"], TorchCommunicator(mesh=(2, 2)))
+        if name == "train3":  # the live export on the mesh: each piece from its holder in this shard group
+            out["export"] = os.path.join(sys.argv[1], "export3")
+            torch_optim.BROADCAST_ELEMENTS = 5  # pieces that cut every tensor of the small model
+            export_pretrained(out["state"], out["export"], comm=TorchCommunicator(mesh=(2, 2)))
         del out["state"]
         return out
     if name == "wrong":  # named errors before any collective: a hang would time the test out

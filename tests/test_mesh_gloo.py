@@ -1,6 +1,6 @@
 """A 2x2 mesh on four gloo ranks (``mesh_worker.py``) against the simulated 2x2 world of ``test_mesh.py``: bitwise
 the same parameters, buffers, generators, losses and norms at stages 1-3, the same bytes per axis, named errors for a
-wrong mesh before any collective, and its checkpoint loaded by the simulated world, flat and meshed.
+wrong mesh before any collective, its checkpoint loaded by the simulated world, flat and meshed, and its live export.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 import torch.utils._pytree as tp
 
 import fzero
+import fzero.checkpoint
 import test_mesh as tm
 from dist_harness import run_torchrun
 from fzero.checkpoint import load_checkpoint
@@ -98,3 +99,16 @@ def test_gloo_mesh_checkpoint_loads_on_the_simulated_world(gloo, where):
         assert torch.equal(a[0], b[0])
     assert torch.equal(saved.opt.step, loaded.opt.step)
     assert torch.equal(saved.rng[0][:into.data_world_size], loaded.rng[0])
+
+
+def test_gloo_mesh_live_export_equals_the_simulated_mesh(gloo):
+    """Exported live by the four gloo ranks as 2x2 at stage 3 (each piece broadcast from its holder in the shard group,
+    in pieces of 5 elements): the safetensors file holds the simulated 2x2 run's parameters, bitwise."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    comm = SimulatedWorld(4, mesh=(2, 2))
+    state, _ = tm._train(comm, 3, 1)
+    want = fzero.checkpoint.export_model_state_dict(state, comm)
+    got = safetensors_torch.load_file(_result(gloo, 0, "train3")["export"] + "/model.safetensors")
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k

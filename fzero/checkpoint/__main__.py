@@ -3,6 +3,8 @@
     python -m fzero.checkpoint info PATH [--follow-symlinks]
     python -m fzero.checkpoint verify PATH [--follow-symlinks]
     python -m fzero.checkpoint consolidate PATH OUT.pt [--optim OPTIM.pt] [--follow-symlinks]
+    python -m fzero.checkpoint export PATH OUT_DIR [--dtype bf16] [--max-shard-size 5GB] [--config FILE]
+                                      [--adapter NAME | --whole-model] [--follow-symlinks]
 
 PATH: a checkpoint root (its ``LATEST`` is used) or one checkpoint directory; its files
 are read only inside it unless --follow-symlinks. Exit
@@ -17,8 +19,8 @@ import argparse
 import sys
 import time
 
-from .errors import CheckpointError
 from .offline import checkpoint_info, consolidate_checkpoint, verify_checkpoint
+from .pretrained import EXPORT_DTYPES, export_pretrained
 
 
 def _mib(n: float) -> str:
@@ -54,12 +56,20 @@ def main(argv: list[str] | None = None) -> int:
     info = sub.add_parser("info", help="world size, stage, step, parameters, sizes")
     verify = sub.add_parser("verify", help="check every checksum")
     c = sub.add_parser("consolidate", help="write a plain model state dict (torch.save)")
-    for p in (info, verify, c):
+    e = sub.add_parser("export", help="write a save_pretrained directory (safetensors), or a peft adapter's")
+    for p in (info, verify, c, e):
         p.add_argument("path")
         p.add_argument("--follow-symlinks", action="store_true",
                        help="follow symlinks out of the checkpoint root (default: refused)")
     c.add_argument("out", help="the model state dict file (e.g. model.pt)")
     c.add_argument("--optim", metavar="OPTIM.pt", help="also write the torch.optim state dict there")
+    e.add_argument("out", help="the directory to create (absent or empty)")
+    e.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="cast floating tensors to it (default: as saved)")
+    e.add_argument("--max-shard-size", default="5GB", help="bytes per file, e.g. 5GB or 500MB (default 5GB)")
+    e.add_argument("--config", metavar="FILE", help="config.json (adapter_config.json for an adapter) to copy in")
+    which = e.add_mutually_exclusive_group()
+    which.add_argument("--adapter", metavar="NAME", help="export this peft adapter (default: the one there is)")
+    which.add_argument("--whole-model", action="store_true", help="export the whole model of a peft state")
     args = parser.parse_args(argv)
     follow = args.follow_symlinks
     try:
@@ -69,10 +79,17 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             n = verify_checkpoint(args.path, follow_symlinks=follow)
             print(f"ok: every checksum of {args.path} matches ({_mib(n)} checked in {time.perf_counter() - t0:.2f} s)")
+        elif args.command == "export":
+            adapter = False if args.whole_model else args.adapter
+            out = export_pretrained(args.path, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                                    config=args.config, adapter=adapter, follow_symlinks=follow)
+            print(f"wrote {out}: " + ", ".join(sorted(f.name for f in out.iterdir())))
         else:
             out = consolidate_checkpoint(args.path, args.out, optim=args.optim, follow_symlinks=follow)
             print(f"wrote {out}" + (f" and {args.optim}" if args.optim else ""))
-    except (CheckpointError, OSError) as e:  # OSError: stdout or stderr closed
+    # CheckpointError is a ValueError; others: an export's option (a config that is not JSON, a size, an adapter the
+    # state lacks); OSError: stdout or stderr closed
+    except (ValueError, OSError) as e:
         print(f"error: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     return 0

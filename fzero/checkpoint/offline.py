@@ -7,7 +7,10 @@ Imports: module, optim, checksums, errors, manifest, metadata, planners, saveloa
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -107,26 +110,55 @@ def consolidate_model_state_dict(path: PathLike, *, follow_symlinks: bool = Fals
     return _model(*_open(path, follow_symlinks))
 
 
-def _model(checked: CheckedDir, man: dict[str, Any]) -> dict[str, torch.Tensor]:
+@dataclasses.dataclass(frozen=True)
+class ModelTensor:
+    """One tensor of a checkpoint's model state dict: its ``name`` (canonical: a tied alias is not listed), ``shape``
+    and ``dtype``, and the checkpoint ``entry`` holding it (a master is cast from float32; empty tensors have none)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    entry: str | None
+
+
+def model_tensors(checked: CheckedDir, man: dict[str, Any]) -> tuple[list[ModelTensor], ModuleSpec]:
+    """The model state dict's tensors (in its order: the module's ``state_dict`` order, else parameters then
+    buffers), and how to rebuild its tied names; nothing read but the manifest. The frozen parameters of a checkpoint
+    that left them out are listed but cannot be read (:func:`check_whole_model`)."""
+    module = man.get("module", {})
+    spec = ModuleSpec(aliases=tuple(tuple(a) for a in module.get("aliases", [])),
+                      state_dict_keys=tuple(module.get("state_dict_keys", [])))
+    tensors = {p: ModelTensor(p, tuple(shape), DTYPES[dtype], None if not math.prod(shape) else
+                              f"fzero/master/{p}" if g >= 0 else f"fzero/frozen/{p}")
+               for p, shape, dtype, g in man["params"]}
+    tensors.update({n: ModelTensor(n, tuple(shape), DTYPES[dtype], f"{BUFFER_PREFIX}{n}" if math.prod(shape) else None)
+                    for n, shape, dtype in module.get("buffers", [])})
+    aliases = {a for a, _ in spec.aliases}
+    order = [k for k in spec.state_dict_keys if k in tensors and k not in aliases] or list(tensors)
+    return [tensors[k] for k in order], spec
+
+
+def check_whole_model(checked: CheckedDir, man: dict[str, Any]) -> None:
+    """:class:`CheckpointError` if the checkpoint left its frozen parameters out: it holds no whole model."""
     if FROZEN_LEFT_OUT in man:
         raise CheckpointError(f"checkpoint {checked.dir} left its frozen parameters out (save_checkpoint(frozen="
                               "False)): no whole model; load it into a state built from its weights, and export that")
-    params = man["params"]
-    module = man.get("module", {})
-    buffers = module.get("buffers", [])
-    key = {p: f"fzero/master/{p}" if g >= 0 else f"fzero/frozen/{p}" for p, _, _, g in params}
-    wanted = [(key[p], math.prod(shape)) for p, shape, _, _ in params if math.prod(shape)]
-    wanted += [(f"{BUFFER_PREFIX}{n}", math.prod(shape)) for n, shape, _ in buffers if math.prod(shape)]
-    flat = _read(checked, [k for k, _ in wanted], [n for _, n in wanted])
-    out: dict[str, torch.Tensor] = {}
-    for p, shape, dtype, _ in params:
-        t = flat.pop(key[p]) if math.prod(shape) else torch.empty(0, dtype=DTYPES[dtype])
-        out[p] = t.reshape(shape).to(DTYPES[dtype])  # the master freed as each parameter is cast
-    bufs = {n: flat.pop(f"{BUFFER_PREFIX}{n}").reshape(shape) if math.prod(shape)
-            else torch.empty(shape, dtype=DTYPES[dtype]) for n, shape, dtype in buffers}
-    spec = ModuleSpec(aliases=tuple(tuple(a) for a in module.get("aliases", [])),
-                      state_dict_keys=tuple(module.get("state_dict_keys", [])))
-    return module_state_dict(out, bufs, spec)
+
+
+def read_model_tensor(checked: CheckedDir, t: ModelTensor) -> torch.Tensor:
+    """The tensor ``t`` read from the checkpoint (one entry: one tensor's memory, plus DCP's one record), in its dtype
+    and shape."""
+    if t.entry is None:
+        return torch.empty(t.shape, dtype=t.dtype)
+    flat = _read(checked, [t.entry], [math.prod(t.shape)])[t.entry]
+    return flat.reshape(t.shape).to(t.dtype)  # a master freed once cast
+
+
+def _model(checked: CheckedDir, man: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The model state dict, read one tensor at a time (peak: the state dict plus one tensor)."""
+    check_whole_model(checked, man)
+    tensors, spec = model_tensors(checked, man)
+    return module_state_dict({t.name: read_model_tensor(checked, t) for t in tensors}, {}, spec)
 
 
 def consolidate_torch_optim_state_dict(path: PathLike, *, follow_symlinks: bool = False) -> dict[str, Any]:
@@ -144,13 +176,10 @@ def _optim(checked: CheckedDir, man: dict[str, Any]) -> dict[str, Any]:
     moments: dict[int, dict[str, torch.Tensor]] = {}
     if step > 0:
         for name in section["moment_names"]:
-            keys = {i: f"fzero/{name}/{params[i][0]}" for group in order for i in group}
-            wanted = [i for i in keys if math.prod(params[i][1])]
-            flat = _read(checked, [keys[i] for i in wanted], [math.prod(params[i][1]) for i in wanted])
-            for i, key in keys.items():
-                _, shape, dtype, _ = params[i]
-                t = flat.pop(key) if math.prod(shape) else torch.empty(0)
-                moments.setdefault(i, {})[name] = t.reshape(shape).to(DTYPES[dtype])
+            for i in (i for group in order for i in group):  # one moment read at a time: the dict plus one tensor
+                p, shape, dtype, _ = params[i]
+                moment = ModelTensor(p, tuple(shape), DTYPES[dtype], f"fzero/{name}/{p}" if math.prod(shape) else None)
+                moments.setdefault(i, {})[name] = read_model_tensor(checked, moment)
     own = None
     trainable = [i for i, p in enumerate(params) if p[3] >= 0]
     if MISSED_KEY in checked.metadata.state_dict_metadata:  # each parameter's own step count
@@ -177,16 +206,30 @@ def consolidate_checkpoint(path: PathLike, out: PathLike, *, optim: PathLike | N
                            follow_symlinks: bool = False) -> Path:
     """Write the checkpoint at ``path`` as a plain model state dict to ``out`` (``torch.save``;
     ``model.load_state_dict(torch.load(out))`` takes it), and its ``torch.optim`` state dict to ``optim`` if given.
-    Returns ``out``. An output that cannot be written (checked before the checkpoint is read: its directory must
-    exist): :class:`CheckpointOutputError` naming it."""
+    Returns ``out``. Each file is written under a hidden temporary name beside it and renamed into place once
+    complete (a failed write leaves none). An output that cannot be written (its directory must exist: checked before
+    the checkpoint is read) or a failed write (a full disk): :class:`CheckpointOutputError` naming it."""
     outs = [Path(out)] + ([] if optim is None else [Path(optim)])
     for o in outs:
         if not o.parent.is_dir():
             raise CheckpointOutputError(f"cannot write {o}: its directory {o.parent} does not exist")
+        if o.is_dir():
+            raise CheckpointOutputError(f"cannot write {o}: it is a directory")
     checked, man = _open(path, follow_symlinks)
     for o, build in zip(outs, (_model, _optim)):
-        try:
-            torch.save(build(checked, man), o)
-        except (OSError, RuntimeError) as e:  # torch.save reports a file it cannot open as a RuntimeError
-            raise CheckpointOutputError(f"cannot write {o}: {_first_line(e)}") from e
+        _save_replacing(build(checked, man), o)
     return outs[0]
+
+
+def _save_replacing(obj: Any, out: Path) -> None:
+    """``torch.save(obj)`` to a temporary file beside ``out``, fsynced, then renamed onto ``out``."""
+    tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:12]}"
+    try:
+        with open(tmp, "xb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        tmp.unlink(missing_ok=True)
+        raise CheckpointOutputError(f"cannot write {out}: {_first_line(e)}") from e

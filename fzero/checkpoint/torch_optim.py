@@ -7,7 +7,7 @@ Imports: comm, layout, materialize, optim, torch_optim_rules, adafactor_rules, p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -15,7 +15,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from ..adafactor_rules import Adafactor
 from ..comm import Communicator
-from ..layout import FlatGroup, Layout, group_views, trainable_index
+from ..layout import FlatGroup, Layout, ParamSlot, group_views, trainable_index
 from ..materialize import has_meta, to_empty_tied
 from ..module import ModuleSpec, hand_over_parameters, restore_parameters
 from ..optim import SGD, Adam, Optimizer, init_vectors, vector_spans
@@ -189,6 +189,77 @@ def _gathered(layout: Layout, group: FlatGroup, rows: torch.Tensor, comm: Commun
     else:
         flat = comm.all_gather(rows)[0]
     return {i: v.to(layout.slots[i].dtype) for i, v in zip(group.slots, group_views(layout, group, flat))}
+
+
+BROADCAST_ELEMENTS = 1 << 22  # per broadcast of a live export's gather: 16 MiB of float32
+
+
+def state_dict_tensors(state: TrainState) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """``(name, shape, dtype)`` of every tensor of the model state dict :func:`export_model_state_dict` gives, tied
+    aliases left out, in its order (the module's ``state_dict`` order; a pytree's: parameters, then buffers)."""
+    lay, spec = state.layout, state.module
+    tensors = {s.path: (s.path, s.shape, s.dtype) for s in lay.slots}
+    tensors.update({n: (n, tuple(b.shape[1:]), b.dtype)
+                    for n, b, keep in zip(spec.buffers, state.buffers, spec.persistent) if keep})
+    aliases = {a for a, _ in spec.aliases}
+    order = [k for k in spec.state_dict_keys if k in tensors and k not in aliases] or list(tensors)
+    return [tensors[k] for k in order]
+
+
+def gathered_tensors(state: TrainState, comm: Communicator,
+                     names: Sequence[str] | None = None) -> Iterator[torch.Tensor]:
+    """Each tensor ``names`` names (default: every one of :func:`state_dict_tensors`, in its order) in turn, whole on
+    every rank, on the state's device, in its dtype: one tensor's memory at a time (the caller keeps what it writes).
+    Rank 0's buffers. Every rank passes the same ``names``.
+    Collectives (one rank per process): a ``broadcast`` per piece of a sharded tensor (at most
+    :data:`BROADCAST_ELEMENTS` each) from the rank holding it (a mesh: from the lowest such rank, over the replicas,
+    then within each shard group); none in one process."""
+    ensure_live(state)
+    check_world(state.shard, comm)
+    lay, spec, shard = state.layout, state.module, state.shard
+    holders = _holders(comm)
+    slots = {s.path: s for s in lay.slots}
+    whole_frozen = dict(zip((s.path for s in lay.frozen_slots), shard.frozen)) if not lay.frozen_groups else {}
+    buffers = {n: b for n, b in zip(spec.buffers, state.buffers)}
+    for name in [t[0] for t in state_dict_tensors(state)] if names is None else names:
+        s = slots.get(name)
+        if s is None:
+            yield buffers[name][0].detach().clone()  # rank 0's: the first row of the simulated world, rank 0's own
+        elif s.group >= 0:
+            yield _gathered_slot(lay.groups[s.group], shard.master[s.group], s, comm, holders).to(s.dtype)
+        elif s.path in whole_frozen:
+            yield whole_frozen[s.path].detach().to(s.dtype, copy=True)
+        else:
+            f = s.frozen_group
+            yield _gathered_slot(lay.frozen_groups[f], shard.frozen[f], s, comm, holders).to(s.dtype)
+
+
+def _holders(comm: Communicator) -> list[int] | None:
+    """For one rank per process, the data rank each shard rank's pieces are broadcast from (the same on every rank:
+    :meth:`~fzero.comm.Communicator.holder`); None: the simulated world holds every row."""
+    if comm.local_ranks == comm.data_world_size:
+        return None
+    if comm.local_ranks != 1:
+        raise TypeError(f"export: unsupported communicator: {comm.local_ranks} of {comm.world_size} ranks here")
+    return [comm.holder(r) for r in range(comm.world_size)]
+
+
+def _gathered_slot(group: FlatGroup, rows: torch.Tensor, slot: ParamSlot, comm: Communicator,
+                   holders: Sequence[int] | None) -> torch.Tensor:
+    """The whole parameter ``slot`` of ``group`` (in the rows' dtype, its shape) from the shards holding its pieces:
+    read from the rows in one process, else one ``broadcast`` per piece from its holder."""
+    n, out = group.shard_numel, rows.new_empty(slot.numel)
+    first, last = slot.offset // n, (slot.offset + slot.numel - 1) // n if slot.numel else -1
+    for r in range(first, last + 1):
+        lo, hi = max(r * n, slot.offset), min((r + 1) * n, slot.offset + slot.numel)
+        if holders is None:
+            out[lo - slot.offset: hi - slot.offset] = rows[comm.ranks.index(r), lo - r * n: hi - r * n]
+            continue
+        for a in range(lo, hi, BROADCAST_ELEMENTS):  # in bounded pieces: the tensor plus one piece in flight
+            b = min(a + BROADCAST_ELEMENTS, hi)
+            mine = rows[:, a - r * n: b - r * n] if comm.ranks[0] == r else rows.new_empty(1, b - a)
+            out[a - slot.offset: b - slot.offset] = comm.broadcast(mine.contiguous(), holders[r])[0]
+    return out.view(slot.shape)
 
 
 def torch_order(opt_groups: Sequence[int], num_groups: int) -> list[list[int]]:

@@ -460,6 +460,14 @@ class TorchCommunicator(Communicator):
         out = funcol.broadcast(x[0].contiguous(), src, self._name)  # the rank within the group
         return funcol.wait_tensor(out).unsqueeze(0)
 
+    def holder(self, shard_rank: int) -> int:
+        """:meth:`Communicator.holder`: on a mesh, the lowest job rank at place ``shard_rank`` of a shard group."""
+        if not self._groups or self.replicas == 1:
+            return super().holder(shard_rank)
+        if not 0 <= shard_rank < self.world_size:
+            raise ValueError(f"holder: shard rank must be in [0, {self.world_size}), got {shard_rank}")
+        return min(g[shard_rank] for g in self._groups)
+
     def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
         """:meth:`Communicator.all_gather_ints`; on CUDA on a stream of its own, read back into pinned memory there:
         the host waits for this small gather alone, not for every kernel the step has queued (stage 3 checks each unit
