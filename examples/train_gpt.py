@@ -25,8 +25,9 @@ torchrun is refused: each process would train its own simulated world and write 
 same files.)
 
 Checkpoints: ``--ckpt DIR`` saves the run there when it ends (and every ``--save-every N``
-steps); ``--resume`` continues from the latest one with the same options, and gives the
-run the uninterrupted one would have given, bit for bit (the weights, the optimizer, each
+steps, written in the background while the next steps run); ``--resume`` continues from the
+latest one with the same options, and gives the run the uninterrupted one would have given,
+bit for bit (the weights, the optimizer, each
 rank's dropout generator and the data order are all saved):
 
     python examples/train_gpt.py --dropout 0.1 --ckpt runs/ckpt --save-every 100
@@ -289,13 +290,15 @@ def resume(args: argparse.Namespace, state: fzero.TrainState, comm: fzero.Commun
 
 
 def save(args: argparse.Namespace, state: fzero.TrainState, comm: fzero.Communicator, config: dict,
-         data: torch.Generator, hist: dict, done: int, skipped: int) -> Path:
+         data: torch.Generator, hist: dict, done: int, skipped: int,
+         blocking: bool = True) -> Path | fzero.checkpoint.BackgroundSave:
     """A checkpoint of the run after ``done`` steps: the state (generators included) and what
-    the loop needs to continue exactly (data generator, next step, history)."""
+    the loop needs to continue exactly (data generator, next step, history). ``blocking=False``:
+    written in the background (the handle returned), the training going on meanwhile."""
     history = {k: v for k, v in hist.items() if k != "vocab"}
     extra = {"config": config, "data_rng": data.get_state(), "next_step": done, "skipped": skipped,
              "history": history}
-    return fzero.save_checkpoint(state, args.ckpt, comm, name=f"step-{done:08d}", extra=extra)
+    return fzero.save_checkpoint(state, args.ckpt, comm, name=f"step-{done:08d}", extra=extra, blocking=blocking)
 
 
 def params_digest(full: dict[str, torch.Tensor]) -> str:
@@ -384,7 +387,7 @@ def run(args: argparse.Namespace) -> dict:
     tokens_per_step = global_batch * cfg.context
     t0 = time.perf_counter()
     window = [(start, t0)]
-    saved_at = start
+    saved_at, pending = start, None
     logged = ("loss", "scale", "grad_norm", "found_inf", "lr")
     for i in range(start, end):
         batch = tuple(t.to(device) for t in text.batch(global_batch, cfg.context, data))
@@ -400,10 +403,13 @@ def run(args: argparse.Namespace) -> dict:
         bar.update(i, f"{rate:7,.0f} tok/s  loss {vals['loss']:.3f}  lr {vals['lr']:.2e}  "
                       f"scale {vals['scale']:g}  skipped {skipped}  gnorm {vals['grad_norm']:.2f}")
         if args.ckpt and args.save_every and (i + 1) % args.save_every == 0:
-            save(args, state, comm, config, data, hist, i + 1, skipped)
+            # the step waits only for a copy of the state: the files are written while the next steps run
+            pending = save(args, state, comm, config, data, hist, i + 1, skipped, blocking=False)
             saved_at = i + 1
     bar.close()
     elapsed = time.perf_counter() - t0
+    if pending is not None:
+        pending.wait()  # the last periodic checkpoint is complete (or its failure raised) before the run goes on
     if args.ckpt and saved_at != end:
         path = save(args, state, comm, config, data, hist, end, skipped)
         say(f"checkpoint: {path}")

@@ -7,10 +7,11 @@ training: snapshot, writer thread), :mod:`.files` (regular files only, size limi
 fzero.checkpoint``), :mod:`.pretrained` (a ``save_pretrained`` directory, written by :mod:`.safetensors_out`). Every
 failure to read a checkpoint is a :class:`CheckpointError` (a ``ValueError``) naming the file and entry.
 
-Imports: errors, manifest, offline, pretrained, saveload, torch_optim, publish.
+Imports: background, errors, manifest, offline, pretrained, saveload, torch_optim, publish.
 """
 
 from . import publish  # noqa: F401 - tests patch its functions
+from .background import BackgroundSave
 from .errors import (
                      CheckpointCorruptError,
                      CheckpointError,
@@ -42,4 +43,5 @@ __all__ = [
     "resolve_checkpoint", "read_manifest", "checkpoint_info", "verify_checkpoint", "consolidate_checkpoint",
     "consolidate_model_state_dict", "consolidate_torch_optim_state_dict", "export_model_state_dict",
     "export_torch_optim_state_dict", "import_torch_optim_state_dict", "export_pretrained",
+    "BackgroundSave",
 ]

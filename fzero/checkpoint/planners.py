@@ -10,6 +10,7 @@ Imports: layout, checksums, errors, metadata.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
 from ..layout import FlatGroup, Layout
 from .checksums import CheckedDir, ChecksumWriter, VerifyingReader
@@ -141,10 +143,16 @@ _SINGLE_PROCESS_NOTICE = ".*assuming the intent is to (save|load) in a single pr
 def dcp_save(state_dict: dict[str, Any], path: Path, pg: dist.ProcessGroup | None,
              bind: Mapping[str, Any] | None = None) -> None:
     """DCP's save with checksums (:class:`ChecksumWriter`; ``bind``: the step and the name the checksum file
-    also binds); failures as :class:`CheckpointError`."""
-    _call(lambda: dcp.save(state_dict, storage_writer=ChecksumWriter(path, sync_files=True, bind=bind),
-                           planner=_SavePlanner(), process_group=pg, no_dist=pg is None),
-          f"writing checkpoint {path} failed", None)
+    also binds); failures as :class:`CheckpointError`. One process (``pg`` None): DCP's ``save`` less its notice
+    that it assumes one process (intended here), which off the main thread (a background save's writer) only a
+    process-wide filter could silence: its inner ``_save_state_dict``, which ``save`` calls for a state dict of plain
+    values such as this one."""
+    writer = ChecksumWriter(path, sync_files=True, bind=bind)
+    if pg is None:
+        run = lambda: _save_state_dict(state_dict, storage_writer=writer, planner=_SavePlanner(), no_dist=True)  # noqa: E731
+    else:
+        run = lambda: dcp.save(state_dict, storage_writer=writer, planner=_SavePlanner(), process_group=pg)  # noqa: E731
+    _call(run, f"writing checkpoint {path} failed", None)
 
 
 def dcp_load(state_dict: dict[str, Any], checked: CheckedDir, pg: dist.ProcessGroup | None) -> None:
@@ -157,10 +165,15 @@ def dcp_load(state_dict: dict[str, Any], checked: CheckedDir, pg: dist.ProcessGr
 
 
 def _call(run: Callable[[], Any], what: str, reader: VerifyingReader | None) -> None:
-    """``run()`` without DCP's one-process notice (intended here), any failure converted."""
+    """``run()`` without DCP's one-process notice (intended here), any failure converted. Off the main thread (a
+    background save's writer) no filter is set: ``catch_warnings`` swaps the process's filter list, safe on the main
+    thread only (:func:`dcp_save` gives the writer nothing to silence)."""
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTICE)
+        if threading.current_thread() is threading.main_thread():
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTICE)
+                run()
+        else:
             run()
     except (KeyboardInterrupt, SystemExit):
         raise

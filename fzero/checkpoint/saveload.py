@@ -6,7 +6,7 @@ as a logical 1-D tensor; each rank writes the pieces inside the flat range it ow
 replicated tensors of :func:`_replicated`, written once; ``fzero/rng/{rank}`` (each rank's generator state);
 ``extra/...`` (the caller's); ``fzero/manifest``.
 
-Imports: comm, layout, pytree, sharding, state, checksums, errors, manifest, planners, publish.
+Imports: comm, layout, pytree, sharding, state, background, checksums, errors, manifest, planners, publish.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ..layout import Layout
 from ..pytree import replace
 from ..sharding import all_gather_params, check_world, frozen_rows
 from ..state import TrainState, consume, ensure_live
+from .background import BackgroundSave, checkpoint_group, settle, start
 from .checksums import CheckedDir
 from .errors import CheckpointMismatchError
 from .manifest import (
@@ -176,32 +177,10 @@ def _replicated(state: TrainState) -> dict[str, torch.Tensor]:
     return sd
 
 
-def save_checkpoint(state: TrainState, root: PathLike, comm: Communicator, *, name: str | None = None,
-                    extra: Mapping[str, Any] | None = None, frozen: bool = True) -> Path:
-    """Save ``state`` (and ``extra``) as ``root/name`` and point ``root/LATEST`` at it; returns the directory.
-
-    Every rank calls it. Each rank writes only what its shards hold of each parameter's master and moments (never
-    padding), and its generator state; replicated tensors and ``extra`` are written once; nothing is gathered. ``name``
-    defaults to ``step-{opt.step:08d}``. ``extra``: a nested dict (string keys without ``/``) of tensors, python
-    scalars, strings, None and lists/tuples/dicts of them, taken as replicated. Every record gets a CRC-32
-    (:mod:`.checksums`). Atomic: written to ``root/.tmp-{name}``, renamed once every rank has finished, then ``LATEST``
-    replaced. Saving over the checkpoint ``LATEST`` names raises ``FileExistsError``. ``frozen=False``: the frozen
-    parameters are left out (the user keeps them, e.g. as pretrained weights), only their CRC-32s written; loading
-    then takes them from the template and checks them against those. Collectives (on a process group):
-    DCP's save (a gather and scatter of plans, a gather of write results), one barrier, two ``broadcast_object_list`` of
-    the coordinator's outcome."""
-    ensure_live(state)
-    check_world(state.shard, comm)
-    pg = _process_group(comm)
-    root = Path(root)
-    if name is None:
-        name = f"step-{int(state.opt.step):08d}"
-    _check_name(name)
-    # Every rank decides alike (same files), before any collective: no rank is left waiting.
-    if _read_latest(root) == name:
-        raise FileExistsError(f"{root / name} is the latest checkpoint ({root / LATEST}); saving over it would leave "
-                              "no complete checkpoint while it is rewritten: choose another name")
-    tmp = root / f"{_TMP_PREFIX}{name}"
+def _state_dict(state: TrainState, comm: Communicator, extra: Mapping[str, Any] | None,
+                frozen: bool) -> dict[str, Any]:
+    """The flat state dict a save writes (see the module doc): views of ``state``'s tensors, nothing copied.
+    Collectives: none, but stage 3's gather of the frozen parameters for their CRC-32s when ``frozen`` is False."""
     manifest = _manifest(state, comm)
     if not frozen:
         manifest.update({"version": VERSION, FROZEN_LEFT_OUT: frozen_crcs(state, comm)})
@@ -212,12 +191,68 @@ def save_checkpoint(state: TrainState, root: PathLike, comm: Communicator, *, na
         state_dict.update({f"{RNG_PREFIX}{r}": state.rng[0][i] for i, r in enumerate(comm.data_ranks)})
     if extra:
         state_dict.update(_flatten_extra(extra))
+    return state_dict
+
+
+def _write_and_publish(state_dict: dict[str, Any], root: Path, name: str, bind: Mapping[str, Any],
+                       pg: dist.ProcessGroup | None) -> None:
+    """Write ``state_dict`` into ``root/.tmp-{name}`` with its checksums (``bind``: the step and name they bind), then
+    publish it as ``root/name`` and point ``LATEST`` at it (:mod:`.publish`). Collectives on ``pg``: a
+    ``broadcast_object_list`` (the directory prepared), DCP's save (a gather and scatter of plans, a gather of write
+    results), a barrier, a ``broadcast_object_list`` (published)."""
+    tmp = root / f"{_TMP_PREFIX}{name}"
     _on_coordinator(pg, "preparing the checkpoint directory", lambda: _prepare_tmp(root, tmp))
-    dcp_save(state_dict, tmp, pg, bind={"step": int(state.opt.step), "name": name})
+    dcp_save(state_dict, tmp, pg, bind=bind)
     if pg is not None:
         dist.barrier(group=pg)  # every rank's files are complete before the rename
     _on_coordinator(pg, "publishing the checkpoint", lambda: _publish(root, tmp, name))
-    return root / name
+
+
+def save_checkpoint(state: TrainState, root: PathLike, comm: Communicator, *, name: str | None = None,
+                    extra: Mapping[str, Any] | None = None, frozen: bool = True,
+                    blocking: bool = True) -> Path | BackgroundSave:
+    """Save ``state`` (and ``extra``) as ``root/name`` and point ``root/LATEST`` at it; returns the directory, or with
+    ``blocking=False`` a :class:`~.background.BackgroundSave` handle.
+
+    Every rank calls it. Each rank writes only what its shards hold of each parameter's master and moments (never
+    padding), and its generator state; replicated tensors and ``extra`` are written once; nothing is gathered. ``name``
+    defaults to ``step-{opt.step:08d}``. ``extra``: a nested dict (string keys without ``/``) of tensors, python
+    scalars, strings, None and lists/tuples/dicts of them, taken as replicated. Every record gets a CRC-32
+    (:mod:`.checksums`). Atomic: written to ``root/.tmp-{name}``, renamed once every rank has finished, then ``LATEST``
+    replaced. Saving over the checkpoint ``LATEST`` names raises ``FileExistsError``. ``frozen=False``: the frozen
+    parameters are left out (the user keeps them, e.g. as pretrained weights), only their CRC-32s written; loading
+    then takes them from the template and checks them against those.
+
+    ``blocking=False``: this rank's part of the state dict (``extra`` too) is copied into host buffers kept for the
+    next such save (pinned when the state is on CUDA), and the call returns: the state may be stepped at once
+    (donating its buffers). A writer thread writes, checksums and publishes the same files a blocking save would;
+    ``LATEST`` moves once they are complete. ``handle.wait()`` returns the directory, or raises a
+    :class:`CheckpointError` naming the checkpoint if the write failed. One save in flight per process: any save
+    (either kind, any root) first waits for the one in flight and raises its failure unless its ``wait()`` already
+    did; a failure nothing was told of is warned of at exit. Wait before ``destroy_process_group``.
+
+    Collectives (on a process group): those of :func:`_write_and_publish`, on this call's group when blocking; in the
+    writer thread, on a gloo group of the same ranks made on the first background save (``new_group``, a collective
+    of those ranks), when not."""
+    ensure_live(state)
+    check_world(state.shard, comm)
+    pg = _process_group(comm)
+    root = Path(root)
+    if name is None:
+        name = f"step-{int(state.opt.step):08d}"
+    _check_name(name)
+    settle()  # the save in flight finishes first (or its failure is raised): one save at a time
+    # Every rank decides alike (same files), before any collective: no rank is left waiting.
+    if _read_latest(root) == name:
+        raise FileExistsError(f"{root / name} is the latest checkpoint ({root / LATEST}); saving over it would leave "
+                              "no complete checkpoint while it is rewritten: choose another name")
+    state_dict = _state_dict(state, comm, extra, frozen)
+    bind = {"step": int(state.opt.step), "name": name}
+    if blocking:
+        _write_and_publish(state_dict, root, name, bind, pg)
+        return root / name
+    group = checkpoint_group(pg)
+    return start(root / name, state_dict, lambda held: _write_and_publish(held, root, name, bind, group))
 
 
 def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *, hyperparams: str = "checkpoint",
