@@ -31,13 +31,17 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .errors import CheckpointCorruptError, corrupt
+from .errors import CheckpointCorruptError, corrupt, shown
 from .files import Files
 from .metadata import (
     CHECKSUMS_FILE,
     FZERO_KEY,
+    MAX_DIMS,
     METADATA_FILE,
     _first_line,
+    _is_int,
+    _is_name,
+    _is_plain_file,
     check_metadata,
     fzero_marks,
     read_bytes,
@@ -206,7 +210,7 @@ class Record:
 
     def describe(self) -> str:
         piece = "" if not self.chunk or not any(self.chunk) else f" (chunk at {list(self.chunk)})"
-        return f"entry {self.key!r}{piece}"
+        return f"entry {shown(self.key)}{piece}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +233,14 @@ class CheckedDir:
     metadata: Metadata
     checksums: Checksums | None
     files: Files  # how its files are opened
+    chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]]  # (entry, chunk offsets) -> chunk sizes
+
+
+def chunk_sizes(metadata: Metadata) -> dict[tuple[str, tuple[int, ...]], tuple[int, ...]]:
+    """``{(entry, chunk offsets): chunk sizes}`` of every tensor chunk of checked metadata: a record's chunk found
+    in O(1) (an entry may have thousands)."""
+    return {(k, tuple(c.offsets)): tuple(c.sizes) for k, e in metadata.state_dict_metadata.items()
+            if isinstance(e, TensorStorageMetadata) for c in e.chunks}
 
 def read_checksums(d: Path, files: Files | None = None, limit: int | None = None) -> Checksums | None:
     """``d/checksums.json`` (read as ``files`` allows, at most ``limit`` bytes), or None; damaged (its own CRC covers
@@ -241,29 +253,52 @@ def read_checksums(d: Path, files: Files | None = None, limit: int | None = None
         if not isinstance(doc, dict):
             raise ValueError("not a JSON object")
         if doc.get("algorithm") != ALGORITHM:
-            raise ValueError(f"unknown algorithm {doc.get('algorithm')!r}")
+            raise ValueError(f"unknown algorithm {shown(doc.get('algorithm'))}")
         version = doc.get("version", 1)
         if version == 1:  # saved before the binding: its CRC covers the records only
             own = zlib.crc32(json.dumps(doc["records"], separators=(",", ":")).encode())
         elif version == VERSION:
             own = _doc_crc(doc)
         else:
-            raise ValueError(f"unknown version {version!r}")
+            raise ValueError(f"unknown version {shown(version)}")
         if own != doc["self"]:
             raise ValueError("its own checksum differs")
+        if not isinstance(doc["records"], list):
+            raise ValueError("it has no record list")
         records = {}
-        for entry in doc["records"]:
-            f, off, n, crc, key, chunk = entry[:6]
-            sizes = entry[6] if version > 1 else None
-            if (f, off) in records:
-                raise ValueError(f"two records at byte {off} of {f}")
-            records[(f, off)] = Record(f, off, n, crc, key, None if chunk is None else tuple(chunk),
-                                       None if sizes is None else tuple(sizes))
+        for i, entry in enumerate(doc["records"]):
+            record = _record(entry, version)
+            if record is None:
+                raise ValueError(f"record #{i} is not [file, offset, length, crc, entry, chunk, sizes]: {shown(entry)}")
+            if (record.file, record.offset) in records:
+                raise ValueError(f"two records at byte {record.offset} of {record.file}")
+            records[(record.file, record.offset)] = record
         if version == 1:
             return Checksums(records, 1)
-        return Checksums(records, version, int(doc["step"]), str(doc["name"]), str(doc["metadata"]["sha256"]))
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        raise corrupt(d, f"file {CHECKSUMS_FILE} is damaged ({e})") from e
+        step, name, digest = doc["step"], doc["name"], doc["metadata"]["sha256"]
+        if not (_is_int(step) and _is_name(name) and isinstance(digest, str) and len(digest) == 64):
+            raise ValueError(f"its step {shown(step)}, name {shown(name)} or metadata digest {shown(digest)} is "
+                             "malformed")
+        return Checksums(records, version, step, name, digest)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as e:
+        raise corrupt(d, f"file {CHECKSUMS_FILE} is damaged ({_first_line(e)})") from e
+
+
+def _record(row: Any, version: int) -> Record | None:
+    """A row of the checksum file as a :class:`Record`, or None when a field has the wrong type or size."""
+    if not (isinstance(row, list) and len(row) == (6 if version == 1 else 7)):
+        return None
+    f, off, n, crc, key, chunk = row[:6]
+    sizes = row[6] if version > 1 else None
+    if not (_is_plain_file(f) and _is_int(off) and _is_int(n) and _is_int(crc) and crc < 1 << 32 and _is_name(key)
+            and _is_dims(chunk) and _is_dims(sizes)):
+        return None
+    return Record(f, off, n, crc, key, None if chunk is None else tuple(chunk), None if sizes is None else tuple(sizes))
+
+
+def _is_dims(x: Any) -> bool:
+    """None or a list of at most :data:`~.metadata.MAX_DIMS` non-negative ints (a chunk's offsets or sizes)."""
+    return x is None or (isinstance(x, list) and len(x) <= MAX_DIMS and all(_is_int(v) for v in x))
 
 
 def open_checked(d: Path, files: Files | None = None) -> CheckedDir:
@@ -286,13 +321,15 @@ def open_checked(d: Path, files: Files | None = None) -> CheckedDir:
             raise corrupt(d, f"it was saved with checksums and file {CHECKSUMS_FILE} is missing")
         if sums.version != marks.get("checksums_version"):
             raise corrupt(d, f"file {CHECKSUMS_FILE} is version {sums.version}, the checkpoint was saved with "
-                             f"version {marks.get('checksums_version')!r}")
+                             f"version {shown(marks.get('checksums_version'))}")
+    sizes = chunk_sizes(metadata)
     if sums is not None:
-        _bind_records(d, metadata, sums)
-    return CheckedDir(d, metadata, sums, Files.of(d) if files is None else files)
+        _bind_records(d, metadata, sums, sizes)
+    return CheckedDir(d, metadata, sums, Files.of(d) if files is None else files, sizes)
 
 
-def _bind_records(d: Path, metadata: Metadata, sums: Checksums) -> None:
+def _bind_records(d: Path, metadata: Metadata, sums: Checksums,
+                  sizes_of: Mapping[tuple[str, tuple[int, ...]], tuple[int, ...]]) -> None:
     """Every record the metadata lists has a checksum record written for that very entry, chunk (offsets
     and sizes) and length; and every checksum record is listed."""
     listed = set()
@@ -302,12 +339,11 @@ def _bind_records(d: Path, metadata: Metadata, sums: Checksums) -> None:
         record = sums.records.get(where)
         chunk = None if idx.offset is None else tuple(idx.offset)
         if record is None or record.length != info.length or record.key != idx.fqn or record.chunk != chunk:
-            raise corrupt(d, f"entry {idx.fqn!r} in data file {info.relative_path} (bytes {info.offset}-"
+            raise corrupt(d, f"entry {shown(idx.fqn)} in data file {info.relative_path} (bytes {info.offset}-"
                              f"{info.offset + info.length}) has no checksum record of its own: {METADATA_FILE} "
                              f"or {CHECKSUMS_FILE} is damaged")
         if record.sizes is not None:
-            entry = metadata.state_dict_metadata[idx.fqn]
-            sizes = next((tuple(c.sizes) for c in entry.chunks if tuple(c.offsets) == chunk), None)
+            sizes = None if chunk is None else sizes_of.get((idx.fqn, chunk))
             if sizes != record.sizes:
                 raise corrupt(d, f"{record.describe()} in data file {record.file}: its chunk is {sizes} in "
                                  f"{METADATA_FILE} but was written as {list(record.sizes)}")
@@ -338,7 +374,8 @@ def check_step(checked: CheckedDir, record: Record, data: bytes) -> None:
     try:
         step = int(torch.load(io.BytesIO(data), weights_only=True))
     except Exception as e:  # noqa: BLE001 - a record that passed its CRC: damage written at save
-        raise corrupt(checked.dir, f"entry {STEP_KEY!r} in data file {record.file} cannot be decoded ({e})") from e
+        raise corrupt(checked.dir, f"entry {STEP_KEY!r} in data file {record.file} cannot be decoded "
+                                   f"({_first_line(e)})") from e
     if step != sums.step:
         raise corrupt(checked.dir, f"its data hold step {step}, its {CHECKSUMS_FILE} was written for step "
                                    f"{sums.step}: files of two checkpoints are mixed")
@@ -402,9 +439,9 @@ def check_decodes(checked: CheckedDir, record: Record, data: bytes) -> None:
         raise corrupt(checked.dir, f"{record.describe()} in data file {record.file} cannot be decoded "
                                    f"({type(e).__name__}: {_first_line(e)})") from e
     if isinstance(entry, TensorStorageMetadata):
-        chunk = next(c for c in entry.chunks if tuple(c.offsets) == record.chunk)
-        if not (isinstance(value, torch.Tensor) and value.size() == chunk.sizes
+        sizes = checked.chunk_sizes[(record.key, record.chunk)]  # open_checked bound the record to its chunk
+        if not (isinstance(value, torch.Tensor) and tuple(value.size()) == sizes
                 and value.dtype == entry.properties.dtype):
             got = f"{value.dtype}{list(value.size())}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise corrupt(checked.dir, f"{record.describe()} in data file {record.file} holds {got}, its "
-                                       f"metadata says {entry.properties.dtype}{list(chunk.sizes)}")
+                                       f"metadata says {entry.properties.dtype}{list(sizes)}")

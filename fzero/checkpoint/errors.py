@@ -6,8 +6,15 @@ Imports: none of fzero.
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 __all__ = ["CheckpointError", "IncompleteCheckpointError", "CheckpointNotFoundError", "CheckpointMismatchError",
-           "CheckpointCorruptError", "CheckpointOutputError"]
+           "CheckpointCorruptError", "CheckpointOutputError", "shown", "SHOWN_LIMIT"]
+
+# characters of a value an error message shows: a checkpoint's values are untrusted, and a message that printed one in
+# full could be megabytes long (a name of ten million characters) or never finish (a structure of shared references)
+SHOWN_LIMIT = 200
 
 
 class CheckpointError(ValueError):
@@ -38,3 +45,36 @@ class CheckpointOutputError(CheckpointError):
 def corrupt(d: object, what: str) -> CheckpointCorruptError:
     """``CheckpointCorruptError("corrupt checkpoint {d}: {what}")``."""
     return CheckpointCorruptError(f"corrupt checkpoint {d}: {what}")
+
+
+def shown(value: Any, limit: int = SHOWN_LIMIT) -> str:
+    """A ``repr`` of ``value`` cut to about ``limit`` characters, in time bounded by ``limit`` whatever ``value`` is:
+    strings and bytes are cut before they are quoted, containers show their first items to a depth of two, integers
+    too long to print are shown by their size, anything else by its type name (its ``repr`` is not called)."""
+    text = _shown(value, 2, limit + 1)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_ITEMS = 4  # a container shows its first few items and how many there are
+
+
+def _shown(value: Any, depth: int, budget: int) -> str:
+    if value is None or isinstance(value, (bool, float)):
+        return repr(value)
+    if isinstance(value, int):
+        return repr(value) if value.bit_length() <= 256 else f"<an int of {value.bit_length()} bits>"
+    if isinstance(value, (str, bytes)):
+        return repr(value[:budget]) + ("..." if len(value) > budget else "")
+    if isinstance(value, (list, tuple, dict)):
+        kind = type(value).__name__
+        if depth == 0 or not value:
+            return f"<a {kind} of {len(value)} items>" if value else ("()" if kind == "tuple" else repr(type(value)()))
+        items = list(itertools.islice(value.items() if isinstance(value, dict) else value, _ITEMS))
+        if isinstance(value, dict):
+            parts = [f"{_shown(k, depth - 1, budget)}: {_shown(v, depth - 1, budget)}" for k, v in items]
+        else:
+            parts = [_shown(v, depth - 1, budget) for v in items]
+        more = f", ... ({len(value)} items)" if len(value) > _ITEMS else ""
+        opening, closing = {"list": "[]", "dict": "{}"}.get(kind, "()")
+        return f"{opening}{', '.join(parts)}{more}{closing}"[: budget + 1]
+    return f"<a {type(value).__name__}>"

@@ -11,7 +11,9 @@ Imports: comm, sharding, state, checksums, errors, files, metadata, planners, pu
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import zlib
 from collections.abc import Mapping, Sequence
@@ -25,9 +27,9 @@ from ..comm import Communicator
 from ..sharding import frozen_params
 from ..state import TrainState
 from .checksums import CheckedDir, open_checked
-from .errors import CheckpointMismatchError, CheckpointNotFoundError, IncompleteCheckpointError, corrupt
+from .errors import CheckpointMismatchError, CheckpointNotFoundError, IncompleteCheckpointError, corrupt, shown
 from .files import Files
-from .metadata import DTYPES, METADATA_FILE, _is_int
+from .metadata import DTYPES, MAX_DIMS, MAX_EXTENT, METADATA_FILE, _first_line, _is_int, _is_name
 from .planners import _Pieces, dcp_load
 from .publish import LATEST, _read_latest
 
@@ -36,6 +38,11 @@ VERSION = 3  # 2: the frozen parameters may be left out (FROZEN_LEFT_OUT); 3: th
 MANIFEST_KEY = "fzero/manifest"
 FROZEN_PREFIX = "fzero/frozen/"
 FROZEN_LEFT_OUT = "frozen_left_out"  # the manifest's {path: "dtype:crc32"} of frozen parameters not saved
+
+# bytes of a data file's records that may lie in holes (not on disk): a record is read whole into memory, and a file
+# extended sparsely would make a forged metadata's claim of 10**12 bytes look consistent. Genuine files are written
+# through; a file system that stores zero blocks as holes (ZFS with compression) keeps up to this much of zeros so.
+HOLE_LIMIT = 64 << 20
 
 PathLike = str | os.PathLike
 
@@ -89,14 +96,14 @@ def persistent_buffers(state: TrainState) -> list[tuple[str, torch.Tensor]]:
 def _params_difference(saved: Sequence[Sequence[Any]], mine: Sequence[Sequence[Any]]) -> str | None:
     for i, (a, b) in enumerate(zip(saved, mine)):
         if a[0] != b[0]:
-            return f"parameter #{i} is {a[0]!r} vs {b[0]!r}"
+            return f"parameter #{i} is {shown(a[0])} vs {shown(b[0])}"
         for field, u, v in zip(("shape", "dtype", "optimizer group (-1: frozen)"), a[1:], b[1:]):
             if u != v:
                 u, v = (tuple(u), tuple(v)) if field == "shape" else (u, v)
-                return f"parameter {a[0]!r}: {field} {u} vs {v}"
+                return f"parameter {shown(a[0])}: {field} {shown(u)} vs {shown(v)}"
     if len(saved) != len(mine):
         longer = saved if len(saved) > len(mine) else mine
-        return f"parameter count {len(saved)} vs {len(mine)}; first extra: {longer[min(len(saved), len(mine))][0]!r}"
+        return f"parameter count {len(saved)} vs {len(mine)}; first extra: {shown(longer[min(len(saved), len(mine))][0])}"
     return None
 
 
@@ -104,7 +111,7 @@ def _manifest_difference(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> s
     """The first difference between a checkpoint's manifest and a state's, or None. Order: format, model
     (parameters, buffers), optimizer, scaler, precision. Values read "checkpoint vs this state"."""
     if saved.get("format") != FORMAT:
-        return f"not an fzero checkpoint (format {saved.get('format')!r})"
+        return f"not an fzero checkpoint (format {shown(saved.get('format'))})"
     if saved.get("version", 0) > VERSION:
         return f"written by a newer fzero (format version {saved['version']}; this one reads {VERSION})"
     diff = _params_difference(saved["params"], mine["params"])
@@ -113,13 +120,13 @@ def _manifest_difference(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> s
     theirs = {b[0]: b for b in saved.get("module", {}).get("buffers", [])}
     for b in mine["module"]["buffers"]:
         if b[0] not in theirs:
-            return f"model: buffer {b[0]!r} is not in the checkpoint"
+            return f"model: buffer {shown(b[0])} is not in the checkpoint"
         if theirs[b[0]] != b:
-            return f"model: buffer {b[0]!r}: {theirs[b[0]][1:]} vs {b[1:]}"
+            return f"model: buffer {shown(b[0])}: {shown(theirs[b[0]][1:])} vs {shown(b[1:])}"
     for section in ("optimizer", "scaler", "precision"):
         for key, value in mine[section].items():  # in _manifest's order: kind before details
             if saved[section].get(key) != value:
-                return f"{section} {key}: {saved[section].get(key)!r} vs {value!r}"
+                return f"{section} {key}: {shown(saved[section].get(key))} vs {shown(value)}"
     return None
 
 
@@ -140,7 +147,7 @@ def _resolve(files: Files, path: PathLike) -> tuple[Path, str | None]:
     name = _read_latest(p, files) if p.is_dir() else None
     d = p / name if name is not None else p
     if name is not None and not d.is_dir():
-        raise IncompleteCheckpointError(f"{p / LATEST} names {name!r}, but {d} does not exist")
+        raise IncompleteCheckpointError(f"{p / LATEST} names {shown(name)}, but {d} does not exist")
     files.check_inside(d)
     if not (d / METADATA_FILE).is_file():
         if name is None and not any(d.glob("*.distcp")):
@@ -152,7 +159,8 @@ def _resolve(files: Files, path: PathLike) -> tuple[Path, str | None]:
 
 def _check_data_files(d: Path, metadata: Metadata, files: Files) -> None:
     """Every data file the metadata names is a regular file inside the root (``files``) and holds every byte range it
-    lists."""
+    lists, on disk: the records are read whole, so what they claim is bounded by the bytes there before anything is
+    allocated (a sparse file's holes count for nothing beyond :data:`HOLE_LIMIT`)."""
     need: dict[str, int] = {}
     for info in metadata.storage_data.values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
@@ -160,11 +168,39 @@ def _check_data_files(d: Path, metadata: Metadata, files: Files) -> None:
         try:
             with files.open(d / rel) as f:
                 have = os.fstat(f.fileno()).st_size
+                holes = _hole_bytes(f.fileno(), min(size, have), HOLE_LIMIT)
         except FileNotFoundError:
             raise IncompleteCheckpointError(f"incomplete checkpoint {d}: data file {rel} is missing") from None
         if have < size:
             raise IncompleteCheckpointError(f"incomplete checkpoint {d}: data file {rel} is truncated ({have} "
                                             f"bytes, the metadata needs {size})")
+        if holes > HOLE_LIMIT:
+            raise corrupt(d, f"data file {rel} is sparse: more than {HOLE_LIMIT} of the {size} bytes its records "
+                             "claim are holes, not on disk (a checkpoint's files are written whole)")
+
+
+def _hole_bytes(fd: int, end: int, limit: int) -> int:
+    """How many bytes of ``[0, end)`` of the open file ``fd`` lie in holes, counted until more than ``limit``
+    (``SEEK_HOLE``/``SEEK_DATA``; 0 where the system or file system cannot tell)."""
+    if not hasattr(os, "SEEK_HOLE"):
+        return 0
+    total, pos = 0, 0
+    while pos < end and total <= limit:
+        try:
+            hole = os.lseek(fd, pos, os.SEEK_HOLE)  # the end of the file where the data run to it
+        except OSError:
+            return total
+        if hole >= end:
+            break
+        try:
+            data = os.lseek(fd, hole, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno != errno.ENXIO:
+                return total
+            data = end  # a hole to the end of the file
+        total += min(data, end) - hole
+        pos = data
+    return total
 
 
 def read_manifest(path: PathLike, *, follow_symlinks: bool = False) -> dict[str, Any]:
@@ -183,7 +219,7 @@ def checked_metadata(path: PathLike, *, follow_symlinks: bool = False) -> Checke
     checked = open_checked(d, files)
     sums = checked.checksums
     if latest is not None and sums is not None and sums.name is not None and sums.name != latest:
-        raise corrupt(d, f"{LATEST} names it {latest!r}, but it was saved as {sums.name!r} (step {sums.step}): "
+        raise corrupt(d, f"{LATEST} names it {shown(latest)}, but it was saved as {shown(sums.name)} (step {sums.step}): "
                          "another checkpoint's files are in its place")
     _check_data_files(d, checked.metadata, files)
     return checked
@@ -198,20 +234,36 @@ def _read_manifest(checked: CheckedDir) -> dict[str, Any]:
     file = metadata.storage_data[MetadataIndex(MANIFEST_KEY)].relative_path
     try:
         manifest = json.loads(box[MANIFEST_KEY])
-    except (TypeError, ValueError) as e:
-        raise corrupt(d, f"entry {MANIFEST_KEY!r} in data file {file} is not JSON ({e})") from e
+    except (TypeError, ValueError, RecursionError) as e:
+        raise corrupt(d, f"entry {MANIFEST_KEY!r} in data file {file} is not JSON ({_first_line(e)})") from e
     problem = _manifest_problem(manifest)
     if problem is not None:
         raise corrupt(d, f"entry {MANIFEST_KEY!r} in data file {file}: {problem}")
+    if manifest.get("format") == FORMAT:
+        _check_param_entries(d, metadata, manifest["params"])
     return manifest
 
 
+def _check_param_entries(d: Path, metadata: Metadata, params: Sequence[Sequence[Any]]) -> None:
+    """Each parameter's saved entry (its master, or the frozen value) holds the elements its manifest shape has: the
+    manifest and the entries were written together (an entry left out is found where it is read)."""
+    entries = metadata.state_dict_metadata
+    for path, shape, _, group in params:
+        key = f"fzero/master/{path}" if group >= 0 else f"{FROZEN_PREFIX}{path}"
+        md = entries.get(key)
+        if md is not None and (not isinstance(md, TensorStorageMetadata) or math.prod(md.size) != math.prod(shape)):
+            got = f"{math.prod(md.size)} elements" if isinstance(md, TensorStorageMetadata) else "bytes"
+            raise corrupt(d, f"entry {shown(key)} holds {got}, the manifest's shape {shown(shape)} has "
+                             f"{math.prod(shape)}: {METADATA_FILE} or the manifest is damaged")
+
+
 def _is_strs(x: Any) -> bool:
-    return isinstance(x, list) and all(isinstance(v, str) for v in x)
+    return isinstance(x, list) and all(_is_name(v) for v in x)
 
 
 def _is_shape(x: Any) -> bool:
-    return isinstance(x, list) and all(_is_int(v) for v in x)
+    """A list of at most :data:`~.metadata.MAX_DIMS` non-negative ints holding fewer than 2**63 elements."""
+    return isinstance(x, list) and len(x) <= MAX_DIMS and all(_is_int(v) for v in x) and math.prod(x) < MAX_EXTENT
 
 
 def _manifest_problem(m: Any) -> str | None:
@@ -222,17 +274,17 @@ def _manifest_problem(m: Any) -> str | None:
     if m.get("format") != FORMAT:
         return None  # not fzero's: _manifest_difference says so
     if not _is_int(m.get("version", 1), 1):
-        return f"format version {m.get('version')!r} is not a version"
+        return f"format version {shown(m.get('version'))} is not a version"
     params = m.get("params")
     if not isinstance(params, list):
         return "it has no parameter list"
     seen: set[str] = set()
     for p in params:
-        if not (isinstance(p, list) and len(p) == 4 and isinstance(p[0], str) and _is_shape(p[1])
-                and p[2] in DTYPES and _is_int(p[3], -1)):
-            return f"parameter {p!r} is not [path, shape, dtype, group]"
+        if not (isinstance(p, list) and len(p) == 4 and _is_name(p[0]) and _is_shape(p[1])
+                and isinstance(p[2], str) and p[2] in DTYPES and _is_int(p[3], -1)):
+            return f"parameter {shown(p)} is not [path, shape, dtype, group]"
         if p[0] in seen:
-            return f"parameter {p[0]!r} is listed twice"
+            return f"parameter {shown(p[0])} is listed twice"
         seen.add(p[0])
     opt = m.get("optimizer")
     if not (isinstance(opt, dict) and isinstance(opt.get("kind"), str) and _is_strs(opt.get("moment_names"))
@@ -245,12 +297,13 @@ def _manifest_problem(m: Any) -> str | None:
     for section in ("scaler", "precision"):
         if not isinstance(m.get(section), dict):
             return f"its {section} section is malformed"
-    if any(v is not None and v not in DTYPES for v in m["precision"].values()):
+    if any(v is not None and (not isinstance(v, str) or v not in DTYPES) for v in m["precision"].values()):
         return "its precision names an unknown dtype"
     module = m.get("module", {})
     if not (isinstance(module, dict)
-            and all(isinstance(b, list) and len(b) == 3 and isinstance(b[0], str) and _is_shape(b[1])
-                    and b[2] in DTYPES for b in module.get("buffers", []))
+            and isinstance(module.get("buffers", []), list) and isinstance(module.get("aliases", []), list)
+            and all(isinstance(b, list) and len(b) == 3 and _is_name(b[0]) and _is_shape(b[1])
+                    and isinstance(b[2], str) and b[2] in DTYPES for b in module.get("buffers", []))
             and all(_is_strs(a) for a in module.get("aliases", []))
             and _is_strs(module.get("state_dict_keys", []))):
         return "its module section is malformed"
