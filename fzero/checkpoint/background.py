@@ -1,6 +1,8 @@
 """Saves that do not stop training (``save_checkpoint(blocking=False)``): the state dict a save writes is copied into
 reusable host buffers (:func:`snapshot`: the step is held only for this copy), then a writer thread writes, checksums
-and publishes it (:func:`start`) while the training goes on.
+and publishes it (:func:`start`) while the training goes on: on real ranks the write itself in DCP's writer process
+(:func:`~.planners.dcp_save` ``in_process``, the buffers in shared memory), the thread and that process at Linux's idle
+priority (:func:`_yield_to_training`).
 
 Rules. One background save in flight per process: every save first calls :func:`settle`, which waits for the one in
 flight and raises its failure unless :meth:`BackgroundSave.wait` already has (so a failure is never silent: raised by
@@ -16,6 +18,7 @@ from __future__ import annotations
 import atexit
 import copy
 import dataclasses
+import os
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -40,13 +43,14 @@ class HostBuffers:
 
     def __init__(self) -> None:
         self._held: list[torch.Tensor] = []
-        self._pinned = False
+        self._kind = (False, False)
 
-    def take(self, sources: list[torch.Tensor], pinned: bool) -> list[torch.Tensor]:
+    def take(self, sources: list[torch.Tensor], pinned: bool, shared: bool = False) -> list[torch.Tensor]:
         """One host tensor for each of ``sources``: the previous call's at that place where shape, dtype and strides
-        agree, else a new one."""
-        if pinned != self._pinned:
-            self._held, self._pinned = [], pinned
+        agree, else a new one. ``shared``: in shared memory (a writer process maps it; not pinned then)."""
+        pinned = pinned and not shared
+        if (pinned, shared) != self._kind:
+            self._held, self._kind = [], (pinned, shared)
         held = self._held
         self._held = []  # an old tensor no longer wanted is freed as soon as its place is taken
         for i, t in enumerate(sources):
@@ -55,7 +59,7 @@ class HostBuffers:
                 self._held.append(old)
             else:
                 new = torch.empty_like(t, device="cpu")
-                self._held.append(new.pin_memory() if pinned else new)
+                self._held.append(new.share_memory_() if shared else new.pin_memory() if pinned else new)
             if i < len(held):
                 held[i] = None
         return list(self._held)
@@ -70,11 +74,11 @@ def _tensors_of(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _host_copies(sources: list[torch.Tensor], buffers: HostBuffers) -> list[torch.Tensor]:
+def _host_copies(sources: list[torch.Tensor], buffers: HostBuffers, shared: bool) -> list[torch.Tensor]:
     """A host copy of each of ``sources`` in ``buffers``' tensors, complete when this returns. CUDA sources are copied
     asynchronously, then one stream sync each device."""
     copies = [dst.copy_(t, non_blocking=t.is_cuda)
-              for dst, t in zip(buffers.take(sources, any(t.is_cuda for t in sources)), sources)]
+              for dst, t in zip(buffers.take(sources, any(t.is_cuda for t in sources), shared), sources)]
     for device in {t.device for t in sources if t.is_cuda}:
         torch.cuda.current_stream(device).synchronize()
     return copies
@@ -89,11 +93,12 @@ def _rebuilt(value: Any, copies: Iterator[torch.Tensor]) -> Any:
     return copy.deepcopy(value)  # e.g. a caller's lists in ``extra``, which it may append to meanwhile
 
 
-def snapshot(state_dict: Mapping[str, Any], buffers: HostBuffers) -> dict[str, Any]:
-    """A copy of ``state_dict`` that owns its data: every tensor (and piece) copied into ``buffers``, every other value
-    deep-copied. The state can be stepped (its buffers donated) as soon as this returns. No collectives."""
+def snapshot(state_dict: Mapping[str, Any], buffers: HostBuffers, shared: bool = False) -> dict[str, Any]:
+    """A copy of ``state_dict`` that owns its data: every tensor (and piece) copied into ``buffers`` (``shared``: in
+    shared memory), every other value deep-copied. The state can be stepped (its buffers donated) as soon as this
+    returns. No collectives."""
     sources = [t for v in state_dict.values() for t in _tensors_of(v)]
-    copies = iter(_host_copies(sources, buffers))
+    copies = iter(_host_copies(sources, buffers, shared))
     return {k: _rebuilt(v, copies) for k, v in state_dict.items()}
 
 
@@ -112,6 +117,7 @@ class BackgroundSave:
     def _run(self, write: Callable[[], None], threads: int) -> None:
         # OpenMP's thread count is per thread: the writer uses the training thread's, not the machine's
         torch.set_num_threads(threads)
+        _yield_to_training()
         try:
             write()
         except BaseException as e:  # noqa: BLE001 - kept for wait() and the next save, which raise it
@@ -145,6 +151,16 @@ class BackgroundSave:
         return f"BackgroundSave({str(self.path)!r}, {state})"
 
 
+def _yield_to_training() -> None:
+    """The calling thread (the writer) runs only when a core would otherwise idle (Linux ``SCHED_IDLE``, a
+    per-thread policy): the training's threads and processes keep the cores; elsewhere nothing changes."""
+    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+        except OSError:  # not permitted here: the writer keeps the training's priority
+            pass
+
+
 _in_flight: BackgroundSave | None = None
 _buffers = HostBuffers()
 _groups: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
@@ -164,14 +180,16 @@ def settle() -> None:
         raise pending._failure()
 
 
-def start(path: Path, state_dict: Mapping[str, Any], write: Callable[[dict[str, Any]], None]) -> BackgroundSave:
-    """Snapshot ``state_dict`` (:func:`snapshot`, into the process's reused host buffers), then run
-    ``write(snapshot)`` in a writer thread; returns its handle. Call :func:`settle` first (the buffers are the
-    previous save's). No collectives here (``write``'s run in the thread)."""
+def start(path: Path, state_dict: Mapping[str, Any], write: Callable[[dict[str, Any]], None],
+          shared: bool = False) -> BackgroundSave:
+    """Snapshot ``state_dict`` (:func:`snapshot`, into the process's reused host buffers; ``shared``: in shared
+    memory, for ``write`` to hand to a writer process), then run ``write(snapshot)`` in a writer thread; returns its
+    handle. Call :func:`settle` first (the buffers are the previous save's). No collectives here (``write``'s run in
+    the thread)."""
     global _in_flight
     if _in_flight is not None:
         raise RuntimeError("a background save is in flight: settle() first")
-    held = snapshot(state_dict, _buffers)
+    held = snapshot(state_dict, _buffers, shared)
     handle = BackgroundSave(path, lambda: write(held))
     handle._thread.start()
     _in_flight = handle

@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, _save_state_dict
 
 from ..layout import FlatGroup, Layout
 from .checksums import CheckedDir, ChecksumWriter, VerifyingReader
@@ -141,18 +142,46 @@ _SINGLE_PROCESS_NOTICE = ".*assuming the intent is to (save|load) in a single pr
 
 
 def dcp_save(state_dict: dict[str, Any], path: Path, pg: dist.ProcessGroup | None,
-             bind: Mapping[str, Any] | None = None) -> None:
+             bind: Mapping[str, Any] | None = None, *, in_process: bool = False) -> None:
     """DCP's save with checksums (:class:`ChecksumWriter`; ``bind``: the step and the name the checksum file
     also binds); failures as :class:`CheckpointError`. One process (``pg`` None): DCP's ``save`` less its notice
     that it assumes one process (intended here), which off the main thread (a background save's writer) only a
     process-wide filter could silence: its inner ``_save_state_dict``, which ``save`` calls for a state dict of plain
-    values such as this one."""
+    values such as this one.
+
+    ``in_process`` (a process group only): DCP's ``async_save`` with its writer process (``AsyncCheckpointerType.
+    PROCESS``: one per rank, started on the first such save and kept, with a gloo group of its own among the ranks'
+    writer processes), waited for: the serialization, checksums and file writes run outside this process, holding
+    none of its GIL. ``state_dict``'s tensors are sent as shared-memory handles when they are in shared memory
+    (:class:`~.background.HostBuffers`), copied there otherwise."""
     writer = ChecksumWriter(path, sync_files=True, bind=bind)
-    if pg is None:
+    if in_process:
+        if pg is None:
+            raise ValueError("dcp_save: in_process needs a process group")
+        run = lambda: dcp.async_save(  # noqa: E731
+            state_dict, storage_writer=writer, planner=_SavePlanner(), process_group=pg,
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=_Staged()).result()
+    elif pg is None:
         run = lambda: _save_state_dict(state_dict, storage_writer=writer, planner=_SavePlanner(), no_dist=True)  # noqa: E731
     else:
         run = lambda: dcp.save(state_dict, storage_writer=writer, planner=_SavePlanner(), process_group=pg)  # noqa: E731
     _call(run, f"writing checkpoint {path} failed", None)
+
+
+class _Staged(AsyncStager):
+    """The stager of a state dict already staged (:func:`~.background.snapshot` copied it before the step went on):
+    ``async_save`` writes it as it is."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def dcp_load(state_dict: dict[str, Any], checked: CheckedDir, pg: dist.ProcessGroup | None) -> None:
