@@ -20,8 +20,9 @@ step's stall for a save, blocking against non-blocking.
    ``save_checkpoint`` (the step is held for all of it); a ``save_checkpoint(blocking=False)`` (the step is held
    for the snapshot only) followed by ``--steps`` steps, each noted as running while the write was in flight if the
    write had not finished when it started; then ``wait()``. Rank 0's times; medians over the rounds. The steps
-   run while rank 0's writer thread writes about a third of the state's bytes per rank (its master and two
-   moments): on a machine with fewer free cores than ranks plus writers they share the CPU with it. The first
+   run while each rank's background writer (DCP's writer process, at idle priority) writes that rank's shards
+   (its master and two moments): on a machine with fewer free cores than ranks plus writers they share the CPU
+   with it. The first
    non-blocking save allocates its host buffer (the copy faults its pages in); the later ones reuse it.
 """
 
