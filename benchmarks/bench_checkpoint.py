@@ -19,10 +19,11 @@ step's stall for a save, blocking against non-blocking.
    donating step. Each of ``--rounds`` rounds, after a barrier: ``--steps`` steps without a save; a blocking
    ``save_checkpoint`` (the step is held for all of it); a ``save_checkpoint(blocking=False)`` (the step is held
    for the snapshot only) followed by ``--steps`` steps, each noted as running while the write was in flight if the
-   write had not finished when it started; then ``wait()``. Rank 0's times; medians over the rounds. The steps
-   run while each rank's background writer (DCP's writer process, at idle priority) writes that rank's shards
-   (its master and two moments): on a machine with fewer free cores than ranks plus writers they share the CPU
-   with it. The first
+   write had not finished when it started; then ``wait()``. Rank 0's times; medians over the rounds, and the median
+   over the rounds of each round's steps during the write against that round's steps without a save (the machine's
+   speed drifts between rounds on a shared host). The steps run while each rank's background writer (DCP's writer
+   process, at idle priority, its files written around the page cache) writes that rank's shards (its master and
+   two moments): on a machine with fewer free cores than ranks plus writers they share the CPU with it. The first
    non-blocking save allocates its host buffer (the copy faults its pages in); the later ones reuse it.
 """
 
@@ -197,11 +198,11 @@ def stall_worker(args: argparse.Namespace) -> None:
         one_step()
     root = Path(args.stall_worker)
     times: dict[str, list[float]] = {"plain": [], "blocking": [], "stall": [], "during": [], "after": [],
-                                     "wait": []}
+                                     "wait": [], "ratio": []}
     for r in range(args.rounds):
         dist.barrier()
-        for _ in range(args.steps):
-            times["plain"].append(_timed(one_step)[0])
+        plain = [_timed(one_step)[0] for _ in range(args.steps)]
+        times["plain"] += plain
         dist.barrier()
         t0 = time.perf_counter()
         fzero.save_checkpoint(state, root, comm, name=f"blocking-{r}")
@@ -210,9 +211,13 @@ def stall_worker(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         handle = fzero.save_checkpoint(state, root, comm, name=f"background-{r}", blocking=False)
         times["stall"].append(time.perf_counter() - t0)
+        during = []
         for _ in range(args.steps):
             writing = not handle.done()
-            times["during" if writing else "after"].append(_timed(one_step)[0])
+            (during if writing else times["after"]).append(_timed(one_step)[0])
+        times["during"] += during
+        if during:  # against this round's own steps without a save: the machine's speed drifts between rounds
+            times["ratio"].append(_median(during) / _median(plain))
         times["wait"].append(_timed(handle.wait)[0])
         dist.barrier()
         if comm.rank == 0:  # two checkpoints of the state on disk at most
@@ -247,6 +252,8 @@ def format_stall(args: argparse.Namespace, r: dict) -> str:
         f"({_median(r['stall'][1:]) / blocking:.3f} x the blocking save)",
         f"  {'steps while the write runs':<44} {during * 1e3:9.0f} ms  "
         f"({during / plain:.2f} x a step without a save; {len(r['during'])} steps)",
+        f"  {'  each round against its own steps':<44} {_median(r['ratio']):9.2f} x  (median; rounds: "
+        f"{', '.join(f'{x:.2f}' for x in r['ratio'])})",
         f"  {'steps after it finished':<44} {_median(r['after']) * 1e3:9.0f} ms  ({len(r['after'])} steps)",
         f"  {'wait() after the steps':<44} {_median(r['wait']) * 1e3:9.0f} ms",
     ]

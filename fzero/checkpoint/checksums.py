@@ -4,7 +4,7 @@ place, CRC, entry and chunk, the step and name, the SHA-256 of ``.metadata`` (wr
 :func:`open_checked`, :class:`VerifyingReader` and :func:`verify_checkpoint_dir` check them (failures:
 :class:`CheckpointCorruptError` naming directory, data file, entry). CRC-32 guards against accidents, not an adversary.
 
-Imports: errors, files, metadata.
+Imports: direct, errors, files, metadata.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from .direct import DirectFile
 from .errors import CheckpointCorruptError, corrupt, shown
 from .files import Files
 from .metadata import (
@@ -100,6 +101,7 @@ class _CountingStream(io.RawIOBase):
         return True
 
     def fileno(self) -> int:
+        self.flush()  # DCP fsyncs the descriptor before it closes the stream: the fsync covers every byte written
         return self.raw.fileno()
 
     def flush(self) -> None:
@@ -113,17 +115,23 @@ class _CountingStream(io.RawIOBase):
 
 
 class _ChecksumFileSystem(FileSystem):
-    def __init__(self) -> None:
+    """DCP's file system, its data files written through :class:`_CountingStream`; ``direct``: around the page
+    cache (:class:`~.direct.DirectFile`)."""
+
+    def __init__(self, direct: bool = False) -> None:
         super().__init__()
         self.records: dict[str, dict[int, list[int]]] = {}
         self.pool: ThreadPoolExecutor | None = None
+        self.direct = direct
 
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-        with super().create_stream(path, mode) as raw:
-            if "w" not in mode:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as raw:
                 yield raw
-                return
+            return
+        opened = DirectFile(path) if self.direct else super().create_stream(path, mode)
+        with opened as raw:
             stream = _CountingStream(raw, self.records.setdefault(Path(path).name, {}), self.pool)
             yield stream
             stream.close()
@@ -131,11 +139,13 @@ class _ChecksumFileSystem(FileSystem):
 
 class ChecksumWriter(dcp.FileSystemWriter):
     """DCP's file writer that records a CRC of every record it writes, and binds them, the metadata and
-    ``bind`` (the step and the name) in ``checksums.json`` (see the module doc)."""
+    ``bind`` (the step and the name) in ``checksums.json`` (see the module doc). ``direct``: the data files written
+    around the page cache (:class:`~.direct.DirectFile`, the background save's writer), the same bytes."""
 
-    def __init__(self, path: Any, *, bind: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, path: Any, *, bind: Mapping[str, Any] | None = None, direct: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        self.fs = _ChecksumFileSystem()
+        self.fs = _ChecksumFileSystem(direct)
         self.bind = dict(bind or {})
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:

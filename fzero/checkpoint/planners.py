@@ -142,7 +142,7 @@ _SINGLE_PROCESS_NOTICE = ".*assuming the intent is to (save|load) in a single pr
 
 
 def dcp_save(state_dict: dict[str, Any], path: Path, pg: dist.ProcessGroup | None,
-             bind: Mapping[str, Any] | None = None, *, in_process: bool = False) -> None:
+             bind: Mapping[str, Any] | None = None, *, in_process: bool = False, direct: bool = False) -> None:
     """DCP's save with checksums (:class:`ChecksumWriter`; ``bind``: the step and the name the checksum file
     also binds); failures as :class:`CheckpointError`. One process (``pg`` None): DCP's ``save`` less its notice
     that it assumes one process (intended here), which off the main thread (a background save's writer) only a
@@ -153,8 +153,9 @@ def dcp_save(state_dict: dict[str, Any], path: Path, pg: dist.ProcessGroup | Non
     PROCESS``: one per rank, started on the first such save and kept, with a gloo group of its own among the ranks'
     writer processes), waited for: the serialization, checksums and file writes run outside this process, holding
     none of its GIL. ``state_dict``'s tensors are sent as shared-memory handles when they are in shared memory
-    (:class:`~.background.HostBuffers`), copied there otherwise."""
-    writer = ChecksumWriter(path, sync_files=True, bind=bind)
+    (:class:`~.background.HostBuffers`), copied there otherwise. ``direct``: the data files written around the page
+    cache (:class:`~.direct.DirectFile`)."""
+    writer = ChecksumWriter(path, sync_files=True, bind=bind, direct=direct)
     if in_process:
         if pg is None:
             raise ValueError("dcp_save: in_process needs a process group")

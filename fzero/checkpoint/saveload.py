@@ -195,15 +195,16 @@ def _state_dict(state: TrainState, comm: Communicator, extra: Mapping[str, Any] 
 
 
 def _write_and_publish(state_dict: dict[str, Any], root: Path, name: str, bind: Mapping[str, Any],
-                       pg: dist.ProcessGroup | None, *, in_process: bool = False) -> None:
+                       pg: dist.ProcessGroup | None, *, in_process: bool = False, direct: bool = False) -> None:
     """Write ``state_dict`` into ``root/.tmp-{name}`` with its checksums (``bind``: the step and name they bind), then
     publish it as ``root/name`` and point ``LATEST`` at it (:mod:`.publish`). Collectives on ``pg``: a
     ``broadcast_object_list`` (the directory prepared), DCP's save (a gather and scatter of plans, a gather of write
     results), a barrier, a ``broadcast_object_list`` (published). ``in_process``: DCP's save runs in DCP's writer
-    process (:func:`~.planners.dcp_save`), its collectives on that process's own group."""
+    process (:func:`~.planners.dcp_save`), its collectives on that process's own group. ``direct``: the data files
+    written around the page cache (:mod:`.direct`)."""
     tmp = root / f"{_TMP_PREFIX}{name}"
     _on_coordinator(pg, "preparing the checkpoint directory", lambda: _prepare_tmp(root, tmp))
-    dcp_save(state_dict, tmp, pg, bind=bind, in_process=in_process)
+    dcp_save(state_dict, tmp, pg, bind=bind, in_process=in_process, direct=direct)
     if pg is not None:
         dist.barrier(group=pg)  # every rank's files are complete before the rename
     _on_coordinator(pg, "publishing the checkpoint", lambda: _publish(root, tmp, name))
@@ -257,8 +258,11 @@ writes, checksums and publishes the same files a blocking save would;
     # Real ranks write in DCP's writer process (the training keeps its GIL: measured, a writer thread slows the steps
     # it overlaps 1.3-2x); one process (the simulated world) in the writer thread.
     in_process = group is not None
+    # Written around the page cache: through it, the kernel's copy and writeback of the shards (its threads at
+    # normal priority, whatever the writer's) slow the steps they overlap by more than the writer itself does.
     return start(root / name, state_dict, lambda held: _write_and_publish(held, root, name, bind, group,
-                                                                          in_process=in_process), shared=in_process)
+                                                                          in_process=in_process, direct=True),
+                 shared=in_process)
 
 
 def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *, hyperparams: str = "checkpoint",
