@@ -7,10 +7,23 @@ samples, ``LONG``).
 """
 
 import os
+import re
+import tempfile
 
-import pytest
-import torch
-from hypothesis import HealthCheck, settings
+# torch.compile's on-disk cache, one per CPU kernel set the suite runs with (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA),
+# unless the caller chose one: on an Intel host, an ATEN_CPU_CAPABILITY=avx2 run under pytest-xdist that finds the
+# kernels an AVX-512 run left in torch's default cache gives compiled steps wrong numbers and crashes gloo ranks
+# (torch 2.13; with a cache of its own, or run serially, the same tests pass). Set before torch is imported, so that
+# the torchrun ranks the tests start inherit it.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _isa = "-".join(os.environ.get(k, "native") for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"fzero-tests-inductor-{os.getuid() if hasattr(os, 'getuid') else 'user'}-"
+        + re.sub(r"[^A-Za-z0-9_.-]", "_", _isa))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
     "ci",
