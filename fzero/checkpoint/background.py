@@ -7,10 +7,10 @@ priority (:func:`_yield_to_training`).
 Rules. One background save in flight per process: every save first calls :func:`settle`, which waits for the one in
 flight and raises its failure unless :meth:`BackgroundSave.wait` already has (so a failure is never silent: raised by
 ``wait()``, else by the next save to any root, else warned of at exit). On a process group the writer's collectives
-run on a gloo group of their own (:func:`checkpoint_group`), never interleaved with the training's. The functions here
+run on a host group of their own (:func:`checkpoint_group`), never interleaved with the training's. The functions here
 are called from the training thread only; the writer thread touches nothing but its handle.
 
-Imports: errors, metadata, planners.
+Imports: dist, errors, metadata, planners.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..dist import host_group
 from .errors import CheckpointError
 from .metadata import _first_line
 from .planners import _Pieces
@@ -197,15 +198,15 @@ def start(path: Path, state_dict: Mapping[str, Any], write: Callable[[dict[str, 
 
 
 def checkpoint_group(pg: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """The gloo process group background saves over ``pg``'s ranks run their collectives on (torch's advice for
+    """The process group background saves over ``pg``'s ranks run their collectives on (torch's advice for
     ``async_save``: the writer's collectives never interleave with the training's on ``pg``); None for None. Made on
-    the first call for ``pg``, by ``new_group`` among ``pg``'s ranks (a collective of theirs: every rank makes the
-    same save), then kept; gloo's default timeout."""
+    the first call for ``pg`` by :func:`fzero.dist.host_group` (a collective of ``pg``'s ranks: every rank makes
+    the same save), then kept."""
     if pg is None:
         return None
     group = _groups.get(pg)
     if group is None:
-        group = dist.new_group(dist.get_process_group_ranks(pg), backend="gloo", use_local_synchronization=True)
+        group = host_group(pg)
         _groups[pg] = group
     return group
 

@@ -66,16 +66,14 @@ class DirectFile:
         return self.base + self.staged
 
     def flush(self) -> None:
-        if self.closed or self.staged % ALIGN == 0:
-            if not self.closed:
-                self._write_staged()
+        if self.closed:
             return
         end = self.base + self.staged
-        self._write_staged()  # the whole blocks; the partial one moved to the buffer's start
-        tail = self.staged
-        self.buffer[tail : ALIGN] = bytes(ALIGN - tail)
-        self._pwrite(memoryview(self.buffer)[:ALIGN], self.base)
-        os.ftruncate(self.fd, end)
+        self._write_staged()  # the whole blocks; a partial one moved to the buffer's start
+        if self.staged:  # written padded to a whole block, the file cut back to its real end
+            self.buffer[self.staged : ALIGN] = bytes(ALIGN - self.staged)
+            self._pwrite(memoryview(self.buffer)[:ALIGN], self.base)
+            os.ftruncate(self.fd, end)
 
     def fileno(self) -> int:
         self.flush()

@@ -150,7 +150,7 @@ def dcp_save(state_dict: dict[str, Any], path: Path, pg: dist.ProcessGroup | Non
     values such as this one.
 
     ``in_process`` (a process group only): DCP's ``async_save`` with its writer process (``AsyncCheckpointerType.
-    PROCESS``: one per rank, started on the first such save and kept, with a gloo group of its own among the ranks'
+    PROCESS``: one per rank, started on the first such save and kept, with a process group of its own among the ranks'
     writer processes), waited for: the serialization, checksums and file writes run outside this process, holding
     none of its GIL. ``state_dict``'s tensors are sent as shared-memory handles when they are in shared memory
     (:class:`~.background.HostBuffers`), copied there otherwise. ``direct``: the data files written around the page

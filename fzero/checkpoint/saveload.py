@@ -235,7 +235,7 @@ writes, checksums and publishes the same files a blocking save would;
     did; a failure nothing was told of is warned of at exit. Wait before ``destroy_process_group``.
 
     Collectives (on a process group): those of :func:`_write_and_publish`, on this call's group when blocking; in the
-    writer thread, on a gloo group of the same ranks made on the first background save (``new_group``, a collective
+    writer thread, on a host group of the same ranks made on the first background save (``new_group``, a collective
     of those ranks), when not."""
     ensure_live(state)
     check_world(state.shard, comm)

@@ -28,6 +28,7 @@ from .gloo import (
     Bound,
     ScratchPool,
     average_owned,
+    host_group,
     point_to_point_all_reduce,
     point_to_point_gather,
     point_to_point_reduce_scatter,
@@ -36,7 +37,7 @@ from .gloo import (
 
 __all__ = ["TorchCommunicator", "LayoutMismatchError", "REDUCE_SCATTER_PATHS", "ALL_GATHER_PATHS",
            "ALL_REDUCE_PATHS", "DEFAULT_TIMEOUT", "launcher_world_size", "choose_comm", "start_process_group",
-           "device_for"]
+           "device_for", "host_group"]
 
 REDUCE_SCATTER_PATHS = ("reduce_scatter", "all_to_all", "all_reduce")
 ALL_GATHER_PATHS = ("all_gather", "point_to_point")

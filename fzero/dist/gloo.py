@@ -22,7 +22,7 @@ from ..comm import CollectiveError
 from ..scopes import GATHER, GRAD_REDUCTION, step_scope
 
 __all__ = ["Bound", "wait", "waiter", "Works", "point_to_point_gather", "point_to_point_reduce_scatter",
-           "point_to_point_all_reduce", "ScratchPool", "C10D_OP"]
+           "point_to_point_all_reduce", "ScratchPool", "C10D_OP", "host_group"]
 
 C10D_OP = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 TRACED_REDUCE_TAG = 1 << 30  # a traced reduce-scatter waits inside its operator: one tag serves them all
@@ -76,6 +76,13 @@ class Works:
             if w.wait(**limit) is False:
                 return False
         return True
+
+
+def host_group(pg: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A new gloo group of ``pg``'s ranks, for host-side work that must never interleave with the collectives on ``pg``
+    (a background checkpoint's writer: torch's advice for ``async_save``). ``new_group`` with local synchronization:
+    a collective of ``pg``'s ranks only, each of which must call it; gloo's default timeout."""
+    return dist.new_group(dist.get_process_group_ranks(pg), backend="gloo", use_local_synchronization=True)
 
 
 def _peers(rank: int, world: int) -> list[tuple[int, int]]:  # (dst, src) per round: send k ahead, receive k behind
