@@ -3,6 +3,8 @@
 (``fzero.dist``). Collectives are methods over it: one step runs on both, eagerly or traced. A *mesh* ``(replicas,
 shards)`` (HSDP) shards the state over each group of ``world_size`` ranks and replicates it ``replicas`` times: the
 collectives span one shard group, and :meth:`Communicator.all_reduce_replicas_start` the ranks that hold the same shard.
+*Parameter groups* (:attr:`Communicator.groups`): named communicators over disjoint groups of the world's ranks (an
+expert-data-parallel group: the ranks holding the same experts), over which the parameters given to them are sharded.
 
 Imports: torch only.
 """
@@ -12,14 +14,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 import torch.utils._pytree as tp
 
 __all__ = ["CollectiveError", "Communicator", "SimulatedWorld", "CountingCommunicator", "CollectiveRecord",
-           "gradient_divide_factors", "rank_order_sum", "mesh_groups", "Mesh"]
+           "gradient_divide_factors", "rank_order_sum", "mesh_groups", "Mesh", "param_groups"]
 Mesh = Sequence[Any]  # a shape (replicas, shards), or the shard groups: replicas lists of shards global ranks
 ReduceOp = Literal["sum", "avg", "max"]
 
@@ -92,6 +94,24 @@ def mesh_text(groups: tuple[tuple[int, ...], ...]) -> str:
     return f"mesh=({r}, {s}){flat}"
 
 
+def param_groups(groups: Mapping[str, Mesh], world: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Each named parameter group's rank groups, validated for a world of ``world`` ranks: a value is a mesh
+    (:func:`mesh_groups`: a shape ``(count, size)``, consecutive ranks in each group, or the lists of ranks), each
+    group of ``size`` ranks sharding the parameters given that name, and every rank in exactly one. ``ValueError``
+    naming the group (a name that is not a non-empty string, a shape that does not divide the world, a rank in two
+    groups or none) before any collective."""
+    out = {}
+    for name, mesh in groups.items():
+        if not (isinstance(name, str) and name):
+            raise ValueError(f"groups: a parameter group's name must be a non-empty string, got {name!r}")
+        try:
+            out[name] = mesh_groups(mesh, world)
+        except (ValueError, TypeError) as e:
+            text = str(e).replace("shard group", "rank group").replace("(replicas, shards)", "(groups, ranks each)")
+            raise ValueError(f"groups[{name!r}]: {text.replace('replicas lists', 'lists')}") from None
+    return out
+
+
 def rank_order_sum(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     """A new ``rows[0] + rows[1] + ...``, one row at a time in rank order in the rows' dtype: the one definition of a
     reduce-scatter's and an all-reduce's sum, so every communicator and path gives the same bits (each element a chain
@@ -111,6 +131,11 @@ class Communicator:
     ranks: tuple[int, ...]  # each local row's rank in its shard group: the shard it holds
     replicas: int = 1  # copies of the sharded state (a mesh's replica axis); the batch: world_size * replicas parts
     node: Communicator | None = None  # hpZ: this rank's shard group (a node), where stage 3 regathers for backward
+    # parameter groups: the communicator each named group of parameters is sharded over (init_train_state(groups=))
+    groups: Mapping[str, Communicator] = {}  # never mutated: each communicator with groups assigns its own
+    # a parameter group's communicator: its collectives run in each of `parts` disjoint groups of `world_size` ranks;
+    # `part`, each local row's group (the world's own: one part)
+    parts: int = 1
     # where the small tensors a piece builds to send live (unit-call tags, init agreement, layout digests): a
     # process group's device (NCCL: this rank's GPU; a CPU tensor is refused there), the simulated world's tensors'
     device: torch.device = torch.device("cpu")
@@ -122,6 +147,22 @@ class Communicator:
     # an all-reduce that lets go of its input before its whole sum exists: what it holds beside the input until then
     # (None: it holds its input throughout)
     all_reduce_input_buffers: float | None = None
+
+    @property
+    def part(self) -> tuple[int, ...]:
+        """Each local row's group among :attr:`parts` (a parameter group's communicator; otherwise all 0)."""
+        return self.__dict__.get("_part") or (0,) * self.local_ranks
+
+    def param_group(self, name: str) -> Communicator:
+        """The communicator of parameter group ``name``; ``""``: this one. ``ValueError`` naming the groups there are."""
+        if not name:
+            return self
+        found = self.groups.get(name)
+        if found is None:
+            raise ValueError(f"parameter group {name!r}: this communicator ({self!r}) has "
+                             f"{'groups ' + ', '.join(map(repr, self.groups)) if self.groups else 'no parameter groups'}"
+                             f"; give it the group (SimulatedWorld(groups=...), TorchCommunicator(groups=...))")
+        return found
 
     @property
     def data_ranks(self) -> tuple[int, ...]:
@@ -155,6 +196,7 @@ class Communicator:
         gains."""
         self.inner, self.world_size, self.local_ranks = inner, inner.world_size, inner.local_ranks
         self.ranks, self.replicas, self.node, self.device = inner.ranks, inner.replicas, inner.node, inner.device
+        self.groups, self.parts, self._part = inner.groups, inner.parts, inner.part
         if capabilities:
             self.overlaps = inner.overlaps
             self.reduce_scatter_buffers = inner.reduce_scatter_buffers
@@ -257,6 +299,8 @@ class Communicator:
         out.traced = True
         if isinstance(getattr(self, "inner", None), Communicator):
             out.inner = self.inner.tracing()
+        if self.groups:
+            out.groups = {name: c.tracing() for name, c in self.groups.items()}
         return out
 
     def reusing_buffers(self) -> contextlib.AbstractContextManager[None]:
@@ -319,14 +363,19 @@ class SimulatedWorld(Communicator):
     own, and :meth:`all_reduce_replicas_start` adds each shard's copies in replica order; ``broadcast`` spans all.
     ``hpz=True`` (ZeRO++ hpZ, with a mesh): the state sharded over every rank, and ``node`` the mesh's shard groups,
     within which stage 3 regathers each unit for backward from a secondary shard. ``device``: where its tensors live
-    (:attr:`Communicator.device`; it runs on tensors of any device)."""
+    (:attr:`Communicator.device`; it runs on tensors of any device). ``groups`` (:func:`param_groups`; a flat world
+    only): ``{name: mesh}``, each a parameter group's communicator in :attr:`groups`, its collectives run per rank group
+    as a world of its own, nothing replicated across them (``parts`` groups; ``part``, each row's)."""
 
     def __init__(self, world_size: int, *, mesh: Mesh | None = None, hpz: bool = False,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", groups: Mapping[str, Mesh] | None = None):
         if not (isinstance(world_size, int) and world_size >= 1):
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if hpz and mesh is None:
             raise ValueError("SimulatedWorld(hpz=True) needs a mesh: its shard groups are the nodes")
+        if groups and mesh is not None:
+            raise ValueError("SimulatedWorld: parameter groups (groups=) need a flat world: not with a mesh")
+        named = param_groups(groups or {}, world_size)
         groups = None if mesh is None else mesh_groups(mesh, world_size)
         self.device = torch.device(device)
         self._text = "" if groups is None else (", hpz " if hpz else ", ") + mesh_text(groups)
@@ -340,6 +389,20 @@ class SimulatedWorld(Communicator):
         self.ranks = tuple(place[r] for r in range(world_size))
         self.reduce_scatter_buffers, self.all_reduce_buffers = 0.0, float(shards)  # the sum, one per row
         self._flat = self if self._groups is None else SimulatedWorld(shards, device=device)
+        if named:
+            self._text += ", groups={" + ", ".join(f"{n!r}: ({len(g)}, {len(g[0])})" for n, g in named.items()) + "}"
+            self.groups = {name: SimulatedWorld._partition(world_size, name, lists, device)
+                           for name, lists in named.items()}
+
+    @staticmethod
+    def _partition(world_size: int, name: str, lists: tuple[tuple[int, ...], ...],
+                   device: torch.device | str) -> SimulatedWorld:
+        """Parameter group ``name``'s communicator: the mesh of its rank groups, nothing replicated across them."""
+        out = SimulatedWorld(world_size, mesh=lists, device=device)
+        out.replicas, out.parts = 1, len(lists)
+        out._part = tuple(next(q for q, g in enumerate(lists) if r in g) for r in range(world_size))
+        out._text = f", group {name!r}: {len(lists)} of {len(lists[0])} ranks"
+        return out
 
     @property
     def data_ranks(self) -> tuple[int, ...]:
@@ -372,7 +435,7 @@ class SimulatedWorld(Communicator):
 
     def all_reduce_replicas_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
         self._check_rows(x, "all_reduce_replicas")
-        if self._groups is None:
+        if self._groups is None or self.replicas == 1:  # a parameter group's rank groups hold different parameters
             return lambda: x
         out = torch.empty_like(x)
         for holders in zip(*self._groups):  # the ranks holding one shard, in replica order
@@ -423,8 +486,8 @@ class CollectiveRecord:
     """One collective as one rank saw it: ``elements`` of its buffer per rank (the input of all-reduce and
     reduce-scatter, the output of all-gather); ``moved``, the elements each rank sends (ring: ``2 (W-1)/W`` of them for
     all-reduce, ``(W-1)/W`` otherwise; a tree broadcast: about all); ``bytes = moved * itemsize``. ``axis``: the ranks
-    it spans, ``"shard"`` (a shard group: W its size), ``"replica"`` (a mesh's copies of a shard), ``"world"``, or
-    ``"node"`` (hpZ's regathers within a shard group)."""
+    it spans, ``"shard"`` (a shard group: W its size), ``"replica"`` (a mesh's copies of a shard), ``"world"``,
+    ``"node"`` (hpZ's regathers within a shard group), or a parameter group's name (one of its rank groups)."""
 
     op: str
     dtype: torch.dtype
@@ -440,8 +503,9 @@ class CountingCommunicator(Communicator):
     def __init__(self, inner: Communicator, records: list[CollectiveRecord] | None = None, axis: str = "shard"):
         self.wrapping(inner)
         self.records, self._axis = [] if records is None else records, axis
-        # hpZ's node: counted into the same records, on the "node" axis
+        # hpZ's node: counted into the same records, on the "node" axis; a parameter group's, on an axis of its name
         self.node = None if inner.node is None else CountingCommunicator(inner.node, self.records, "node")
+        self.groups = {name: CountingCommunicator(c, self.records, name) for name, c in inner.groups.items()}
 
     def __repr__(self) -> str:
         return f"CountingCommunicator({self.inner!r})"
@@ -454,8 +518,7 @@ class CountingCommunicator(Communicator):
         if op == "reduce_scatter" and getattr(self.inner, "reduce_scatter_via", None) == "all_reduce":
             op = "all_reduce"  # what the backend really sends
         axis = "world" if op == "broadcast" and self.replicas > 1 else axis or self._axis
-        w = {"shard": self.world_size, "node": self.world_size, "replica": self.replicas,
-             "world": self.data_world_size}[axis]
+        w = {"replica": self.replicas, "world": self.data_world_size}.get(axis, self.world_size)
         elements = x[0].numel() * (w if op == "all_gather" else 1)
         ring_factor = {"all_reduce": 2.0, "broadcast": w / max(w - 1, 1)}.get(op, 1.0)
         moved = elements * ring_factor * (w - 1) / w

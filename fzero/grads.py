@@ -24,7 +24,7 @@ from .layout import FlatGrads, compute_dtype, flatten_one, group_views, stack_ro
 from .module import ModuleLoss, check_loss, row_of
 from .module import broadcast_buffers as broadcast_module_buffers
 from .rng import rank_rng
-from .sharding import all_gather_params, frozen_params
+from .sharding import all_gather_params, frozen_params, used_positions
 from .state import TrainState
 from .units import CompiledUnits, compiled_unit_grads, unit_grads
 
@@ -39,7 +39,8 @@ class Grads(NamedTuple):
     (each rank's averaged shards ``[R, shard_numel]``, one per flat group), or without ``on_ready`` each rank's whole
     gradient (a :class:`~fzero.layout.FlatGrads` of every flat group). ``losses``: ``[R]`` fp32, unscaled. ``buffers``:
     the module buffers the forward left; ``rng``: the generator states it left. ``used``: ``[R, T]`` float64, 1 where
-    the rank's loss reached trainable parameter ``t``; ``every``: all of ``used`` is 1 (known in Python; traced: when
+    the rank's loss reached trainable parameter ``t`` (with parameter groups ``[R, Layout.num_positions]``: each at its
+    rank group's position, :func:`fzero.sharding.used_positions`); ``every``: all of ``used`` is 1 (known in Python; traced: when
     tracing)."""
 
     grads: tuple[torch.Tensor, ...]
@@ -115,7 +116,13 @@ def loss_grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicato
         state = state.replace(buffers=broadcast_module_buffers(state.buffers, comm))
     # a graph's collectives are the graph's; eagerly, every one handed to the runner has run when it ends
     with contextlib.nullcontext() if comm.traced else workspace.runner:
-        return _grads(loss_fn, state, batch, comm, workspace, scaled, on_ready)
+        out = _grads(loss_fn, state, batch, comm, workspace, scaled, on_ready)
+    if not state.layout.axes:
+        return out
+    # a parameter group's flags at its rank group's positions, so the world's sum keeps rank groups apart; and
+    # `every` off: this process using each of its parameters says nothing of another rank group's (the agreed flags
+    # decide, so every rank counts every rank group's sat-out steps alike)
+    return out._replace(used=used_positions(state.layout, out.used, comm), every=False)
 
 
 def _grads(loss_fn: LossFn, state: TrainState, batch: Any, comm: Communicator, workspace: Workspace,

@@ -1,7 +1,9 @@
 """The flat parameter layout: trainable parameters packed, in tree order, into one flat buffer per *flat group*
 (parameters sharing a bucket, optimizer group, dtype and ``keep_dtype``), zero-padded to split into ``world_size`` equal
 shards, each a multiple of ``alignment`` long; frozen parameters stay whole, or (stage 3: ``shard_frozen``) are packed
-alike into *frozen groups*. The layout is static: hashable, kept as pytree metadata of the state.
+alike into *frozen groups*. A trainable parameter of a named *parameter group* (``axis``: an expert's) is packed into
+flat groups of its own, sharded over that group's ranks (``Layout.axes``). The layout is static: hashable, kept as
+pytree metadata of the state.
 
 Imports: none of fzero.
 """
@@ -72,12 +74,14 @@ class ParamSlot:
     bucket: int = 0
     keep_dtype: bool = False
     frozen_group: int = -1
+    axis: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class FlatGroup:
-    """One flat buffer: ``numel`` parameter elements, ``padded_numel = world_size * shard_numel`` with padding;
-    ``slots``: indices into :attr:`Layout.slots`, in buffer order. ``opt_group == -1``: a frozen group."""
+    """One flat buffer: ``numel`` parameter elements, ``padded_numel = world_size * shard_numel`` with padding
+    (``world_size``: its parameter group's, ``axis``; ``""``: the world's); ``slots``: indices into
+    :attr:`Layout.slots`, in buffer order. ``opt_group == -1``: a frozen group."""
 
     index: int
     opt_group: int
@@ -88,6 +92,7 @@ class FlatGroup:
     shard_numel: int
     bucket: int = 0
     keep_dtype: bool = False
+    axis: str = ""
 
     @property
     def master_dtype(self) -> torch.dtype:
@@ -102,7 +107,9 @@ class FlatGroup:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Layout:
     """Where every parameter of a tree lives: ``slots`` (every leaf in tree order), ``groups`` (flat buffers), ``spec``
-    (tree structure), ``frozen_groups`` (stage 3's sharded frozen parameters); eq/hash: :attr:`fingerprint`."""
+    (tree structure), ``frozen_groups`` (stage 3's sharded frozen parameters), ``axes`` (each parameter group's
+    ``(name, world_size, parts)``: its ranks per rank group, and how many rank groups, each holding its own values of
+    the group's parameters); eq/hash: :attr:`fingerprint`."""
 
     slots: tuple[ParamSlot, ...]
     groups: tuple[FlatGroup, ...]
@@ -110,6 +117,18 @@ class Layout:
     world_size: int
     alignment: int
     frozen_groups: tuple[FlatGroup, ...] = ()
+    axes: tuple[tuple[str, int, int], ...] = ()
+
+    def axis_size(self, axis: str) -> int:
+        """The ranks a flat group of parameter group ``axis`` is sharded over (``""``: the world's)."""
+        return self.world_size if not axis else next(w for name, w, _ in self.axes if name == axis)
+
+    @property
+    def num_positions(self) -> int:
+        """The length of the per-parameter vectors (used flags, ``OptState.missed``): one position per trainable
+        parameter, and a parameter group's one per rank group holding it (:func:`positions`)."""
+        extra = sum((parts - 1) * sum(s.axis == name for s in self.trainable_slots) for name, _, parts in self.axes)
+        return len(self.trainable_slots) + extra
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -136,10 +155,11 @@ class Layout:
     def describe(self) -> tuple[tuple[Any, ...], ...]:
         """Rows ``(path, shape, dtype, keep_dtype, flat group, optimizer group, bucket)`` after a header row
         ``(world size, alignment, tree structure)``: what the fingerprint hashes."""
-        head = ("world_size", self.world_size, "alignment", self.alignment, str(self.spec))
+        head = ("world_size", self.world_size, "alignment", self.alignment, str(self.spec), self.axes)
         return (head,) + tuple((s.path, s.shape, str(s.dtype), s.keep_dtype,
                                 s.group if s.frozen_group < 0 else f"frozen {s.frozen_group}",
-                                self.groups[s.group].opt_group if s.group >= 0 else -1, s.bucket) for s in self.slots)
+                                self.groups[s.group].opt_group if s.group >= 0 else -1, s.bucket, s.axis)
+                               for s in self.slots)
 
     @property
     def fingerprint(self) -> str:
@@ -163,6 +183,9 @@ class Layout:
     def with_world_size(self, world_size: int, shard_frozen: bool | None = None) -> Layout:
         """The same parameters laid out for another world size; ``shard_frozen``: in frozen groups (default: as
         here)."""
+        if self.axes:
+            raise ValueError("a layout with parameter groups moves to another world size with its groups: not "
+                             "supported yet")
         unpacked = [dataclasses.replace(s, group=self.groups[s.group].opt_group if s.group >= 0 else -1,
                                         frozen_group=-1) for s in self.slots]
         shard_frozen = bool(self.frozen_groups) if shard_frozen is None else shard_frozen
@@ -175,7 +198,7 @@ def first_difference(mine: Sequence[tuple[Any, ...]], theirs: Sequence[tuple[Any
     for i in (0, 2):
         if a[i + 1] != b[i + 1]:
             return f"{a[i]} differs: {a[i + 1]} vs {b[i + 1]}"
-    fields = ("path", "shape", "dtype", "keep_dtype", "flat group", "optimizer group", "bucket")
+    fields = ("path", "shape", "dtype", "keep_dtype", "flat group", "optimizer group", "bucket", "parameter group")
     for i, (x, y) in enumerate(zip(mine[1:], theirs[1:])):
         if x[0] != y[0]:
             return f"parameter #{i} is {x[0]!r} vs {y[0]!r}"
@@ -185,41 +208,47 @@ def first_difference(mine: Sequence[tuple[Any, ...]], theirs: Sequence[tuple[Any
     if len(mine) != len(theirs):
         extra = max(mine, theirs, key=len)[min(len(mine), len(theirs))][0]
         return f"parameter count differs ({len(mine) - 1} vs {len(theirs) - 1}); first extra: {extra!r}"
+    if a[5:] != b[5:]:
+        return f"parameter groups differ: {a[5:]} vs {b[5:]}"
     return "the parameter tree structure differs (same paths, other container types)" if a[4] != b[4] else None
 
 
 def _pack(slots: Iterable[ParamSlot], spec: tp.TreeSpec, world_size: int, alignment: int,
-          shard_frozen: bool = False) -> Layout:
-    """Give slots (``group``: opt-group index, -1 frozen) flat groups and offsets; ``shard_frozen``: frozen ones too."""
+          shard_frozen: bool = False, axes: tuple[tuple[str, int, int], ...] = ()) -> Layout:
+    """Give slots (``group``: opt-group index, -1 frozen) flat groups and offsets; ``shard_frozen``: frozen ones too;
+    a slot of a parameter group (``axis``) goes to flat groups of that group, sharded over its ``world_size``."""
     slots = list(slots)
-    keys: dict[tuple[int, int, torch.dtype, bool], list[int]] = {}
+    sizes = {"": world_size, **{name: w for name, w, _ in axes}}
+    keys: dict[tuple[int, str, int, torch.dtype, bool], list[int]] = {}
     for i, s in enumerate(slots):
         if s.group >= 0 or shard_frozen:
-            keys.setdefault((s.bucket, s.group, s.dtype, s.keep_dtype), []).append(i)
+            keys.setdefault((s.bucket, s.axis, s.group, s.dtype, s.keep_dtype), []).append(i)
     groups: tuple[list[FlatGroup], list[FlatGroup]] = ([], [])
-    for (bucket, opt_group, dtype, keep), members in sorted(keys.items(), key=lambda kv: kv[0][0]):
-        out, offset = groups[opt_group < 0], 0
+    for (bucket, axis, opt_group, dtype, keep), members in sorted(keys.items(), key=lambda kv: kv[0][0]):
+        out, offset, ranks = groups[opt_group < 0], 0, sizes[axis]
         for i in members:
             where = {"group": len(out)} if opt_group >= 0 else {"frozen_group": len(out)}
             slots[i] = dataclasses.replace(slots[i], offset=offset, **where)
             offset += slots[i].numel
-        # ceil(offset / world_size) rounded up to a multiple of alignment (one alignment at least)
-        shard = max(-(-offset // (world_size * alignment)) * alignment, alignment)
-        out.append(FlatGroup(len(out), opt_group, dtype, tuple(members), offset, shard * world_size, shard, bucket,
-                             keep))
-    return Layout(tuple(slots), tuple(groups[0]), spec, world_size, alignment, tuple(groups[1]))
+        # ceil(offset / ranks) rounded up to a multiple of alignment (one alignment at least)
+        shard = max(-(-offset // (ranks * alignment)) * alignment, alignment)
+        out.append(FlatGroup(len(out), opt_group, dtype, tuple(members), offset, shard * ranks, shard, bucket,
+                             keep, axis))
+    return Layout(tuple(slots), tuple(groups[0]), spec, world_size, alignment, tuple(groups[1]), axes)
 
 
 def build_layout(params: Any, world_size: int, *, trainable: Callable[[str], bool] | None = None,
                  group_of: Callable[[str], int] | None = None, bucket_of: Callable[[str], int] | None = None,
                  keep_dtype: Callable[[str], bool] | None = None, alignment: int = 16,
-                 shard_frozen: bool = False) -> Layout:
+                 shard_frozen: bool = False, axis_of: Callable[[str], str] | None = None,
+                 axes: Sequence[tuple[str, int, int]] = ()) -> Layout:
     """Lay out ``params`` (an ``nn.Module`` or a pytree of tensors) for ``world_size`` ranks. ``trainable(path)``: which
     leaves the optimizer updates (default: every pytree leaf, a module's ``requires_grad`` parameters);
     ``group_of(path)``: a trainable leaf's optimizer group (default 0); ``bucket_of(path)``: its shard unit (default 0,
     the root); ``keep_dtype(path)``: whether it keeps its own dtype for compute (default: none); ``shard_frozen``:
-    frozen leaves in frozen groups (stage 3). ``TypeError`` names a non-tensor, sparse or non-floating leaf;
-    ``ValueError`` if nothing is trainable."""
+    frozen leaves in frozen groups (stage 3); ``axis_of(path)``: a trainable leaf's parameter group (default ``""``,
+    the world), one of ``axes`` (``(name, world_size, parts)`` each). ``TypeError`` names a non-tensor, sparse or
+    non-floating leaf; ``ValueError`` if nothing is trainable, or names a frozen leaf given a parameter group."""
     for name, value in (("world_size", world_size), ("alignment", alignment)):
         if not (isinstance(value, int) and value >= 1):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -232,11 +261,19 @@ def build_layout(params: Any, world_size: int, *, trainable: Callable[[str], boo
         group = (group_of(path) if group_of is not None else 0) if train else -1
         bucket = bucket_of(path) if bucket_of is not None else 0
         keep = bool(keep_dtype(path)) if keep_dtype is not None else False
-        slots.append(ParamSlot(path, tuple(x.shape), x.dtype, group, 0, x.numel(), bucket, keep))
+        axis = axis_of(path) if axis_of is not None else ""
+        if axis and not train:
+            raise ValueError(f"parameter {path!r} is frozen but in parameter group {axis!r}: a group's parameters "
+                             "differ between its rank groups and are trained there (a frozen one is held whole, the "
+                             "same on every rank); train it, or leave it out of the group")
+        if axis not in {"", *(name for name, _, _ in axes)}:
+            raise ValueError(f"parameter {path!r}: unknown parameter group {axis!r}")
+        slots.append(ParamSlot(path, tuple(x.shape), x.dtype, group, 0, x.numel(), bucket, keep, axis=axis))
     if not any(s.group >= 0 for s in slots):
         raise ValueError("no trainable parameters: every parameter is frozen (requires_grad=False or excluded by "
                          "`trainable`)" if slots else "no trainable parameters: the parameter tree is empty")
-    return _pack(slots, spec, world_size, alignment, shard_frozen)
+    named = {s.axis for s in slots}  # only the parameter groups some parameter is in
+    return _pack(slots, spec, world_size, alignment, shard_frozen, tuple(a for a in axes if a[0] in named))
 
 
 def compute_dtype(x: ParamSlot | FlatGroup, param_dtype: torch.dtype | None) -> torch.dtype:
@@ -287,9 +324,30 @@ def flatten_one(layout: Layout, group: FlatGroup, leaves: Sequence[torch.Tensor]
     return torch.cat(parts)
 
 
-def trainable_index(layout: Layout) -> dict[int, int]:
-    """``{index in layout.slots: position in layout.trainable_slots}``, the order of per-parameter vectors."""
-    return {i: k for k, i in enumerate(i for i, s in enumerate(layout.slots) if s.group >= 0)}
+def trainable_index(layout: Layout, part: Mapping[str, int] | None = None) -> dict[int, int]:
+    """``{index in layout.slots: position in the per-parameter vectors}`` (:func:`positions`) for a rank in rank group
+    ``part[axis]`` of each parameter group (default: the first of each): ``layout.trainable_slots`` order."""
+    index = {i: k for k, i in enumerate(i for i, s in enumerate(layout.slots) if s.group >= 0)}
+    if not part or not any(part.values()):
+        return index
+    moved = positions(layout)
+    return {i: moved[(i, part.get(layout.slots[i].axis, 0))] if layout.slots[i].axis else k for i, k in index.items()}
+
+
+def positions(layout: Layout) -> dict[tuple[int, int], int]:
+    """Where a parameter group's parameters sit in the per-parameter vectors beyond its first rank group: ``{(index in
+    layout.slots, rank group q >= 1): position}``. The first :attr:`Layout.trainable_slots` positions are theirs in
+    rank group 0 (so a layout without groups keeps its order); then each parameter group in :attr:`Layout.axes` order,
+    its rank groups 1, 2, ... in turn, each its parameters in slot order: a vector agreed over the world holds every
+    rank group's values of every parameter once (:attr:`Layout.num_positions` long)."""
+    out, k = {}, len(layout.trainable_slots)
+    for name, _, parts in layout.axes:
+        members = [i for i, s in enumerate(layout.slots) if s.group >= 0 and s.axis == name]
+        for q in range(1, parts):
+            for i in members:
+                out[(i, q)] = k
+                k += 1
+    return out
 
 
 def shard_pieces(layout: Layout, group: FlatGroup, rank: int,

@@ -116,9 +116,9 @@ def memory_report(layout: Layout, optimizer: Optimizer, *, stage: int, precision
         rows = {"params": (_size(precision.compute_dtype(g)), stage == 3),
                 "grads": (_size(precision.reduce_dtype or g.master_dtype), stage >= 2),
                 "master": (master, True), "moments": (k * master, True)}
-        for kind, (itemsize, sharded) in rows.items():
+        for kind, (itemsize, sharded) in rows.items():  # a parameter group's: sharded over its rank group
             by_kind[kind] += itemsize * (g.shard_numel if sharded else g.padded_numel)
-            padding += itemsize * (g.padding / n if sharded else g.padding)
+            padding += itemsize * (g.padding / layout.axis_size(g.axis) if sharded else g.padding)
     for g in layout.frozen_groups:  # stage 3: sharded like the master
         by_kind["frozen"] += _size(precision.frozen_storage(g)) * g.shard_numel
         padding += _size(precision.frozen_storage(g)) * g.padding / n

@@ -79,6 +79,9 @@ class QuantizedCommunicator(Communicator):
             raise ValueError(f"QuantizedCommunicator: grads must be 4, 8 or None, got {grads!r}")
         if not (isinstance(block, int) and block >= 2 and block % 2 == 0):
             raise ValueError(f"QuantizedCommunicator: block must be an even int >= 2, got {block!r}")
+        if inner.groups:  # a parameter group's collectives would go past the quantizer, at full precision, unsaid
+            raise ValueError(f"QuantizedCommunicator: {inner!r} has parameter groups, whose collectives are not "
+                             "quantized yet")
         self.wrapping(inner)  # hpZ's node gathers are not quantized
         self.weights, self.grads, self.block = weights, grads, block
 

@@ -117,6 +117,8 @@ def replica_items(state: Any, *, buffers: Policy = "local", rng: Policy = "local
         what = f"params flat group {g}"
         if layout is not None and g < len(layout.groups):
             fg = layout.groups[g]
+            if fg.axis:  # a parameter group's values differ between its rank groups: not a replica of the world's
+                continue
             what += f" ({str(fg.dtype).replace('torch.', '')}, {len(fg.slots)} parameters)"
         items.append((what, p, True))
     paths = ([s.path for s in layout.slots if s.group < 0] if layout is not None

@@ -37,7 +37,7 @@ from .scaler import local_sq_norm
 from .scopes import GATHER, GRAD_REDUCTION, UPDATE, step_scope
 
 __all__ = ["ShardState", "init_shard", "shard_layout", "check_world", "reduce_scatter_grads", "all_gather_params",
-           "full_params", "shard_step", "global_norm", "stack_rows", "LOW_PRECISION"]
+           "full_params", "shard_step", "global_norm", "stack_rows", "LOW_PRECISION", "group_comm", "used_positions"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -55,14 +55,32 @@ class ShardState:
 
 def shard_layout(params: Any, comm: Communicator, *, trainable: Any | None = None,
                  optimizer: Optimizer | None = None, bucket_of: Any | None = None,
-                 keep_dtype: Any | None = None, alignment: int = 16, shard_frozen: bool = False) -> Layout:
+                 keep_dtype: Any | None = None, alignment: int = 16, shard_frozen: bool = False,
+                 axis_of: Callable[[str], str] | None = None) -> Layout:
     """The layout of ``params`` (shapes only) for ``comm``'s world, checked across ranks (``comm.check_layout``: one
-    small all-gather)."""
+    small all-gather). ``axis_of(path)``: a parameter's parameter group, one of ``comm.groups`` (``""``: the world)."""
+    axes = tuple((name, c.world_size, c.parts) for name, c in comm.groups.items())
     layout = build_layout(params, comm.world_size, trainable=trainable,
                           group_of=optimizer.group_of if optimizer is not None else None, bucket_of=bucket_of,
-                          keep_dtype=keep_dtype, alignment=alignment, shard_frozen=shard_frozen)
+                          keep_dtype=keep_dtype, alignment=alignment, shard_frozen=shard_frozen, axis_of=axis_of,
+                          axes=axes)
     comm.check_layout(layout)
     return layout
+
+
+def group_comm(comm: Communicator, group: FlatGroup | ParamSlot) -> Communicator:
+    """The communicator ``group`` (a flat group or a parameter's slot) is sharded over: its parameter group's
+    (:attr:`~fzero.comm.Communicator.groups`), or ``comm`` itself."""
+    return comm.param_group(group.axis)
+
+
+def rows_positions(layout: Layout, comm: Communicator) -> list[dict[int, int]]:
+    """Per local row, ``{index in layout.slots: position in the per-parameter vectors}`` (its rank groups')."""
+    if not layout.axes:
+        return [trainable_index(layout)] * comm.local_ranks
+    parts = [comm.param_group(name).part for name, _, _ in layout.axes]
+    return [trainable_index(layout, {name: p[r] for (name, _, _), p in zip(layout.axes, parts)})
+            for r in range(comm.local_ranks)]
 
 
 def init_shard(params: Any, comm: Communicator, *, layout: Layout | None = None,
@@ -73,7 +91,7 @@ def init_shard(params: Any, comm: Communicator, *, layout: Layout | None = None,
     frozen group's rows are built in (:meth:`~fzero.precision.MixedPrecision.frozen_storage`; default its own)."""
     layout = layout if layout is not None else shard_layout(params, comm, **layout_kw)
     leaves = [x for _, x in named_leaves(params)[0]]
-    master = tuple(shard_rows(layout, g, leaves, comm.ranks, g.master_dtype) for g in layout.groups)
+    master = tuple(shard_rows(layout, g, leaves, group_comm(comm, g).ranks, g.master_dtype) for g in layout.groups)
     # a module's frozen parameters are shared with it (never written); a pytree's are copied
     own = (lambda t: t.detach()) if isinstance(params, torch.nn.Module) else (lambda t: t.detach().clone())
     return ShardState(master, frozen_rows(layout, leaves, comm.ranks, own, frozen_storage), layout)
@@ -111,12 +129,38 @@ def frozen_params(shard: ShardState, comm: Communicator) -> Iterator[tuple[Param
         yield from zip((lay.slots[i] for i in g.slots), group_views(lay, g, flat))
 
 
+def used_positions(layout: Layout, used: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Used flags ``[R, T]`` (``layout.trainable_slots`` order) placed at each row's positions in the per-parameter
+    vectors, ``[R, Layout.num_positions]``, zero elsewhere: summed over the world, a parameter group's flags then count
+    the ranks of each rank group apart. Copies of static runs on the device (no host list sent). No collective."""
+    if not layout.axes:
+        return used
+    index = trainable_index(layout)
+    out = used.new_zeros(used.shape[0], layout.num_positions)
+    for r, where in enumerate(rows_positions(layout, comm)):
+        moved = sorted((index[i], p) for i, p in where.items())
+        start = 0
+        while start < len(moved):  # one copy per run of consecutive positions
+            end = start + 1
+            while end < len(moved) and moved[end][0] == moved[end - 1][0] + 1 and moved[end][1] == moved[end - 1][1] + 1:
+                end += 1
+            (k, p), n = moved[start], end - start
+            out[r, p:p + n] = used[r, k:k + n]
+            start = end
+    return out
+
+
 def check_world(shard: ShardState, comm: Communicator) -> None:
     """``ValueError`` if ``shard`` was built for another world than ``comm``'s, or a donating step consumed it."""
     lay = shard.layout
     if lay.world_size != comm.world_size:
         raise ValueError(f"ShardState.layout.world_size is {lay.world_size} but the communicator's world size is "
                          f"{comm.world_size}: this state was built for another world (reshard it first)")
+    for name, world, parts in lay.axes:
+        c = comm.param_group(name)
+        if (c.world_size, c.parts) != (world, parts):
+            raise ValueError(f"parameter group {name!r}: the state was built for {parts} rank groups of {world} ranks, "
+                             f"the communicator has {c.parts} of {c.world_size}")
     for g, m in zip(lay.groups, shard.master):
         if m.numel() == 0 and g.shard_numel > 0:
             raise ValueError(f"ShardState.master[{g.index}] is empty: this state was donated to a step "
@@ -127,15 +171,20 @@ def check_world(shard: ShardState, comm: Communicator) -> None:
 
 
 def _average_start(flat: torch.Tensor, comm: Communicator, reduce_dtype: torch.dtype, out_dtype: torch.dtype,
-                   via_all_reduce: bool) -> Callable[[], torch.Tensor]:
-    """Start averaging one flat gradient ``[R, padded]`` into this rank's shard (16 bits: FSDP's divide factors)."""
+                   via_all_reduce: bool, world: int | None = None) -> Callable[[], torch.Tensor]:
+    """Start averaging one flat gradient ``[R, padded]`` into this rank's shard (16 bits: FSDP's divide factors).
+    ``world``: divide the sum over ``comm``'s ranks by this many instead (a parameter group's gradient is summed over
+    its rank group and divided by the whole world's size: the mean loss's gradient, as DDP's)."""
     x = flat.to(reduce_dtype)
     low = reduce_dtype in LOW_PRECISION
-    pre, post = gradient_divide_factors(comm.world_size) if low else (1, 1)
+    divide = world if world is not None and world != comm.world_size else None
+    pre, post = gradient_divide_factors(divide or comm.world_size) if low else (1, 1)
     if pre > 1:
         x = x / pre
-    op = "sum" if low else "avg"
+    op = "sum" if low or divide else "avg"
     done = comm.all_reduce_shard_start(x, op) if via_all_reduce else comm.reduce_scatter_start(x, op)
+    if divide and not low:
+        return lambda: done().div_(divide).to(out_dtype)
     return lambda: (done() / post if post > 1 else done()).to(out_dtype)
 
 
@@ -158,13 +207,13 @@ def reduce_scatter_grads(shard: ShardState, grads: Any, comm: Communicator, *,
     with step_scope(GRAD_REDUCTION, comm.traced):
         if _joined(groups, lambda g: reduce_dtype or g.master_dtype):
             # rank-major, so each element is summed with the same elements in the same order
-            rows, rdtype = comm.local_ranks, reduce_dtype or groups[0].master_dtype
-            joined = torch.cat([f.to(rdtype).view(rows, comm.world_size, g.shard_numel) for g, f in zip(groups, grads)],
+            rows, rdtype, over = comm.local_ranks, reduce_dtype or groups[0].master_dtype, group_comm(comm, groups[0])
+            joined = torch.cat([f.to(rdtype).view(rows, over.world_size, g.shard_numel) for g, f in zip(groups, grads)],
                                dim=2).reshape(rows, -1)
-            whole = _average_start(joined, comm, rdtype, rdtype, via_all_reduce)()
+            whole = _average_start(joined, over, rdtype, rdtype, via_all_reduce, comm.world_size)()
             return tuple(piece.to(g.master_dtype) for g, piece in zip(groups, _cut(whole, groups)))
-        started = [_average_start(f, comm, reduce_dtype or g.master_dtype, g.master_dtype, via_all_reduce)
-                   for g, f in zip(groups, grads)]
+        started = [_average_start(f, group_comm(comm, g), reduce_dtype or g.master_dtype, g.master_dtype,
+                                  via_all_reduce, comm.world_size) for g, f in zip(groups, grads)]
         return tuple(done() for done in started)
 
 
@@ -173,8 +222,8 @@ JOIN_NUMEL = 1 << 22
 
 
 def _joined(groups: Sequence[FlatGroup], dtype_of: Callable[[FlatGroup], torch.dtype]) -> bool:
-    """Whether ``groups`` travel joined: several, of one travel dtype, small (:data:`JOIN_NUMEL`)."""
-    return len(groups) > 1 and len({dtype_of(g) for g in groups}) == 1 and \
+    """Whether ``groups`` travel joined: several, of one travel dtype and parameter group, small (:data:`JOIN_NUMEL`)."""
+    return len(groups) > 1 and len({(dtype_of(g), g.axis) for g in groups}) == 1 and \
         sum(g.padded_numel for g in groups) <= JOIN_NUMEL
 
 
@@ -201,13 +250,15 @@ def all_gather_params(shard: ShardState, comm: Communicator, dtype: torch.dtype 
         xs = [(shard.master if g.opt_group >= 0 else shard.frozen)[g.index].to(compute_dtype(g, dtype))
               for g in groups]
         if into is not None:
-            comm.all_gather_into(xs, into)
+            for axis in dict.fromkeys(g.axis for g in groups):  # each parameter group's over its own ranks
+                mine = [i for i, g in enumerate(groups) if g.axis == axis]
+                comm.param_group(axis).all_gather_into([xs[i] for i in mine], [into[i] for i in mine])
             return tuple(into)
         if _joined(groups, lambda g: compute_dtype(g, dtype)):
-            rows = comm.local_ranks
-            full = comm.all_gather(torch.cat(xs, dim=1)).view(rows, comm.world_size, -1)
+            rows, over = comm.local_ranks, group_comm(comm, groups[0])
+            full = over.all_gather(torch.cat(xs, dim=1)).view(rows, over.world_size, -1)
             return tuple(p.reshape(rows, g.padded_numel) for g, p in zip(groups, _cut(full, groups)))
-        started = [comm.all_gather_start(x) for x in xs]
+        started = [group_comm(comm, g).all_gather_start(x) for g, x in zip(groups, xs)]
         return tuple(done() for done in started)
 
 
@@ -228,10 +279,20 @@ def _rows_ranks(layout: Layout, master: Sequence[torch.Tensor], comm: Communicat
     if comm is not None:
         return list(comm.ranks)
     rows = master[0].shape[0] if master else 0
-    if rows != layout.world_size:
-        raise ValueError("shard_step: on a real rank, parameters without a gradient and rules that update by "
-                         "piece need the rows' ranks: pass comm=")
+    if rows != layout.world_size or layout.axes:
+        raise ValueError("shard_step: on a real rank or with parameter groups, parameters without a gradient and "
+                         "rules that update by piece need the rows' ranks: pass comm=")
     return list(range(rows))
+
+
+def _rows_of(layout: Layout, group: FlatGroup, master: Sequence[torch.Tensor],
+             comm: Communicator | None) -> list[tuple[int, dict[int, int]]]:
+    """Per local row, ``(the rank whose shard of group it holds, its positions in the per-parameter vectors)``."""
+    if not layout.axes:
+        where = trainable_index(layout)
+        return [(r, where) for r in _rows_ranks(layout, master, comm)]
+    _rows_ranks(layout, master, comm)  # comm given
+    return list(zip(group_comm(comm, group).ranks, rows_positions(layout, comm)))
 
 
 def shard_step(shard: ShardState, opt_state: OptState, grads: Sequence[torch.Tensor],
@@ -255,13 +316,17 @@ def shard_step(shard: ShardState, opt_state: OptState, grads: Sequence[torch.Ten
         if tuple(grad.shape) != tuple(p.shape):
             raise ValueError(f"shard_step: gradient shard of flat group {g.index} has shape {tuple(grad.shape)}, "
                              f"the master shard {tuple(p.shape)}")
-    n = len(lay.trainable_slots)
+    n = lay.num_positions
     if used is not None and tuple(used.shape) != (n,):
-        raise ValueError(f"shard_step: used must be [{n}] (one flag per trainable parameter), got {tuple(used.shape)}")
+        raise ValueError(f"shard_step: used must be [{n}] (one flag per trainable parameter, Layout.num_positions), "
+                         f"got {tuple(used.shape)}")
     traced = comm is not None and comm.traced
     with step_scope(UPDATE, traced):
         missed = opt_state.missed[0] if opt_state.missed else opt_state.step.new_zeros(n)
         if not opt.elementwise:
+            if lay.axes:
+                raise ValueError(f"shard_step: {opt.name} updates shards by piece (a ShardRule), which parameter "
+                                 "groups do not support yet: use an elementwise rule (SGD, Adam, AdamW)")
             if traced:
                 check_compilable(opt)
             return _step_in_place(shard, opt_state, grads, found_inf, used, comm, donate, missed)
@@ -288,7 +353,6 @@ def shard_step(shard: ShardState, opt_state: OptState, grads: Sequence[torch.Ten
             donate = True  # the copies are this step's own
         applied = torch.ones((), dtype=torch.bool, device=step.device) if skip is None else ~skip
         take_all = applied if fused is None else applied & ~fused
-        ranks, where = _rows_ranks(lay, shard.master, comm), trainable_index(lay)
         flags = torch.ones(n, dtype=torch.bool, device=missed.device) if used is None else used.to(missed.device)
         steps = opt_state.step.to(missed.device) - missed
         out_missed = (missed + (~flags & applied.to(missed.device)).to(missed.dtype),)
@@ -296,8 +360,8 @@ def shard_step(shard: ShardState, opt_state: OptState, grads: Sequence[torch.Ten
         for g, p, grad, ms in zip(lay.groups, master, grads, moments):
             hyper = opt_state.hyper[g.opt_group]
             per_slot = torch.cat([opt.step_scalars(hyper, steps), flags.to(torch.float64).unsqueeze(1)], dim=1)
-            p2, m2 = _update_by_element(opt, lay, g, p, grad, ms, hyper, opt_state.step,
-                                        per_slot.to(p.device), take_all.to(p.device), ranks, where, donate)
+            p2, m2 = _update_by_element(opt, lay, g, p, grad, ms, hyper, opt_state.step, per_slot.to(p.device),
+                                        take_all.to(p.device), _rows_of(lay, g, shard.master, comm), donate)
             new_master.append(p2)
             new_moments.append(tuple(m2))
         # whether some parameter sat out this step is on the device: from now on the host assumes one did
@@ -307,15 +371,15 @@ def shard_step(shard: ShardState, opt_state: OptState, grads: Sequence[torch.Ten
 
 def _update_by_element(opt: Optimizer, layout: Layout, group: FlatGroup, p: torch.Tensor, grad: torch.Tensor,
                        moments: tuple[torch.Tensor, ...], hyper: Any, step: torch.Tensor, per_slot: torch.Tensor,
-                       take_all: torch.Tensor, ranks: Sequence[int], where: dict[int, int],
+                       take_all: torch.Tensor, rows: Sequence[tuple[int, dict[int, int]]],
                        donate: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """One flat group's update, each parameter with its own step scalars (``per_slot[k]``, then its used flag), only
-    where used and ``take_all``; padding left alone. Each element's row filled in piece by piece (static): one pass,
-    fused when compiled."""
+    where used and ``take_all``; padding left alone. ``rows``: each local row's shard rank and positions
+    (:func:`_rows_of`). Each element's row filled in piece by piece (static): one pass, fused when compiled."""
     names = opt.step_scalar_names
     table = torch.cat([per_slot, per_slot.new_zeros(1, per_slot.shape[1])])  # last row: the padding's
     index = []
-    for rank in ranks:
+    for rank, where in rows:
         # each piece's elements take its row, the padding the last: fills on the device (no host list copied to it,
         # which would wait for the device; traced, one fused kernel)
         row = torch.full((group.shard_numel,), table.shape[0] - 1, dtype=torch.int32, device=p.device)

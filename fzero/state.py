@@ -2,12 +2,12 @@
 parameters to the state (:func:`fzero.module.hand_over_parameters`); a donating step consumes the state it is given
 (:func:`consume`, :func:`ensure_live`). :mod:`fzero.step` imports this module, never the reverse.
 
-Imports: buckets, comm, materialize, module, optim, precision, pytree, rng, scaler, sharding.
+Imports: buckets, comm, layout, materialize, module, optim, precision, pytree, rng, scaler, sharding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ import torch.utils._pytree as tp
 
 from .buckets import size_buckets
 from .comm import Communicator
+from .layout import named_leaves
 from .materialize import Init, check_init, materialize
 from .module import (
     ModuleSpec,
@@ -76,7 +77,8 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
                      precision: MixedPrecision = MixedPrecision(), scaler: ScalerState | None = None,
                      trainable: Callable[[str], bool] | None = None, alignment: int = 16,
                      seed: int | None = 0, init: Init | None = None,
-                     device: torch.device | str | None = None) -> TrainState:
+                     device: torch.device | str | None = None,
+                     groups: Mapping[str, Callable[[str], bool]] | None = None) -> TrainState:
     """The initial state for ``params`` (an ``nn.Module`` or a pytree of tensors); each local rank builds only its own
     shards. Stages 1-2 keep the gathered compute-dtype parameters, stage 3 none.
 
@@ -93,7 +95,16 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
     straight to it), but two kinds torch keeps on the host: the hyperparameters (0-d float64, taken by kernels as
     scalars) and the generators' states and ``calls`` counter (``TrainState``). ``ValueError``/``TypeError`` for a bad
     stage, units or bucket_numel, parameters on several devices, or a ``device`` other than theirs. Collectives:
-    ``comm.check_layout``; stages 1-2 one ``all_gather`` per flat group."""
+    ``comm.check_layout``; stages 1-2 one ``all_gather`` per flat group.
+
+    ``groups``: ``{name: predicate(path)}``, the trainable parameters sharded and averaged over parameter group
+    ``name``'s communicator (``comm.param_group(name)``: an expert-data-parallel group, the ranks holding the same experts)
+    instead of the world: their flat groups are their own, each rank group holds its own values of them (each rank
+    builds them from its own ``params``), their gradients are summed over the rank group and divided by the world's
+    size (the gradient of the world's mean loss, as DDP's), and the step's norm and overflow check see each of their
+    elements once. Every other parameter is sharded over the world. ``ValueError`` before any collective: a path in
+    two groups, a group the communicator lacks or that matches no trainable parameter, a frozen parameter in a group,
+    and what groups do not support yet (an update rule that is not elementwise, ``init=``)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"init_train_state: stage must be 1, 2 or 3, got {stage!r}")
     is_module = isinstance(params, torch.nn.Module)
@@ -120,8 +131,11 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
     keep_dtype = precision.keeps(params)
     if bucket_of is None and stage < 3:
         bucket_of = size_buckets(params, bucket_numel, trainable).__getitem__
+    axis_of = None
+    if groups:
+        axis_of = _axis_of(params, groups, comm, optimizer, init, trainable)
     layout = shard_layout(params, comm, trainable=trainable, optimizer=optimizer, alignment=alignment,
-                          bucket_of=bucket_of, keep_dtype=keep_dtype, shard_frozen=stage == 3)
+                          bucket_of=bucket_of, keep_dtype=keep_dtype, shard_frozen=stage == 3, axis_of=axis_of)
     # 2. the shards: filled by init on a meta model, else cut from the values params hold
     check_init(params, init)
     made_buffers = None
@@ -137,8 +151,8 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
     # 3. the state
     opt = init_opt_state(optimizer, shard.master, len(layout.trainable_slots),
                          [s.shape for s in layout.trainable_slots])
-    # per parameter, the steps it sat out (make_train_step(unused="skip")): none yet
-    opt = replace(opt, missed=(torch.zeros(len(layout.trainable_slots), dtype=torch.int64, device=opt.step.device),))
+    # per parameter (a parameter group's: per rank group), the steps it sat out (make_train_step(unused="skip"))
+    opt = replace(opt, missed=(torch.zeros(layout.num_positions, dtype=torch.int64, device=opt.step.device),))
     if scaler is None:
         scaler = init_scaler() if precision.param_dtype == torch.float16 else static_scaler(1.0)
     scaler = tp.tree_map(lambda t: t.to(device), scaler)  # scaled and unscaled on the device: no copy per step
@@ -159,6 +173,34 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
     gathered = tuple(gathered)
     calls = (torch.zeros((), dtype=torch.int64, device="cpu"),)  # a host counter (TrainState), whatever the device
     return TrainState(shard, opt, scaler, gathered, buffers, rng, calls, stage, precision, spec)
+
+
+def _axis_of(params: Any, groups: Mapping[str, Callable[[str], bool]], comm: Communicator, optimizer: Optimizer,
+             init: Init | None, trainable: Callable[[str], bool] | None) -> Callable[[str], str]:
+    """Each parameter's parameter group (``""``: the world) by the ``groups`` predicates, checked (ValueError)."""
+    for name in groups:
+        comm.param_group(name)  # a group the communicator lacks: named
+    if not optimizer.elementwise:
+        raise ValueError(f"init_train_state: groups= with {optimizer.name}, which updates shards by piece: parameter "
+                         "groups take an elementwise rule yet (SGD, Adam, AdamW)")
+    if init is not None:
+        raise ValueError("init_train_state: groups= with init= (a meta model built piece by piece) is not supported "
+                         "yet: build the model's values first")
+    is_module = isinstance(params, torch.nn.Module)
+    leaves = dict(named_leaves(params)[0])
+    axis: dict[str, str] = {}
+    for path in leaves:
+        hits = [name for name, chosen in groups.items() if chosen(path)]
+        if len(hits) > 1:
+            raise ValueError(f"init_train_state: parameter {path!r} is in parameter groups {hits[0]!r} and "
+                             f"{hits[1]!r}: each parameter is sharded over one group")
+        axis[path] = hits[0] if hits else ""
+    train = {p for p, x in leaves.items()
+             if ((x.requires_grad if is_module else True) if trainable is None else bool(trainable(p)))}
+    for name in groups:
+        if not any(a == name and p in train for p, a in axis.items()):
+            raise ValueError(f"init_train_state: groups[{name!r}] matches no trainable parameter")
+    return axis.__getitem__
 
 
 def _state_device(params: Any, device: torch.device | str | None, made: bool) -> torch.device:

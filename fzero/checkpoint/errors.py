@@ -10,7 +10,7 @@ import itertools
 from typing import Any
 
 __all__ = ["CheckpointError", "IncompleteCheckpointError", "CheckpointNotFoundError", "CheckpointMismatchError",
-           "CheckpointCorruptError", "CheckpointOutputError", "shown", "SHOWN_LIMIT"]
+           "CheckpointCorruptError", "CheckpointOutputError", "shown", "SHOWN_LIMIT", "refuse_param_groups"]
 
 # characters of a value an error message shows: a checkpoint's values are untrusted, and a message that printed one in
 # full could be megabytes long (a name of ten million characters) or never finish (a structure of shared references)
@@ -19,6 +19,17 @@ SHOWN_LIMIT = 200
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be read or loaded into the given state."""
+
+
+def refuse_param_groups(layout: Any, what: str) -> None:
+    """``ValueError`` if ``layout`` has parameter groups (``init_train_state(groups=)``): their parameters are named
+    by a rank's own paths, which differ in meaning between rank groups (rank group 1's ``experts.0`` is another expert
+    than rank group 0's), so files keyed by path would mix them up; keys by expert index are not written yet."""
+    axes = getattr(layout, "axes", ())
+    if axes:
+        raise ValueError(f"{what}: this state has parameter groups ({', '.join(repr(a[0]) for a in axes)}), whose "
+                         "parameters each rank group holds its own values of under the same paths; saving and "
+                         "exporting them (by expert index) is not supported yet")
 
 
 class IncompleteCheckpointError(CheckpointError):

@@ -28,7 +28,7 @@ from ..sharding import all_gather_params, check_world, frozen_rows
 from ..state import TrainState, consume, ensure_live
 from .background import BackgroundSave, checkpoint_group, settle, start
 from .checksums import CheckedDir
-from .errors import CheckpointMismatchError
+from .errors import CheckpointMismatchError, refuse_param_groups
 from .manifest import (
     FROZEN_LEFT_OUT,
     FROZEN_PREFIX,
@@ -239,6 +239,7 @@ writes, checksums and publishes the same files a blocking save would;
     of those ranks), when not."""
     ensure_live(state)
     check_world(state.shard, comm)
+    refuse_param_groups(state.layout, "save_checkpoint")
     pg = _process_group(comm)
     root = Path(root)
     if name is None:
@@ -295,6 +296,7 @@ def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *,
         raise ValueError(f"load_checkpoint: hyperparams must be one of {HYPERPARAMS}, got {hyperparams!r}")
     ensure_live(template)
     check_world(template.shard, comm)
+    refuse_param_groups(template.layout, "load_checkpoint")
     pg = _process_group(comm)
     checked, left_out = _validated(path, template, comm, follow_symlinks)
     d, metadata = checked.dir, checked.metadata

@@ -20,10 +20,10 @@ from ..materialize import has_meta, to_empty_tied
 from ..module import ModuleSpec, hand_over_parameters, restore_parameters
 from ..optim import SGD, Adam, Optimizer, init_vectors, vector_spans
 from ..pytree import replace
-from ..sharding import all_gather_params, check_world, frozen_params, frozen_rows, shard_rows
+from ..sharding import all_gather_params, check_world, frozen_params, frozen_rows, group_comm, shard_rows
 from ..state import TrainState, ensure_live
 from ..torch_optim_rules import STEP, TorchOptimRule, tuple_names
-from .errors import CheckpointMismatchError
+from .errors import CheckpointMismatchError, refuse_param_groups
 
 # what a parameter's torch state reads as: (own step count, moments, scalars, vectors), those present
 Read = tuple[int, dict[str, torch.Tensor], dict[str, float], dict[str, torch.Tensor]]
@@ -182,8 +182,9 @@ def torch_equivalent(optimizer: Optimizer) -> TorchEquivalent:
 def _gathered(layout: Layout, group: FlatGroup, rows: torch.Tensor, comm: Communicator) -> dict[int, torch.Tensor]:
     """``{slot index: full tensor}`` of ``group`` in each parameter's dtype from this process's rows."""
     # one all_gather, or a copy when this process holds every rank: exports never alias the state
-    if comm.local_ranks == comm.data_world_size:  # one copy of each shard, in shard order
-        flat = rows[[comm.ranks.index(j) for j in range(comm.world_size)]].reshape(-1)
+    if comm.local_ranks == comm.data_world_size * comm.parts:  # one copy of each shard (rank group 0's), in order
+        held = list(zip(comm.part, comm.ranks))
+        flat = rows[[held.index((0, j)) for j in range(comm.world_size)]].reshape(-1)
     elif comm.local_ranks != 1:
         raise TypeError(f"export: unsupported communicator: {comm.local_ranks} of {comm.world_size} ranks here")
     else:
@@ -216,6 +217,7 @@ def gathered_tensors(state: TrainState, comm: Communicator,
     then within each shard group); none in one process."""
     ensure_live(state)
     check_world(state.shard, comm)
+    refuse_param_groups(state.layout, "export")
     lay, spec, shard = state.layout, state.module, state.shard
     holders = _holders(comm)
     slots = {s.path: s for s in lay.slots}
@@ -280,13 +282,16 @@ def _torch_order(layout: Layout, optimizer: Optimizer) -> list[list[int]]:
 def export_model_state_dict(state: TrainState, comm: Communicator) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` of the trained model, what ``load_state_dict(strict=True)`` takes: the master's
     values in each parameter's dtype, frozen parameters, rank 0's persistent buffers and tied names, in the
-    module's order. Collectives: one ``all_gather`` per flat group, one at a time (at most one full copy)."""
+    module's order. With parameter groups (``init_train_state(groups=)``): this rank's model, a group's parameters its
+    rank group's values (in one process: rank group 0's). Collectives: one ``all_gather`` per flat group (over its
+    parameter group's ranks), one at a time (at most one full copy)."""
     ensure_live(state)
     check_world(state.shard, comm)
     lay, spec = state.layout, state.module
     out: dict[str, torch.Tensor] = {}
-    for g in lay.groups:
-        out.update({lay.slots[i].path: v for i, v in _gathered(lay, g, state.shard.master[g.index], comm).items()})
+    for g in lay.groups:  # a parameter group's over its rank group: this rank's values (simulated: row 0's)
+        out.update({lay.slots[i].path: v
+                    for i, v in _gathered(lay, g, state.shard.master[g.index], group_comm(comm, g)).items()})
     out.update({s.path: f.detach().to(s.dtype, copy=True) for s, f in frozen_params(state.shard, comm)})
     buffers = {n: b[0].clone() for n, b, keep in zip(spec.buffers, state.buffers, spec.persistent) if keep}
     return module_state_dict({s.path: out[s.path] for s in lay.slots}, buffers, spec)
@@ -337,6 +342,7 @@ def export_torch_optim_state_dict(state: TrainState, comm: Communicator) -> dict
     class's keys, the state's values. Collectives: one ``all_gather`` per flat group and moment, one at a time."""
     ensure_live(state)
     check_world(state.shard, comm)
+    refuse_param_groups(state.layout, "export_torch_optim_state_dict")
     lay, opt = state.layout, state.opt.optimizer
     torch_equivalent(opt)  # refused before anything is gathered
     step = int(state.opt.step)
@@ -450,6 +456,7 @@ def import_torch_optim_state_dict(template: TrainState, model_state_dict: Mappin
     has them). Raises :class:`CheckpointMismatchError` naming what differs."""
     ensure_live(template)
     check_world(template.shard, comm)
+    refuse_param_groups(template.layout, "import_torch_optim_state_dict")
     lay, opt = template.layout, template.opt.optimizer
     eq = torch_equivalent(opt)
     params = _torch_params(lay, model_state_dict)

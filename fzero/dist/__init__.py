@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from ..comm import Communicator, Mesh, ReduceOp, mesh_groups, mesh_text, rank_order_sum
+from ..comm import Communicator, Mesh, ReduceOp, mesh_groups, mesh_text, param_groups, rank_order_sum
 from ..layout import Layout, first_difference
 from .gloo import (
     C10D_OP,
@@ -160,7 +160,10 @@ class TorchCommunicator(Communicator):
     group per shard group and per replica group (every rank creates them all, in one order; a wrong mesh raises
     ``ValueError`` before any collective); the replica axis is a ``TorchCommunicator`` of its own, ``self.replica``.
     ``hpz=True`` (with a mesh; ZeRO++ hpZ): the state sharded over the whole world, and ``self.node`` a
-    ``TorchCommunicator`` over this rank's shard group, within which stage 3 regathers for backward.
+    ``TorchCommunicator`` over this rank's shard group, within which stage 3 regathers for backward. ``groups`` (a
+    flat world; :func:`fzero.comm.param_groups`): ``{name: mesh}``, a parameter group's rank groups, each a process
+    group (every rank creates them all, in one order, after the mesh's); ``self.groups[name]`` a ``TorchCommunicator``
+    over this rank's, with the same options (``parts``, ``part``: how many rank groups, and this rank's).
 
     ``device`` (:attr:`fzero.comm.Communicator.device`: where the tensors it sends live, and those it builds to send:
     the layout check's, the pieces' tags and agreements): default the CPU on gloo, on an accelerator backend (NCCL)
@@ -175,10 +178,14 @@ class TorchCommunicator(Communicator):
     def __init__(self, group: dist.ProcessGroup | None = None, *, reduce_scatter_via: str | None = None,
                  timeout: float | datetime.timedelta | None = None, all_gather_via: str | None = None,
                  mesh: Mesh | None = None, hpz: bool = False, all_reduce_via: str | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, groups: Mapping[str, Mesh] | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchCommunicator needs an initialised default process group: call "
                                "torch.distributed.init_process_group (e.g. under torchrun) first")
+        if groups and (mesh is not None or group is not None):
+            raise ValueError("TorchCommunicator: parameter groups (groups=) need the flat world: not with a group or "
+                             "a mesh")
+        partitions = param_groups(groups or {}, dist.get_world_size())  # checked before any group is created
         self.device = (torch.device(device) if device is not None
                        else device_for(str(dist.get_backend(group if mesh is None else None)), local_rank()))
         self.replica: TorchCommunicator | None = None
@@ -245,6 +252,18 @@ class TorchCommunicator(Communicator):
         self._tags = [0, 1, 2]
         self._pool: ScratchPool | None = None
         self.replicas = 1 if self.replica is None else self.replica.world_size
+        if partitions:
+            made = {}
+            for name, lists in partitions.items():
+                pgs = [dist.new_group(list(g)) for g in lists]  # every rank creates every group, in one order
+                q = next(i for i, g in enumerate(lists) if self._data_rank in g)
+                sub = TorchCommunicator(pgs[q], reduce_scatter_via=reduce_scatter_via, timeout=timeout,
+                                        all_gather_via=all_gather_via, all_reduce_via=all_reduce_via,
+                                        device=self.device)
+                sub.parts, sub._part, sub._data_rank = len(lists), (q,), self._data_rank
+                sub._mesh = f", group {name!r}: {len(lists)} of {len(lists[0])} ranks"
+                made[name] = sub
+            self.groups = made
 
     @property
     def data_ranks(self) -> tuple[int, ...]:
