@@ -238,6 +238,16 @@ class Communicator:
         ``ranks[r]`` (each rank's chunk ``j`` goes to rank ``j``)."""
         raise NotImplementedError
 
+    def all_to_all_lists(self, chunks: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Each local row's ``W`` tensors, chunk ``k`` to rank ``k``: ``[R][W] -> [R][W]``, ``out[r][k]`` what rank
+        ``k`` sent to rank ``ranks[r]``. Chunks may differ in their first dimension (the rest, and the dtype, alike):
+        an expert-parallel layer's tokens. A real rank first exchanges the sizes (one small all-to-all, read on the
+        host); a simulated world needs every row's chunks at once (rows in lockstep: :mod:`fzero.lockstep`)."""
+        inner = getattr(self, "inner", None)
+        if isinstance(inner, Communicator):
+            return inner.all_to_all_lists(chunks)
+        raise NotImplementedError
+
     def all_reduce_replicas_start(self, x: torch.Tensor, op: ReduceOp = "sum") -> Callable[[], torch.Tensor]:
         """``[R, ...] -> [R, ...]`` over the ranks holding the same shard (a mesh's replica group; one rank: ``x``)."""
         if self.replicas == 1:
@@ -476,6 +486,16 @@ class SimulatedWorld(Communicator):
         out = self._per_group(x, lambda rows: rows.view(w, w, n).transpose(0, 1).reshape(w, w * n))
         return lambda: out
 
+    def all_to_all_lists(self, chunks: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        if len(chunks) != self.local_ranks or any(len(c) != self.world_size for c in chunks):
+            raise ValueError(f"all_to_all_lists: expected {self.local_ranks} rows of {self.world_size} chunks, got "
+                             f"{[len(c) for c in chunks]}")
+        out: list[list[torch.Tensor]] = [[] for _ in range(self.local_ranks)]
+        for g in self._groups or (tuple(range(self.local_ranks)),):  # within each group, rank k is row g[k]
+            for r in g:
+                out[r] = [chunks[src][self.ranks[r]].clone() for src in g]  # a received tensor is its own
+        return out
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         self._check_broadcast(x, src)
         return x[src].unsqueeze(0).repeat(self.local_ranks, *([1] * (x.dim() - 1)))
@@ -544,6 +564,15 @@ class CountingCommunicator(Communicator):
 
     def all_to_all_start(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
         return self._record("all_to_all", x).all_to_all_start(x)
+
+    def all_to_all_lists(self, chunks: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        # what each row sends to the other ranks of its group (its own chunk stays), one record per row: the rows'
+        # chunks differ in size
+        for rank, row in zip(self.ranks, chunks):
+            sent = sum(c.numel() for k, c in enumerate(row) if k != rank)
+            self.records.append(CollectiveRecord("all_to_all", row[0].dtype, sum(c.numel() for c in row), sent,
+                                                 sent * row[0].element_size(), self._axis))
+        return self.inner.all_to_all_lists(chunks)
 
     def all_gather_into_start(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], torch.Tensor]:
         return self._record("all_gather", x).all_gather_into_start(x, out)

@@ -21,7 +21,7 @@ import torch.utils._pytree as tp
 from .buckets import BucketReduction, BucketWatcher, BufferPool, Runner, buckets_of, used_flags
 from .comm import Communicator
 from .layout import FlatGrads, compute_dtype, flatten_one, group_views, stack_rows
-from .module import ModuleLoss, check_loss, row_of
+from .module import ModuleLoss, check_loss, row_of, run_rows
 from .module import broadcast_buffers as broadcast_module_buffers
 from .rng import rank_rng
 from .sharding import all_gather_params, frozen_params, used_positions
@@ -168,11 +168,13 @@ def _rank_grads(loss_fn: LossFn, state: TrainState, params: Sequence[torch.Tenso
     names, train_slots = state.module.buffers, lay.trainable_slots
     swap_rng = bool(state.rng) and not traced
     frozen = {s.path: f.to(compute_dtype(s, dtype)) for s, f in frozen_params(state.shard, comm)}
-    flat: list[list[torch.Tensor]] = [[] for _ in lay.groups]
-    losses, new_rng, used = [], [], []
-    new_buffers: list[list[torch.Tensor]] = [[] for _ in names]
     train_index = [i for i, s in enumerate(lay.slots) if s.group >= 0]
-    for r in range(comm.local_ranks):
+    module = isinstance(loss_fn, ModuleLoss)
+
+    def one(r: int) -> tuple[torch.Tensor, list[torch.Tensor] | None, list[float], list[torch.Tensor],
+                             list[torch.Tensor]]:
+        """Row ``r``'s loss, its flat gradients (none when they went to ``reduction``), used flags, buffers and the
+        generator state its forward and backward left."""
         views = {lay.slots[i].path: v for g in lay.groups
                  for i, v in zip(g.slots, group_views(lay, g, params[g.index][r]))}
         leaves = [views[s.path].detach().requires_grad_(True) for s in train_slots]
@@ -186,11 +188,11 @@ def _rank_grads(loss_fn: LossFn, state: TrainState, params: Sequence[torch.Tenso
             watcher = BucketWatcher(lay, reduction.groups, r, reduction.buffers,
                                     lambda b, grads, r=r: reduction.add(b, r, grads), comm.local_ranks)
             watcher.watch(leaves)
-        module = isinstance(loss_fn, ModuleLoss)
         bound = loss_fn.bound(tensors, traced) if module else contextlib.nullcontext()
         forward = functools.partial(loss_fn.forward_loss, dtype=dtype) if module else loss_fn
+        left: list[torch.Tensor] = []
         try:
-            with rank_rng(state.rng[0][r] if swap_rng else None, device, new_rng), torch.enable_grad(), bound:
+            with rank_rng(state.rng[0][r] if swap_rng else None, device, left), torch.enable_grad(), bound:
                 loss = forward(tensors, row_of(batch, r))
                 check_loss(loss)
                 loss = loss.float()
@@ -201,19 +203,23 @@ def _rank_grads(loss_fn: LossFn, state: TrainState, params: Sequence[torch.Tenso
         finally:
             if watcher is not None:
                 watcher.close()
+        flats = None
         if watcher is not None:
             watcher.finish()
-            used.append([float(i in watcher.used) for i in train_index])
+            used = [float(i in watcher.used) for i in train_index]
         else:  # which parameters the loss reached is known when tracing: a constant of the graph
-            used.append([float(g is not None) for g in grads])
+            used = [float(g is not None) for g in grads]
             got = {s.path: g if g is not None else torch.zeros(s.shape, dtype=v.dtype, device=device)
                    for s, v, g in zip(train_slots, leaves, grads)}
             slot_grads = [got.get(s.path) for s in lay.slots]
-            for g in lay.groups:
-                flat[g.index].append(flatten_one(lay, g, slot_grads))
-        losses.append(loss.detach())
-        for i, b in enumerate(bufs):
-            new_buffers[i].append(b)
+            flats = [flatten_one(lay, g, slot_grads) for g in lay.groups]
+        return loss.detach(), flats, used, bufs, left
+
+    rows = run_rows(one, loss_fn, comm.local_ranks, device if swap_rng else None, traced)
+    losses, flat, used, new_buffers, new_rng = (
+        [row[0] for row in rows], [[row[1][g.index] for row in rows] for g in lay.groups] if reduction is None else [],
+        [row[2] for row in rows], [[row[3][i] for row in rows] for i in range(len(names))],
+        [row[4][0] for row in rows if row[4]])
     return Grads(FlatGrads(lay.groups, [stack_rows(f) for f in flat]) if reduction is None else (),
                  torch.stack(losses), tuple(stack_rows(b) for b in new_buffers),
                  (stack_rows(new_rng),) if swap_rng else state.rng,

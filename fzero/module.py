@@ -2,7 +2,7 @@
 per rank, tied names, ``state_dict`` keys), the loss of a module (:func:`module_loss`), who owns its parameter
 memory (:func:`hand_over_parameters`, :func:`release_parameters`, ...) and stage 3's shard units (:func:`select_units`).
 
-Imports: comm, layout.
+Imports: comm, layout, lockstep, rng.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from .comm import Communicator
 from .layout import FlatGroup, Layout, group_views
+from .lockstep import Lockstep
+from .rng import get_rng_state, set_rng_state
 
 __all__ = ["ModuleSpec", "module_spec", "init_buffers", "broadcast_buffers", "ModuleLoss", "module_loss",
            "model_output", "check_loss", "row_of", "hand_over_parameters", "hand_over_frozen", "release_parameters",
@@ -121,6 +123,38 @@ def _swapped(slots: Sequence[tuple[dict, str, str]], tensors: Mapping[str, torch
             table[attr] = old
 
 
+def run_rows(one: Callable[[int], Any], loss_fn: Any, rows: int, rng_device: torch.device | None,
+             traced: bool) -> list[Any]:
+    """``one(r)`` for every local row, in row order: in turn, or in lockstep (:class:`fzero.lockstep.Lockstep`) where
+    ``loss_fn``'s module :attr:`~ModuleLoss.meets` and there are several rows. A row parked at a meeting keeps what the
+    module's registrations held and (``rng_device``) its generator state, and gets them back when it takes the turn
+    again; at the end the caller's are put back."""
+    if not (isinstance(loss_fn, ModuleLoss) and loss_fn.meets and rows > 1):
+        return [one(r) for r in range(rows)]
+    if traced:
+        raise NotImplementedError("a module whose forward calls collectives every rank must join (an expert-parallel "
+                                  f"layer) runs eagerly in a simulated world of {rows} rows: compile=False")
+    held: dict[int, tuple[list[tuple[dict, str, Any]], torch.Tensor | None]] = {}
+
+    def park(r: int) -> None:
+        held[r] = (loss_fn.slot_values(), get_rng_state(rng_device) if rng_device is not None else None)
+
+    def resume(r: int) -> None:
+        values, generator = held.pop(r)
+        loss_fn.restore(values)
+        if generator is not None:
+            set_rng_state(generator, rng_device)
+
+    outside = loss_fn.slot_values()
+    caller = get_rng_state(rng_device) if rng_device is not None else None
+    try:
+        return Lockstep(rows, park, resume).run(one)
+    finally:  # each row ended restoring what it found when it began, another row's: the caller's back
+        loss_fn.restore(outside)
+        if caller is not None:
+            set_rng_state(caller, rng_device)
+
+
 class ModuleLoss:
     """What :func:`module_loss` returns: ``loss_fn(tensors, batch)`` runs the module on ``tensors``. The step keeps
     it :meth:`bound` through forward and backward (checkpointing reruns forward) and calls :meth:`forward_loss`."""
@@ -154,6 +188,23 @@ class ModuleLoss:
         raise ValueError(f"parameters changed requires_grad after init_train_state: {', '.join(changed[:3])}{more}; "
                          "a state trains the parameters it was built with: fzero.write_back(state, comm, model), set "
                          "requires_grad, then a new state (fzero.init_train_state) and step (optimizer moments afresh)")
+
+    @property
+    def meets(self) -> bool:
+        """Whether some submodule's forward calls collectives every rank must join (``fzero_meets``: an
+        expert-parallel layer's all-to-all), so a simulated world runs its rows in lockstep (:mod:`fzero.lockstep`)."""
+        return any(getattr(m, "fzero_meets", False) for m in self.module.modules())
+
+    def slot_values(self) -> list[tuple[dict, str, Any]]:
+        """What the module's parameter and buffer registrations hold now, for :meth:`restore`: rows in lockstep keep
+        their bound tensors (a stage-3 unit's too) this way while another row runs."""
+        return [(table, attr, table[attr]) for table, attr, _ in self._slots]
+
+    @staticmethod
+    def restore(values: Sequence[tuple[dict, str, Any]]) -> None:
+        """Put back what :meth:`slot_values` found."""
+        for table, attr, value in values:
+            table[attr] = value
 
     def bound(self, tensors: Mapping[str, torch.Tensor], traced: bool = False) -> Any:
         """A context in which the module's parameters and buffers are ``tensors`` (tied names follow the canonical

@@ -9,7 +9,7 @@ Imports: ``fzero.comm``, ``fzero.layout``, ``fzero.optim``, ``fzero.pytree``, ``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -84,14 +84,18 @@ def rows_positions(layout: Layout, comm: Communicator) -> list[dict[int, int]]:
 
 
 def init_shard(params: Any, comm: Communicator, *, layout: Layout | None = None,
-               frozen_storage: Callable[[FlatGroup], torch.dtype] | None = None, **layout_kw: Any) -> ShardState:
+               frozen_storage: Callable[[FlatGroup], torch.dtype] | None = None,
+               values: Mapping[str, Callable[[str, int], torch.Tensor | None]] | None = None,
+               **layout_kw: Any) -> ShardState:
     """This process's shards of ``params`` (``nn.Module`` or pytree): each local rank materialises only the
     slice it owns. ``layout``: the one :func:`shard_layout` built, else built here from ``layout_kw``
     (``trainable``, ``optimizer``, ``bucket_of``, ``keep_dtype``, ``alignment``). ``frozen_storage``: the dtype each
-    frozen group's rows are built in (:meth:`~fzero.precision.MixedPrecision.frozen_storage`; default its own)."""
+    frozen group's rows are built in (:meth:`~fzero.precision.MixedPrecision.frozen_storage`; default its own).
+    ``values``: per parameter group, ``fn(path, rank group)`` giving a row's own value of a parameter (one process
+    holding several rank groups of experts), or None where ``params``' is it."""
     layout = layout if layout is not None else shard_layout(params, comm, **layout_kw)
     leaves = [x for _, x in named_leaves(params)[0]]
-    master = tuple(shard_rows(layout, g, leaves, group_comm(comm, g).ranks, g.master_dtype) for g in layout.groups)
+    master = tuple(_group_rows(layout, g, leaves, comm, (values or {}).get(g.axis)) for g in layout.groups)
     # a module's frozen parameters are shared with it (never written); a pytree's are copied
     own = (lambda t: t.detach()) if isinstance(params, torch.nn.Module) else (lambda t: t.detach().clone())
     return ShardState(master, frozen_rows(layout, leaves, comm.ranks, own, frozen_storage), layout)
@@ -104,6 +108,23 @@ def shard_rows(layout: Layout, group: FlatGroup, leaves: Sequence[torch.Tensor],
     out = torch.zeros(len(ranks), group.shard_numel, dtype=dtype, device=leaves[group.slots[0]].device)
     for row, r in enumerate(ranks):
         flat_shard(layout, group, leaves, r, out=out[row])
+    return out
+
+
+def _group_rows(layout: Layout, group: FlatGroup, leaves: Sequence[torch.Tensor], comm: Communicator,
+                values: Callable[[str, int], torch.Tensor | None] | None) -> torch.Tensor:
+    """:func:`shard_rows` of ``group`` over its parameter group's ranks, each row from its rank group's ``values``."""
+    over = group_comm(comm, group)
+    if values is None:
+        return shard_rows(layout, group, leaves, over.ranks, group.master_dtype)
+    out = torch.zeros(comm.local_ranks, group.shard_numel, dtype=group.master_dtype,
+                      device=leaves[group.slots[0]].device)
+    for row, (rank, part) in enumerate(zip(over.ranks, over.part)):
+        own = list(leaves)
+        for i in group.slots:
+            value = values(layout.slots[i].path, part)
+            own[i] = own[i] if value is None else value
+        flat_shard(layout, group, own, rank, out=out[row])
     return out
 
 

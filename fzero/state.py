@@ -102,7 +102,9 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
     instead of the world: their flat groups are their own, each rank group holds its own values of them (each rank
     builds them from its own ``params``), their gradients are summed over the rank group and divided by the world's
     size (the gradient of the world's mean loss, as DDP's), and the step's norm and overflow check see each of their
-    elements once. Every other parameter is sharded over the world. ``ValueError`` before any collective: a path in
+    elements once. Every other parameter is sharded over the world. A predicate with a ``values(path, rank_group)``
+    method (:func:`fzero.moe.expert_parallel`'s) gives each rank group's own initial values where it returns one (one
+    process holding every rank group). ``ValueError`` before any collective: a path in
     two groups, a group the communicator lacks or that matches no trainable parameter, a frozen parameter in a group,
     and what groups do not support yet (an update rule that is not elementwise, ``init=``)."""
     if stage not in (1, 2, 3):
@@ -144,7 +146,8 @@ def init_train_state(params: Any, optimizer: Optimizer, comm: Communicator, *, s
         shard, made_buffers = ShardState(made.master, made.frozen, layout), made.buffers
         del made
     else:
-        shard = init_shard(params, comm, layout=layout, frozen_storage=precision.frozen_storage)
+        values = {name: g.values for name, g in (groups or {}).items() if callable(getattr(g, "values", None))}
+        shard = init_shard(params, comm, layout=layout, frozen_storage=precision.frozen_storage, values=values)
     if precision.frozen_dtype is not None:  # rounded once; a module's frozen parameters hold the copy
         frozen, shard = list(shard.frozen), replace(shard, frozen=())
         shard = replace(shard, frozen=hand_over_frozen(params, layout, frozen, precision.frozen_storage))

@@ -5,7 +5,7 @@ again for its backward, and reduces it once backward completes it: at most the r
 forward run once (stage 3 equals stage 2 bitwise). All ranks must call the same units in the same order
 (:class:`UnitCallError`). :class:`CompiledUnits` regathers by selective recomputation.
 
-Imports: buckets, comm, layout, module, rng, scopes, sharding, state.
+Imports: buckets, comm, layout, lockstep, module, rng, scopes, sharding, state.
 """
 
 from __future__ import annotations
@@ -22,7 +22,18 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from .buckets import BucketReduction, Runner, used_flags
 from .comm import Communicator
 from .layout import FlatGrads, FlatGroup, Layout, compute_dtype, split_views, stack_rows
-from .module import ModuleLoss, UnitPolicy, _swapped, check_loss, default_units, row_of, select_units, unit_buckets
+from .lockstep import current
+from .module import (
+    ModuleLoss,
+    UnitPolicy,
+    _swapped,
+    check_loss,
+    default_units,
+    row_of,
+    run_rows,
+    select_units,
+    unit_buckets,
+)
 from .rng import rank_rng
 from .scopes import GATHER, step_scope
 from .sharding import all_gather_params
@@ -448,40 +459,49 @@ def unit_grads(loss_fn: ModuleLoss, state: TrainState, comm: Communicator, batch
     # the root's gradient completes last (its embeddings ran first), just after the first unit's
     reduction = BucketReduction(plan.groups, on_ready, runner, comm.overlaps, comm.local_ranks,
                                 [(0, 1)] + [(b,) for b in range(2, len(plan.groups))])
-    losses, new_rng, used, new_buffers = [], [], [], []
     check = _CallCheck(comm, ("", *units))
     rng = state.rng[0] if state.rng else None
-    with comm.reusing_buffers():
-        for r in range(comm.local_ranks):
-            run = _RankRun(plan, state, comm, r, reduction, runner, released, check)
-            run.start(*((0, 1) if len(plan.groups) > 1 else (0,)))  # the root with the first unit
-            bufs = [b[r].clone() for b in state.buffers]
-            handles = []
-            try:
-                for b, m in enumerate(map(module.get_submodule, units), start=1):
-                    handles.append(m.register_forward_pre_hook(lambda mod, args, b=b, run=run: run.pre_forward(b)))
-                    handles.append(m.register_forward_hook(
-                        lambda mod, args, out, b=b, run=run: run.post_forward(b, out), always_call=True))
-                with rank_rng(rng[r] if rng is not None else None, device, new_rng), torch.enable_grad(), \
-                        torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
-                    tensors = {**run.bucket_tensors(0, track=False), **released,
-                               **dict(zip(state.module.buffers, bufs))}
-                    with loss_fn.bound(tensors):
-                        loss = loss_fn.forward_loss(tensors, row_of(batch, r), dtype)
-                        check_loss(loss)
-                        loss = loss.float()
-                        run.event(_END)  # every rank called the same units: checked before backward
-                        run.backward = True
-                        torch.autograd.grad(scaled(loss), [run.anchor], allow_unused=True)
-                    del tensors
-                run.finish_rank()
-                used.append([float(i in run.used) for i, s in enumerate(lay.slots) if s.group >= 0])
-            finally:
-                for h in handles:
-                    h.remove()
-            losses.append(loss.detach())
-            new_buffers.append(bufs)
-        shards = reduction.finish(device, dtype)
+    runs: dict[int, _RankRun] = {}
+    running = [0]  # the row whose forward runs (rows in lockstep: each thread's own, fzero.lockstep)
+
+    def run_now() -> _RankRun:
+        at = current()
+        return runs[at[1] if at is not None else running[0]]
+
+    def one(r: int) -> tuple[torch.Tensor, list[float], list[torch.Tensor], list[torch.Tensor]]:
+        running[0] = r
+        run = runs[r] = _RankRun(plan, state, comm, r, reduction, runner, released, check)
+        run.start(*((0, 1) if len(plan.groups) > 1 else (0,)))  # the root with the first unit
+        bufs = [b[r].clone() for b in state.buffers]
+        left: list[torch.Tensor] = []
+        with rank_rng(rng[r] if rng is not None else None, device, left), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
+            tensors = {**run.bucket_tensors(0, track=False), **released, **dict(zip(state.module.buffers, bufs))}
+            with loss_fn.bound(tensors):
+                loss = loss_fn.forward_loss(tensors, row_of(batch, r), dtype)
+                check_loss(loss)
+                loss = loss.float()
+                run.event(_END)  # every rank called the same units: checked before backward
+                run.backward = True
+                torch.autograd.grad(scaled(loss), [run.anchor], allow_unused=True)
+            del tensors
+        run.finish_rank()
+        return loss.detach(), [float(i in run.used) for i, s in enumerate(lay.slots) if s.group >= 0], bufs, left
+
+    handles = []
+    try:
+        for b, m in enumerate(map(module.get_submodule, units), start=1):
+            handles.append(m.register_forward_pre_hook(lambda mod, args, b=b: run_now().pre_forward(b)))
+            handles.append(m.register_forward_hook(lambda mod, args, out, b=b: run_now().post_forward(b, out),
+                                                   always_call=True))
+        with comm.reusing_buffers():
+            rows = run_rows(one, loss_fn, comm.local_ranks, device if rng is not None else None, False)
+            shards = reduction.finish(device, dtype)
+    finally:
+        for h in handles:
+            h.remove()
+    losses, used, new_buffers = [row[0] for row in rows], [row[1] for row in rows], [row[2] for row in rows]
+    new_rng = [row[3][0] for row in rows if row[3]]
     return (shards, torch.stack(losses), tuple(stack_rows(b) for b in zip(*new_buffers)),
             (stack_rows(new_rng),) if rng is not None else state.rng,
             used_flags(used, device), all(all(row) for row in used))

@@ -32,6 +32,7 @@ from .gloo import (
     point_to_point_all_reduce,
     point_to_point_gather,
     point_to_point_reduce_scatter,
+    wait,
     waiter,
 )
 
@@ -434,6 +435,26 @@ class TorchCommunicator(Communicator):
         out = torch.empty_like(sent)
         work = dist.all_to_all_single(out, sent, group=self._pg, async_op=True)
         return waiter(work, lambda: out.unsqueeze(0), self._bound(f"all_to_all of {out.numel()} {out.dtype}"), sent)
+
+    def all_to_all_lists(self, chunks: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Eagerly: the sizes by one ``all_to_all_single`` of ``W`` int64 (read on the host), then the chunks by one
+        ``all_to_all_single`` with those splits, each wait bounded. Not traced."""
+        if self.traced:
+            raise NotImplementedError("all_to_all_lists runs eagerly only: its sizes are read on the host")
+        if len(chunks) != 1 or len(chunks[0]) != self.world_size:
+            raise ValueError(f"all_to_all_lists: expected 1 row of {self.world_size} chunks, got "
+                             f"{[len(c) for c in chunks]}")
+        mine = [c.contiguous() for c in chunks[0]]
+        sizes = torch.tensor([c.shape[0] for c in mine], dtype=torch.int64).to(self.device)
+        got = torch.empty_like(sizes)
+        what = f"all_to_all of {self.world_size} sizes"
+        wait(dist.all_to_all_single(got, sizes, group=self._pg, async_op=True), self._bound(what))
+        received = got.tolist()
+        sent = torch.cat(mine)
+        out = sent.new_empty(sum(received), *sent.shape[1:])
+        work = dist.all_to_all_single(out, sent, received, [c.shape[0] for c in mine], group=self._pg, async_op=True)
+        wait(work, self._bound(f"all_to_all of {sent.numel()} {sent.dtype} in {self.world_size} chunks"))
+        return [list(out.split(received))]
 
     def all_gather_into_start(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Eagerly c10d gathers straight into ``out``; traced, gloo's operator does, or the result is copied in."""
