@@ -136,6 +136,7 @@ class Communicator:
     # a parameter group's communicator: its collectives run in each of `parts` disjoint groups of `world_size` ranks;
     # `part`, each local row's group (the world's own: one part)
     parts: int = 1
+    rank_groups: tuple[tuple[int, ...], ...] = ()  # a parameter group's communicator: every rank group's job ranks
     # where the small tensors a piece builds to send live (unit-call tags, init agreement, layout digests): a
     # process group's device (NCCL: this rank's GPU; a CPU tensor is refused there), the simulated world's tensors'
     device: torch.device = torch.device("cpu")
@@ -196,7 +197,7 @@ class Communicator:
         gains."""
         self.inner, self.world_size, self.local_ranks = inner, inner.world_size, inner.local_ranks
         self.ranks, self.replicas, self.node, self.device = inner.ranks, inner.replicas, inner.node, inner.device
-        self.groups, self.parts, self._part = inner.groups, inner.parts, inner.part
+        self.groups, self.parts, self._part, self.rank_groups = inner.groups, inner.parts, inner.part, inner.rank_groups
         if capabilities:
             self.overlaps = inner.overlaps
             self.reduce_scatter_buffers = inner.reduce_scatter_buffers
@@ -409,7 +410,7 @@ class SimulatedWorld(Communicator):
                    device: torch.device | str) -> SimulatedWorld:
         """Parameter group ``name``'s communicator: the mesh of its rank groups, nothing replicated across them."""
         out = SimulatedWorld(world_size, mesh=lists, device=device)
-        out.replicas, out.parts = 1, len(lists)
+        out.replicas, out.parts, out.rank_groups = 1, len(lists), lists
         out._part = tuple(next(q for q, g in enumerate(lists) if r in g) for r in range(world_size))
         out._text = f", group {name!r}: {len(lists)} of {len(lists[0])} ranks"
         return out

@@ -123,6 +123,18 @@ class Layout:
         """The ranks a flat group of parameter group ``axis`` is sharded over (``""``: the world's)."""
         return self.world_size if not axis else next(w for name, w, _ in self.axes if name == axis)
 
+    def parts(self, axis: str) -> int:
+        """How many rank groups hold their own values of a parameter of group ``axis`` (``""``: 1)."""
+        return 1 if not axis else next(p for name, _, p in self.axes if name == axis)
+
+    def saved_shape(self, slot: ParamSlot) -> tuple[int, ...]:
+        """The shape ``slot`` is saved and exported in: its own, or a parameter group's rank groups' values stacked
+        along the first dimension, rank group 0 first (an expert-parallel layer's: every expert, by expert index)."""
+        parts = self.parts(slot.axis)
+        if parts == 1:
+            return slot.shape
+        return (parts * slot.shape[0], *slot.shape[1:]) if slot.shape else (parts,)
+
     @property
     def num_positions(self) -> int:
         """The length of the per-parameter vectors (used flags, ``OptState.missed``): one position per trainable

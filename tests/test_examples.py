@@ -38,6 +38,16 @@ def test_finetune_lora_example_learns_and_resumes_without_the_base():
     assert out["resumed_bitwise"] and out["adapters"] > 0, out
 
 
+def test_train_moe_example_learns_and_equals_data_parallel(tmp_path):
+    """EP = 2 on a simulated world of 4 against the same run with every expert on every rank: one curve."""
+    pytest.importorskip("transformers")
+    out = _load("train_moe").main(["--steps", "20", "--out", str(tmp_path)])
+    assert out["last_loss"] < 0.8 * out["first_loss"], out
+    assert out["max_difference"] < 1e-4 * out["first_loss"], out
+    ep, dp = out["held_bytes"]
+    assert ep < dp  # each rank holds half the experts
+
+
 def test_compose_by_hand_example_learns():
     losses = _load("compose_by_hand").main(steps=40)
     assert losses[-1] < 0.2 * losses[0]

@@ -67,6 +67,26 @@ def test_the_all_to_all_moves_the_routed_tokens():
         assert counter.totals(["reduce_scatter"], axis=name)["elements"] == padded
 
 
+def test_memory_report_counts_each_rank_its_own_experts_over_their_group():
+    """Stage 3, bf16 compute and reduction, fp32 master and AdamW moments: 16 bytes per expert parameter this rank
+    holds (E / EP experts of each block) / (W / EP), 16 per dense one / W; the state's tensors hold the report's
+    master and moments (their storage, per rank of the 4 in this process)."""
+    m = mc.model("mixtral").float()
+    experts = moe.expert_parallel(m, _world())
+    state = fzero.init_train_state(m, fzero.adamw(), _world(), stage=3, groups={moe.EXPERTS: experts},
+                                   precision=fzero.MixedPrecision(torch.bfloat16, torch.bfloat16))
+    report = fzero.memory_report(state.layout, state.opt.optimizer, stage=3, precision=state.precision)
+    mine = sum(p.numel() for n, p in m.named_parameters() if n in experts.paths)  # E / EP experts a block
+    dense = sum(p.numel() for n, p in m.named_parameters() if n not in experts.paths)
+    lay = state.layout
+    padding = sum(g.padding / lay.axis_size(g.axis) for g in lay.groups)
+    total = sum(report.held.values()) + report.transient["params"] + report.transient["grads"]
+    assert total == pytest.approx(16 * mine / (mc.W // mc.EP) + 16 * dense / mc.W + 16 * padding)
+    held = report.held["master"] + report.held["moments"]
+    rows = [*state.shard.master, *(t for ms in state.opt.moments for t in ms)]
+    assert sum(t.untyped_storage().nbytes() for t in rows) / mc.W == held
+
+
 def test_expert_parallel_errors_are_named():
     with pytest.raises(ValueError, match="must divide the world size, got ep=3 for 4 ranks"):
         moe.expert_groups(4, 3)
@@ -107,3 +127,90 @@ def test_rows_that_meet_differently_fail_on_every_row():
         steps.run(lambda r: steps.meet(r, "ab"[r], r, lambda values: values))
     steps = Lockstep(3)
     assert steps.run(lambda r: steps.meet(r, "x", r, lambda values: [sum(values)] * 3) + r) == [3, 4, 5]
+
+
+def test_checkpoints_move_between_expert_parallel_degrees(tmp_path):
+    """Saved at EP = 2 on W = 4 after two steps: the whole model (every expert by index) is the oracle's; loaded at
+    EP = 4, at EP = 1 on W = 2, into the unconverted model on W = 2 and at stage 3, every value bitwise (the momentum
+    too: one more step at EP = 4 is the oracle's third); offline consolidation gives the same whole model."""
+    from fzero.checkpoint import consolidate_model_state_dict, export_model_state_dict, load_checkpoint, save_checkpoint
+
+    got = mc.run_fzero("mixtral", _world(), 2, 0.05, opt="sgd", steps=2)
+    save_checkpoint(got["state"], tmp_path, _world())
+    whole = export_model_state_dict(got["state"], _world())
+    want = mc.run_oracle("mixtral", 0.05, opt="sgd", steps=3)
+    two = mc.run_oracle("mixtral", 0.05, opt="sgd", steps=2)
+    for name, value in two["params"].items():
+        assert (whole[name] - value).abs().max() < 1e-10, name
+    offline = consolidate_model_state_dict(tmp_path)
+    assert all(torch.equal(offline[k], whole[k]) for k in whole)
+    for world, ep, stage in [(4, 4, 2), (2, 1, 2), (2, None, 2), (2, 2, 3)]:
+        comm = SimulatedWorld(world, groups=moe.expert_groups(world, ep)) if ep else SimulatedWorld(world)
+        m = mc.model("mixtral")
+        groups = {moe.EXPERTS: moe.expert_parallel(m, comm)} if ep else None
+        template = fzero.init_train_state(m, fzero.sgd(lr=0.5, momentum=0.9), comm, stage=stage, groups=groups)
+        state, _ = load_checkpoint(tmp_path, template, comm)
+        again = export_model_state_dict(state, comm)
+        assert all(torch.equal(again[k], whole[k]) for k in whole), (world, ep)
+        if (world, ep) == (4, 4):  # the third step from the loaded state: the oracle's
+            step = fzero.make_train_step(fzero.module_loss(m), comm, clip_norm=0.05)
+            state, _ = step(state, comm.split_batch(mc.batches(3, world)[2]))
+            third = export_model_state_dict(state, comm)
+            for name, value in want["params"].items():
+                assert (third[name] - value).abs().max() < 1e-10, name
+
+
+def test_a_rank_group_that_sat_out_other_steps_is_named_when_rank_groups_merge(tmp_path):
+    """Rank group 1's slice of an expert tensor sat out a step rank group 0's did not (no token reached those
+    experts): at EP = 4 each new rank group takes the count of the saved one it lies in; at EP = 1 one rank group would
+    hold both counts: a named CheckpointMismatchError, not a silent choice."""
+    from fzero.checkpoint import CheckpointMismatchError, load_checkpoint, save_checkpoint
+    from fzero.layout import positions
+
+    got = mc.run_fzero("mixtral", _world(), 2, None, steps=1)
+    state, lay = got["state"], got["state"].layout
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    slot = next(i for i, s in enumerate(lay.slots) if s.path == name)
+    missed = state.opt.missed[0].clone()
+    missed[positions(lay)[(slot, 1)]] = 1  # rank group 1's experts 2 and 3 sat out one step
+    save_checkpoint(state.replace(opt=state.opt.replace(missed=(missed,), all_stepped=False)), tmp_path, _world())
+
+    def template(world: int, ep: int):
+        comm = SimulatedWorld(world, groups=moe.expert_groups(world, ep))
+        m = mc.model("mixtral")
+        groups = {moe.EXPERTS: moe.expert_parallel(m, comm)}
+        return fzero.init_train_state(m, fzero.adamw(lr=1e-2, weight_decay=0.1), comm, groups=groups), comm
+
+    four, comm = template(4, 4)
+    loaded, _ = load_checkpoint(tmp_path, four, comm)
+    where, index = positions(four.layout), fzero.layout.trainable_index(four.layout)
+    slot4 = next(i for i, s in enumerate(four.layout.slots) if s.path == name)
+    counts = [loaded.opt.missed[0][index[slot4] if q == 0 else where[(slot4, q)]].item() for q in range(4)]
+    assert counts == [0, 0, 1, 1]
+    one, comm = template(2, 1)
+    with pytest.raises(CheckpointMismatchError, match=f"'{name}': its saved rank groups sat out different numbers"):
+        load_checkpoint(tmp_path, one, comm)
+
+
+def test_the_consolidated_torch_optim_state_is_the_oracles(tmp_path):
+    """A checkpoint of the expert-parallel state consolidated offline into a ``torch.optim.AdamW`` state dict: every
+    expert's moments by expert index, equal to the oracle's own AdamW state (which holds every expert)."""
+    from fzero.checkpoint import consolidate_torch_optim_state_dict, save_checkpoint
+
+    got = mc.run_fzero("mixtral", _world(), 2, None, steps=2)
+    save_checkpoint(got["state"], tmp_path, _world())
+    sd = consolidate_torch_optim_state_dict(tmp_path)
+    m = mc.model("mixtral")
+    optim = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    for batch in mc.batches(2, mc.W):  # the oracle's two steps, its optimizer kept
+        parts = [{k: v.chunk(mc.W)[i] for k, v in batch.items()} for i in range(mc.W)]
+        optim.zero_grad(set_to_none=True)
+        for part in parts:
+            (m(**part).loss / mc.W).backward()
+        optim.step()
+    want = optim.state_dict()
+    assert sorted(sd["state"]) == sorted(want["state"])
+    for k, state in want["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert (sd["state"][k][name] - state[name]).abs().max() < 1e-10, (k, name)
+        assert float(sd["state"][k]["step"]) == float(state["step"])

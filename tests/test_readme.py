@@ -53,3 +53,18 @@ def test_models_larger_than_one_rank_snippet_runs():
     inv = dict(zip(state.module.buffers, state.buffers))["model.rotary_emb.inv_freq"]
     dim = 64 // 4
     assert torch.allclose(inv[0], 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim)))
+
+
+def test_moe_snippet_runs():
+    """The mixture-of-experts block, given a tiny Mixtral as ``model``: its state steps."""
+    import fzero
+    import moe_cases as mc
+
+    text = README.read_text()
+    section = text[text.index("## Mixture of experts"):]
+    code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    scope: dict = {"model": mc.model("mixtral"), "fzero": fzero}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - our own documentation
+    state, comm = scope["state"], scope["comm"]
+    _, metrics = scope["step"](state, comm.split_batch(mc.batches(1, 4)[0]))
+    assert torch.isfinite(metrics["loss"]) and state.layout.axes == (("experts", 2, 2),)

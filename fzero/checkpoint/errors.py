@@ -22,14 +22,14 @@ class CheckpointError(ValueError):
 
 
 def refuse_param_groups(layout: Any, what: str) -> None:
-    """``ValueError`` if ``layout`` has parameter groups (``init_train_state(groups=)``): their parameters are named
-    by a rank's own paths, which differ in meaning between rank groups (rank group 1's ``experts.0`` is another expert
-    than rank group 0's), so files keyed by path would mix them up; keys by expert index are not written yet."""
+    """``ValueError`` if ``layout`` has parameter groups (``init_train_state(groups=)``): what ``what`` writes or
+    reads (a ``torch.optim`` state dict, a live export piece by piece) names parameters by their paths alone, which
+    for a group's parameters differ in meaning between rank groups; checkpoints hold them by their saved shape."""
     axes = getattr(layout, "axes", ())
     if axes:
-        raise ValueError(f"{what}: this state has parameter groups ({', '.join(repr(a[0]) for a in axes)}), whose "
-                         "parameters each rank group holds its own values of under the same paths; saving and "
-                         "exporting them (by expert index) is not supported yet")
+        raise ValueError(f"{what}: this state has parameter groups ({', '.join(repr(a[0]) for a in axes)}), which "
+                         "this does not support yet; save a checkpoint (save_checkpoint) and consolidate or export "
+                         "it, or take export_model_state_dict's whole model")
 
 
 class IncompleteCheckpointError(CheckpointError):

@@ -54,8 +54,9 @@ def _manifest(state: TrainState, comm: Communicator) -> dict[str, Any]:
     manifest = {
         "format": FORMAT,
         "version": VERSION if lay.frozen_slots else 1,  # 1: read by every fzero
-        "params": [[s.path, list(s.shape), str(s.dtype), lay.groups[s.group].opt_group if s.group >= 0 else -1]
-                   for s in lay.slots],
+        # a parameter group's parameters in their saved shape: every rank group's values (every expert, in order)
+        "params": [[s.path, list(lay.saved_shape(s)), str(s.dtype),
+                    lay.groups[s.group].opt_group if s.group >= 0 else -1] for s in lay.slots],
         "optimizer": {
             **opt.manifest(),  # kind (the rule's name) first, then its static configuration
             "moment_names": list(opt.moment_names),
@@ -77,6 +78,9 @@ def _manifest(state: TrainState, comm: Communicator) -> dict[str, Any]:
         # Stage 3 keeps no gathered parameters between steps; stages 1 and 2 hold the same state.
         "saved_stage": "3" if not len(state.params) else "1 or 2",
     }
+    if lay.axes:  # for information (a load may hold them in other rank groups) and for OptState.missed's positions
+        manifest["param_groups"] = [[name, parts, [s.path for s in lay.trainable_slots if s.axis == name]]
+                                    for name, _, parts in lay.axes]
     return json.loads(json.dumps(manifest))  # tuples become lists, as they are read back
 
 
@@ -105,6 +109,52 @@ def _params_difference(saved: Sequence[Sequence[Any]], mine: Sequence[Sequence[A
         longer = saved if len(saved) > len(mine) else mine
         return f"parameter count {len(saved)} vs {len(mine)}; first extra: {shown(longer[min(len(saved), len(mine))][0])}"
     return None
+
+
+def missed_table(man: Mapping[str, Any], missed: Sequence[int]) -> dict[str, list[int]]:
+    """``OptState.missed`` as ``{trainable path: [steps sat out, per rank group]}`` (one for a parameter without a
+    group), read by a (checked) manifest's parameters and ``param_groups``: the positions
+    :func:`fzero.layout.positions` gives (every trainable parameter in order for rank group 0, then each group's
+    parameters for rank groups 1, 2, ...). ``CheckpointCorruptError``-worthy lengths are the caller's to check."""
+    trainable = [p[0] for p in man["params"] if p[3] >= 0]
+    table = {path: [int(missed[k])] for k, path in enumerate(trainable)}
+    k = len(trainable)
+    for _, parts, paths in man.get("param_groups", []):
+        for _q in range(1, parts):
+            for path in paths:
+                table[path].append(int(missed[k]))
+                k += 1
+    return table
+
+
+def missed_length(man: Mapping[str, Any]) -> int:
+    """The length of ``OptState.missed`` a (checked) manifest's state had."""
+    return sum(1 for p in man["params"] if p[3] >= 0) + sum((parts - 1) * len(paths)
+                                                            for _, parts, paths in man.get("param_groups", []))
+
+
+def regroup_missed(saved: Mapping[str, list[int]], shapes: Mapping[str, Sequence[int]], parts: Mapping[str, int],
+                   where: str) -> dict[str, list[int]]:
+    """A :func:`missed_table` for other rank groups: ``parts[path]`` rank groups (1: none) each take the count of the
+    saved rank groups whose rows (of the saved shape's first dimension, ``shapes[path]``) they hold. A new rank group
+    holding rows of saved ones that sat out different steps has no one count: ``CheckpointMismatchError`` naming the
+    parameter (load it into rank groups as fine as the saved ones)."""
+    out = {}
+    for path, counts in saved.items():
+        new = parts.get(path, 1)
+        rows = shapes[path][0] if shapes[path] else 1
+        out[path] = []
+        for j in range(new):
+            lo, hi = j * rows // new, (j + 1) * rows // new
+            held = {counts[q] for q in range(len(counts))
+                    if q * rows // len(counts) < hi and lo < (q + 1) * rows // len(counts)}
+            if len(held) != 1:
+                raise CheckpointMismatchError(f"{where}: parameter {shown(path)}: its saved rank groups sat out "
+                                              f"different numbers of steps ({sorted(held)}), which one rank group of "
+                                              f"this state would hold together; load it into {len(counts)} rank "
+                                              "groups or more")
+            out[path].append(held.pop())
+    return out
 
 
 def _manifest_difference(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str | None:
@@ -299,6 +349,16 @@ def _manifest_problem(m: Any) -> str | None:
             return f"its {section} section is malformed"
     if any(v is not None and (not isinstance(v, str) or v not in DTYPES) for v in m["precision"].values()):
         return "its precision names an unknown dtype"
+    groups = m.get("param_groups", [])
+    trainable = {p[0]: p for p in params if p[3] >= 0}
+    if not (isinstance(groups, list) and len(groups) <= len(trainable)
+            and all(isinstance(g, list) and len(g) == 3 and _is_name(g[0]) and _is_int(g[1], 1)
+                    and g[1] <= MAX_EXTENT and _is_strs(g[2]) for g in groups)):
+        return "its param_groups section is malformed"
+    named = [path for g in groups for path in g[2]]
+    if len(set(named)) != len(named) or any(path not in trainable for path in named) \
+            or any(trainable[path][1] == [] or trainable[path][1][0] % g[1] for g in groups for path in g[2]):
+        return "its param_groups name a parameter twice, one that is not trained, or one its rank groups do not divide"
     module = m.get("module", {})
     if not (isinstance(module, dict)
             and isinstance(module.get("buffers", []), list) and isinstance(module.get("aliases", []), list)

@@ -21,7 +21,15 @@ from ..module import ModuleSpec
 from ..optim import vector_spans
 from .checksums import CHECKSUMS_FILE, CheckedDir, verify_checkpoint_dir
 from .errors import CheckpointError, CheckpointOutputError, IncompleteCheckpointError, corrupt
-from .manifest import FROZEN_LEFT_OUT, PathLike, _read_manifest, checked_metadata
+from .manifest import (
+    FROZEN_LEFT_OUT,
+    PathLike,
+    _read_manifest,
+    checked_metadata,
+    missed_length,
+    missed_table,
+    regroup_missed,
+)
 from .metadata import DTYPES, _first_line
 from .planners import dcp_load
 from .saveload import _HYPER_PREFIX, BUFFER_PREFIX, EXTRA_PREFIX, MISSED_KEY, SCALAR_PREFIX, VECTOR_PREFIX
@@ -183,8 +191,10 @@ def _optim(checked: CheckedDir, man: dict[str, Any]) -> dict[str, Any]:
     own = None
     trainable = [i for i, p in enumerate(params) if p[3] >= 0]
     if MISSED_KEY in checked.metadata.state_dict_metadata:  # each parameter's own step count
-        missed = _read(checked, [MISSED_KEY], [len(trainable)])[MISSED_KEY].tolist()
-        own = {i: step - int(m) for i, m in zip(trainable, missed)}
+        missed = _read(checked, [MISSED_KEY], [missed_length(man)])[MISSED_KEY].tolist()
+        # a parameter group's rank groups' counts: one torch.optim parameter, one count (else a named mismatch)
+        table = regroup_missed(missed_table(man, missed), {p[0]: p[1] for p in params}, {}, f"checkpoint {checked.dir}")
+        own = {i: step - table[params[i][0]][0] for i in trainable}
     keys = [f"{SCALAR_PREFIX}{n}" for n in rule.scalar_names]  # per-parameter scalar state
     vectors = _read(checked, keys, [len(trainable)] * len(keys))
     scalars = {i: {n: vectors[k][j].item() for n, k in zip(rule.scalar_names, keys)} for j, i in enumerate(trainable)}

@@ -70,25 +70,30 @@ class _Pieces:
 
 
 def _param_pieces(layout: Layout, rows: Sequence[torch.Tensor], ranks: Sequence[int],
-                  groups: Sequence[FlatGroup] | None = None) -> dict[str, _Pieces]:
+                  groups: Sequence[FlatGroup] | None = None,
+                  places: Mapping[str, tuple[Sequence[int], Sequence[int]]] | None = None) -> dict[str, _Pieces]:
     """Each trainable parameter's (``groups``: those groups' parameters') elements held in ``rows`` (one ``[R,
     shard_numel]`` buffer per group, row ``i`` owned by rank ``ranks[i]``) as pieces of the parameter flattened to 1-D:
-    views, never padding (a rank that owns only padding contributes no piece)."""
+    views, never padding (a rank that owns only padding contributes no piece). A parameter group's (``places[axis]``:
+    each row's rank within its rank group, and its rank group ``q``) as pieces of its saved tensor
+    (:meth:`~fzero.layout.Layout.saved_shape`: rank group ``q``'s values at ``q * numel``)."""
     out: dict[str, _Pieces] = {}
     for g in layout.groups if groups is None else groups:
         n, buf = g.shard_numel, rows[g.index]
+        over, parts = (ranks, [0] * len(ranks)) if not g.axis else (places or {})[g.axis]
         for i in g.slots:
             s = layout.slots[i]
             if s.numel == 0:
                 continue  # nothing to save; DCP would record no chunk for it
             pieces = []
-            for row, r in enumerate(ranks):
-                if r in ranks[:row]:
+            held = list(zip(over, parts))
+            for row, (r, q) in enumerate(held):
+                if (r, q) in held[:row]:
                     continue  # a mesh's second copy of a shard
                 lo, hi = max(r * n, s.offset), min((r + 1) * n, s.offset + s.numel)
                 if lo < hi:
-                    pieces.append((lo - s.offset, buf[row, lo - r * n : hi - r * n]))
-            out[s.path] = _Pieces(s.numel, buf.dtype, tuple(pieces))
+                    pieces.append((q * s.numel + lo - s.offset, buf[row, lo - r * n : hi - r * n]))
+            out[s.path] = _Pieces(s.numel * layout.parts(g.axis), buf.dtype, tuple(pieces))
     return out
 
 

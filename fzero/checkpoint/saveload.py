@@ -22,13 +22,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..comm import Communicator
-from ..layout import Layout
+from ..layout import Layout, positions, trainable_index
 from ..pytree import replace
 from ..sharding import all_gather_params, check_world, frozen_rows
 from ..state import TrainState, consume, ensure_live
 from .background import BackgroundSave, checkpoint_group, settle, start
 from .checksums import CheckedDir
-from .errors import CheckpointMismatchError, refuse_param_groups
+from .errors import CheckpointMismatchError
 from .manifest import (
     FROZEN_LEFT_OUT,
     FROZEN_PREFIX,
@@ -41,7 +41,10 @@ from .manifest import (
     _read_manifest,
     checked_metadata,
     frozen_crcs,
+    missed_length,
+    missed_table,
     persistent_buffers,
+    regroup_missed,
 )
 from .planners import _param_pieces, _Pieces, dcp_load, dcp_save
 from .publish import (
@@ -71,10 +74,12 @@ def _sharded(state: TrainState, comm: Communicator, master: Sequence[torch.Tenso
              moments: Sequence[Sequence[torch.Tensor]]) -> dict[str, _Pieces]:
     """``fzero/master/{path}`` and ``fzero/{moment}/{path}`` for every trainable parameter."""
     lay, names = state.layout, state.opt.optimizer.moment_names
-    sd = {f"fzero/master/{p}": v for p, v in _param_pieces(lay, master, comm.ranks).items()}
+    # a parameter group's rows: their ranks within their rank groups, and which rank group (its values' place)
+    places = {name: (comm.param_group(name).ranks, comm.param_group(name).part) for name, _, _ in lay.axes}
+    sd = {f"fzero/master/{p}": v for p, v in _param_pieces(lay, master, comm.ranks, places=places).items()}
     for j, name in enumerate(names):
         rows = [ms[j] for ms in moments]
-        sd.update({f"fzero/{name}/{p}": v for p, v in _param_pieces(lay, rows, comm.ranks).items()})
+        sd.update({f"fzero/{name}/{p}": v for p, v in _param_pieces(lay, rows, comm.ranks, places=places).items()})
     return sd
 
 
@@ -239,7 +244,6 @@ writes, checksums and publishes the same files a blocking save would;
     of those ranks), when not."""
     ensure_live(state)
     check_world(state.shard, comm)
-    refuse_param_groups(state.layout, "save_checkpoint")
     pg = _process_group(comm)
     root = Path(root)
     if name is None:
@@ -296,12 +300,13 @@ def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *,
         raise ValueError(f"load_checkpoint: hyperparams must be one of {HYPERPARAMS}, got {hyperparams!r}")
     ensure_live(template)
     check_world(template.shard, comm)
-    refuse_param_groups(template.layout, "load_checkpoint")
     pg = _process_group(comm)
-    checked, left_out = _validated(path, template, comm, follow_symlinks)
+    checked, left_out, man = _validated(path, template, comm, follow_symlinks)
     d, metadata = checked.dir, checked.metadata
     saved = metadata.state_dict_metadata
     replicated = {k: torch.empty_like(v) for k, v in _replicated(template).items()}
+    if MISSED_KEY in replicated and MISSED_KEY in saved:  # as long as the saved rank groups made it
+        replicated[MISSED_KEY] = replicated[MISSED_KEY].new_empty(missed_length(man))
     frozen, frozen_sd, whole = _frozen_destinations(template, comm, saved, left_out)
     if hyperparams == "template":
         replicated = {k: v for k, v in replicated.items() if not k.startswith(_HYPER_PREFIX)}
@@ -332,6 +337,8 @@ def load_checkpoint(path: PathLike, template: TrainState, comm: Communicator, *,
     if hyperparams == "template":
         replicated.update({k: v.clone() for k, v in _replicated(template).items() if k.startswith(_HYPER_PREFIX)})
     replicated.update(no_missed)
+    if MISSED_KEY in replicated and MISSED_KEY not in no_missed:  # the saved rank groups' counts, in this state's
+        replicated[MISSED_KEY] = _regrouped_missed(template.layout, man, replicated[MISSED_KEY], d)
     if no_calls:  # the applied steps are the best count known
         replicated[CALLS_KEY] = replicated["fzero/step"].to("cpu", torch.int64).clone()
     # donating, the parameters are regathered into the template's own buffers: nothing of their size allocated
@@ -363,10 +370,25 @@ def _frozen_destinations(template: TrainState, comm: Communicator, saved: Mappin
     return None, {FROZEN_PREFIX + s.path: w for s, w in zip(lay.slots, whole) if w is not None and s.numel}, whole
 
 
+def _regrouped_missed(layout: Layout, man: Mapping[str, Any], missed: torch.Tensor, d: Path) -> torch.Tensor:
+    """``OptState.missed`` of a checkpoint (its manifest ``man``'s rank groups) in ``layout``'s positions: each rank
+    group's count from the saved rank groups whose experts it holds (:func:`~.manifest.regroup_missed`)."""
+    shapes = {p[0]: p[1] for p in man["params"]}
+    parts = {s.path: layout.parts(s.axis) for s in layout.trainable_slots}
+    table = regroup_missed(missed_table(man, missed.tolist()), shapes, parts, f"checkpoint {d}")
+    out = [0] * layout.num_positions
+    index, moved = trainable_index(layout), positions(layout)
+    for i, k in index.items():
+        out[k] = table[layout.slots[i].path][0]
+    for (i, q), k in moved.items():
+        out[k] = table[layout.slots[i].path][q]
+    return torch.tensor(out, dtype=missed.dtype, device=missed.device)
+
+
 def _validated(path: PathLike, template: TrainState, comm: Communicator,
-               follow_symlinks: bool) -> tuple[CheckedDir, dict | None]:
-    """The checked checkpoint directory, once complete and matching ``template``, and the CRC-32s of the frozen
-    parameters it left out (None: it holds them), which the template's match."""
+               follow_symlinks: bool) -> tuple[CheckedDir, dict | None, dict[str, Any]]:
+    """The checked checkpoint directory, once complete and matching ``template``, the CRC-32s of the frozen
+    parameters it left out (None: it holds them), which the template's match, and its manifest."""
     checked = checked_metadata(path, follow_symlinks=follow_symlinks)
     saved = _read_manifest(checked)
     diff = _manifest_difference(saved, _manifest(template, comm))
@@ -379,7 +401,7 @@ def _validated(path: PathLike, template: TrainState, comm: Communicator,
     if diff is not None:
         raise CheckpointMismatchError(f"checkpoint {checked.dir} does not match this training state: {diff} "
                                       "(checkpoint vs this state)")
-    return checked, left_out
+    return checked, left_out, saved
 
 
 def _assemble(template: TrainState, comm: Communicator, masters: tuple[torch.Tensor, ...],

@@ -192,6 +192,22 @@ def _gathered(layout: Layout, group: FlatGroup, rows: torch.Tensor, comm: Commun
     return {i: v.to(layout.slots[i].dtype) for i, v in zip(group.slots, group_views(layout, group, flat))}
 
 
+def _gathered_parts(layout: Layout, group: FlatGroup, rows: torch.Tensor, comm: Communicator) -> dict[int, torch.Tensor]:
+    """:func:`_gathered` of a parameter group's flat group: every rank group's values, each parameter in its saved
+    shape (:meth:`~fzero.layout.Layout.saved_shape`: rank group 0's first). One ``all_gather`` within this rank's
+    group, then one ``broadcast`` per rank group from its first rank (in one process: copies)."""
+    over = group_comm(comm, group)
+    if comm.local_ranks > 1:  # every rank group here: each one's rows in shard order
+        held = list(zip(over.part, over.ranks))
+        flats = [rows[[held.index((q, j)) for j in range(over.world_size)]].reshape(-1) for q in range(over.parts)]
+    else:
+        mine = over.all_gather(rows)
+        flats = [comm.broadcast(mine, over.rank_groups[q][0])[0] for q in range(over.parts)]
+    parts = [dict(zip(group.slots, group_views(layout, group, flat))) for flat in flats]
+    return {i: torch.cat([p[i].reshape(layout.slots[i].shape) for p in parts]).reshape(
+                layout.saved_shape(layout.slots[i])).to(layout.slots[i].dtype) for i in group.slots}
+
+
 BROADCAST_ELEMENTS = 1 << 22  # per broadcast of a live export's gather: 16 MiB of float32
 
 
@@ -282,16 +298,18 @@ def _torch_order(layout: Layout, optimizer: Optimizer) -> list[list[int]]:
 def export_model_state_dict(state: TrainState, comm: Communicator) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` of the trained model, what ``load_state_dict(strict=True)`` takes: the master's
     values in each parameter's dtype, frozen parameters, rank 0's persistent buffers and tied names, in the
-    module's order. With parameter groups (``init_train_state(groups=)``): this rank's model, a group's parameters its
-    rank group's values (in one process: rank group 0's). Collectives: one ``all_gather`` per flat group (over its
-    parameter group's ranks), one at a time (at most one full copy)."""
+    module's order. A parameter group's parameters (``init_train_state(groups=)``) in their saved shape, every rank
+    group's values stacked: an expert-parallel block's experts, all of them, by expert index (what the unconverted
+    block loads). Collectives: one ``all_gather`` per flat group, one at a time (at most one full copy; a parameter
+    group's within its rank group, then a ``broadcast`` per rank group)."""
     ensure_live(state)
     check_world(state.shard, comm)
     lay, spec = state.layout, state.module
     out: dict[str, torch.Tensor] = {}
-    for g in lay.groups:  # a parameter group's over its rank group: this rank's values (simulated: row 0's)
-        out.update({lay.slots[i].path: v
-                    for i, v in _gathered(lay, g, state.shard.master[g.index], group_comm(comm, g)).items()})
+    for g in lay.groups:
+        rows = state.shard.master[g.index]
+        whole = _gathered(lay, g, rows, comm) if not g.axis else _gathered_parts(lay, g, rows, comm)
+        out.update({lay.slots[i].path: v for i, v in whole.items()})
     out.update({s.path: f.detach().to(s.dtype, copy=True) for s, f in frozen_params(state.shard, comm)})
     buffers = {n: b[0].clone() for n, b, keep in zip(spec.buffers, state.buffers, spec.persistent) if keep}
     return module_state_dict({s.path: out[s.path] for s in lay.slots}, buffers, spec)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import math
 import os
 import pickle
@@ -254,6 +255,7 @@ class TorchCommunicator(Communicator):
         self._pool: ScratchPool | None = None
         self.replicas = 1 if self.replica is None else self.replica.world_size
         if partitions:
+            self._agree_on_groups(partitions)  # before new_group: ranks giving other groups would wait in it
             made = {}
             for name, lists in partitions.items():
                 pgs = [dist.new_group(list(g)) for g in lists]  # every rank creates every group, in one order
@@ -261,10 +263,22 @@ class TorchCommunicator(Communicator):
                 sub = TorchCommunicator(pgs[q], reduce_scatter_via=reduce_scatter_via, timeout=timeout,
                                         all_gather_via=all_gather_via, all_reduce_via=all_reduce_via,
                                         device=self.device)
-                sub.parts, sub._part, sub._data_rank = len(lists), (q,), self._data_rank
+                sub.parts, sub._part, sub._data_rank, sub.rank_groups = len(lists), (q,), self._data_rank, lists
                 sub._mesh = f", group {name!r}: {len(lists)} of {len(lists[0])} ranks"
                 made[name] = sub
             self.groups = made
+
+    def _agree_on_groups(self, partitions: Mapping[str, tuple[tuple[int, ...], ...]]) -> None:
+        """``ValueError`` on every rank unless every rank gave these parameter groups: one ``all_gather`` of their
+        16-byte digest over the world, bounded as the step's waits."""
+        digest = hashlib.sha256(repr(sorted(partitions.items())).encode()).digest()[:16]
+        mine = torch.tensor(list(digest), dtype=torch.int64, device=self.device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        wait(dist.all_gather(every, mine, async_op=True), self._bound("all_gather of the parameter groups' digest"))
+        differ = [r for r, d in enumerate(every) if not torch.equal(d, every[0])]
+        if differ:
+            raise ValueError(f"TorchCommunicator(groups=...): ranks {differ} gave other parameter groups than rank 0 "
+                             f"(this rank, {self._data_rank}: {dict(partitions)}); every rank must give the same")
 
     @property
     def data_ranks(self) -> tuple[int, ...]:
