@@ -67,7 +67,7 @@ def hand_step(loss_fn: Any, comm: fzero.Communicator, *, clip_norm: float | None
                                   scaler=fzero.update_scale(state.scaler, checked.found_inf),
                                   calls=tuple(c + 1 for c in state.calls))
         metrics = {"loss": checked.loss, "found_inf": checked.found_inf, "scale": state.scaler.scale,
-                   "grad_norm": checked.grad_norm.float(), "lr": state.opt.hyper[0]["lr"].float()}
+                   "grad_norm": checked.grad_norm, "lr": state.opt.hyper[0]["lr"].float()}
         return new_state, metrics
 
     return fzero.bind_step(step, loss_fn, comm, accum_steps=K, compile=compile)

@@ -37,7 +37,8 @@ OnReady = Callable[[FlatGrads], Sequence[torch.Tensor]]
 class Grads(NamedTuple):
     """One micro-batch's gradients, losses and what the forward left, per local rank. ``grads``: what ``on_ready`` gave
     (each rank's averaged shards ``[R, shard_numel]``, one per flat group), or without ``on_ready`` each rank's whole
-    gradient (a :class:`~fzero.layout.FlatGrads` of every flat group). ``losses``: ``[R]`` fp32, unscaled. ``buffers``:
+    gradient (a :class:`~fzero.layout.FlatGrads` of every flat group). ``losses``: ``[R]``, unscaled, in at least fp32
+    (a float64 model's in float64). ``buffers``:
     the module buffers the forward left; ``rng``: the generator states it left. ``used``: ``[R, T]`` float64, 1 where
     the rank's loss reached trainable parameter ``t`` (with parameter groups ``[R, Layout.num_positions]``: each at its
     rank group's position, :func:`fzero.sharding.used_positions`); ``every``: all of ``used`` is 1 (known in Python; traced: when
@@ -195,7 +196,7 @@ def _rank_grads(loss_fn: LossFn, state: TrainState, params: Sequence[torch.Tenso
             with rank_rng(state.rng[0][r] if swap_rng else None, device, left), torch.enable_grad(), bound:
                 loss = forward(tensors, row_of(batch, r))
                 check_loss(loss)
-                loss = loss.float()
+                loss = loss.to(torch.promote_types(loss.dtype, torch.float32))  # a float64 model's: float64
                 if watcher is not None:  # gradients go into the bucket buffers as backward completes them
                     torch.autograd.backward(scaled(loss), inputs=leaves)
                 else:

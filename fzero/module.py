@@ -242,7 +242,7 @@ class ModuleLoss:
             if loss.dim() != 0:
                 raise ValueError(f"module_loss: the model's own loss has shape {tuple(loss.shape)}, expected a 0-d "
                                  "tensor; give a criterion, or make the model reduce its loss")
-            return loss.float()
+            return loss.to(torch.promote_types(loss.dtype, torch.float32))
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise ValueError("module_loss(model, criterion): the batch must be (inputs, target); for a model "
                              "that computes its own loss, use module_loss(model) with the labels in the inputs")

@@ -98,7 +98,7 @@ def local_sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
 class Checked(tuple):
     """What :func:`unscale_and_check` gives: it unpacks as ``(grads, found_inf)`` (the unscaled gradients, and a 0-d
     fp32 1.0 if any rank's gradient is not finite), and carries what the step's agreement adds: ``grad_norm`` (0-d
-    float64, unscaled, before clipping), ``loss`` (0-d fp32, the mean of every rank's loss), ``used`` (``[T]`` bool,
+    float64, unscaled, before clipping), ``loss`` (0-d float64, the mean of every rank's loss), ``used`` (``[T]`` bool,
     some rank had a gradient) and ``riders`` (``[k]`` float64, summed over ranks); None where not asked for."""
 
     grad_norm: torch.Tensor | None
@@ -168,7 +168,7 @@ def unscale_and_check(scaler: ScalerState, grads: Any, comm: Communicator, *, cl
     mutate = in_place and not comm.traced  # traced: out of place, inductor fuses it
     out = [g.mul_(factor.to(g.dtype)) if mutate else g * factor.to(g.dtype) for g in leaves]
     return Checked(tp.tree_unflatten(out, spec), (~torch.isfinite(norm64)).float(), norm64,
-                   (sums[1] / comm.data_world_size).float(), None if used is None else sums[2:2 + n_used] > 0,
+                   sums[1] / comm.data_world_size, None if used is None else sums[2:2 + n_used] > 0,
                    None if riders is None else sums[2 + n_used:])
 
 

@@ -480,7 +480,7 @@ def unit_grads(loss_fn: ModuleLoss, state: TrainState, comm: Communicator, batch
             with loss_fn.bound(tensors):
                 loss = loss_fn.forward_loss(tensors, row_of(batch, r), dtype)
                 check_loss(loss)
-                loss = loss.float()
+                loss = loss.to(torch.promote_types(loss.dtype, torch.float32))  # a float64 model's: float64
                 run.event(_END)  # every rank called the same units: checked before backward
                 run.backward = True
                 torch.autograd.grad(scaled(loss), [run.anchor], allow_unused=True)
@@ -633,7 +633,7 @@ def compiled_unit_grads(units_run: CompiledUnits, loss_fn: ModuleLoss, state: Tr
             with loss_fn.bound(tensors, traced=True):
                 loss = loss_fn.forward_loss(tensors, row_of(batch, 0), dtype)
                 check_loss(loss)
-                loss = loss.float()
+                loss = loss.to(torch.promote_types(loss.dtype, torch.float32))  # a float64 model's: float64
                 with _backward_phase():
                     grads = torch.autograd.grad(scaled(loss), leaves, allow_unused=True)
         finally:
