@@ -66,8 +66,8 @@ def hand_step(loss_fn: Any, comm: fzero.Communicator, *, clip_norm: float | None
         new_state = state.replace(shard=shard, opt=opt, params=params, buffers=buffers,
                                   scaler=fzero.update_scale(state.scaler, checked.found_inf),
                                   calls=tuple(c + 1 for c in state.calls))
-        metrics = {"loss": checked.loss, "found_inf": checked.found_inf, "scale": state.scaler.scale,
-                   "grad_norm": checked.grad_norm, "lr": state.opt.hyper[0]["lr"].float()}
+        metrics = {"loss": checked.loss, "found_inf": checked.found_inf.double(), "scale": state.scaler.scale.double(),
+                   "grad_norm": checked.grad_norm, "lr": state.opt.hyper[0]["lr"].to(torch.float64, copy=True)}
         return new_state, metrics
 
     return fzero.bind_step(step, loss_fn, comm, accum_steps=K, compile=compile)

@@ -57,7 +57,7 @@ def build(vocab: int, context: int) -> torch.nn.Module:
     return model
 
 
-def train(args: argparse.Namespace, comm: fzero.Communicator, expert_parallel: bool) -> dict:
+def train(args: argparse.Namespace, comm: fzero.Communicator, expert_parallel: bool, talk: bool = True) -> dict:
     text = CharText()
     model = build(text.vocab, args.context)
     groups = {moe.EXPERTS: moe.expert_parallel(model, comm)} if expert_parallel else None
@@ -71,7 +71,7 @@ def train(args: argparse.Namespace, comm: fzero.Communicator, expert_parallel: b
         x, y = text.batch(args.batch * comm.data_world_size, args.context, g)
         state, metrics = step(state, comm.split_batch({"input_ids": x, "labels": x}))
         losses.append(float(metrics["loss"]))
-        if k % 50 == 0 or k == args.steps - 1:
+        if talk and (k % 50 == 0 or k == args.steps - 1):
             print(f"{'expert parallel' if expert_parallel else 'data parallel':>15} step {k:4d} loss {losses[-1]:.4f}",
                   flush=True)
     held = sum(report.held.values())
@@ -81,6 +81,7 @@ def train(args: argparse.Namespace, comm: fzero.Communicator, expert_parallel: b
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     kind = choose_comm(args.comm)
+    talk = True  # rank 0 prints under torchrun
     if kind == "sim":
         groups = moe.expert_groups(args.world_size, args.ep)
         ep_comm, dp_comm = fzero.SimulatedWorld(args.world_size, groups=groups), fzero.SimulatedWorld(args.world_size)
@@ -90,25 +91,22 @@ def main(argv: list[str] | None = None) -> dict:
         from fzero.dist import TorchCommunicator, start_process_group
 
         start_process_group("gloo")
-        world = dist.get_world_size()
+        world, talk = dist.get_world_size(), dist.get_rank() == 0
         ep_comm, dp_comm = TorchCommunicator(groups=moe.expert_groups(world, args.ep)), TorchCommunicator()
-    ep = train(args, ep_comm, expert_parallel=True)
-    dp = train(args, dp_comm, expert_parallel=False)
+    ep = train(args, ep_comm, expert_parallel=True, talk=talk)
+    dp = train(args, dp_comm, expert_parallel=False, talk=talk)
     tail = lambda run: sum(run["losses"][-10:]) / len(run["losses"][-10:])  # noqa: E731
     out = {"expert_parallel": ep["losses"], "data_parallel": dp["losses"], "first_loss": ep["losses"][0],
            "last_loss": tail(ep), "data_parallel_last_loss": tail(dp),
            "max_difference": max(abs(a - b) for a, b in zip(ep["losses"], dp["losses"])),
            "held_bytes": (ep["held_bytes"], dp["held_bytes"]), "plot": None}
+    if not talk:
+        return out
     print(f"done: loss {out['first_loss']:.4f} -> {out['last_loss']:.4f} (expert parallel, EP={args.ep}), "
           f"{out['data_parallel_last_loss']:.4f} (data parallel); largest difference between the curves "
           f"{out['max_difference']:.2e}")
     print(f"held training state per rank (memory_report): {ep['held_bytes'] / 2**20:.2f} MiB expert parallel, "
           f"{dp['held_bytes'] / 2**20:.2f} MiB data parallel")
-    if kind == "torch":
-        import torch.distributed as dist
-
-        if dist.get_rank() != 0:
-            return out
     try:
         import matplotlib
 

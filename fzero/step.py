@@ -85,9 +85,8 @@ def make_train_step(loss_fn: LossFn, comm: Communicator, *, stage: int | None = 
     (``metrics["replicas_differ"]``); ``replica_check="raise"`` reads it every N-th call and raises
     :class:`fzero.ReplicaDivergenceError`, ``"flag"`` only reports. ``unused`` (a parameter no loss reached): ``"skip"``
     (as DDP) leaves it and its step count, ``"zeros"`` gives a zero gradient. Bad options raise ``ValueError``; a failed
-    collective :class:`fzero.CollectiveError`. Metrics (0-d): ``loss`` (float64, the mean over ranks, unscaled),
-    ``found_inf``, ``scale`` (this step's), ``grad_norm`` (float64, unscaled, before clipping), ``lr`` (the default
-    group's)."""
+    collective :class:`fzero.CollectiveError`. Metrics (0-d float64): ``loss`` (the mean over ranks, unscaled),
+    ``found_inf``, ``scale`` (this step's), ``grad_norm`` (unscaled, before clipping), ``lr`` (the default group's)."""
     if stage not in (None, 1, 2, 3):
         raise ValueError(f"make_train_step: stage must be 1, 2 or 3, got {stage!r}")
     if unused not in UNUSED:
@@ -163,13 +162,14 @@ def train_step(loss_fn: LossFn, *, stage: int | None = None, clip_norm: float | 
         new_state = state.replace(shard=shard, opt=opt, params=params, buffers=buffers,
                                   scaler=update_scale(state.scaler, checked.found_inf),
                                   calls=tuple(c + 1 for c in state.calls))
-        metrics = {"loss": checked.loss, "found_inf": checked.found_inf, "scale": state.scaler.scale,
-                   # float64, as agreed (a float64 model's oracles compare at 1e-10)
-                   "grad_norm": checked.grad_norm}
+        # every metric 0-d float64: the agreement's loss and norm as computed (a float64 model's oracles compare at
+        # 1e-10), the rest alike, so they stack and log together
+        metrics = {"loss": checked.loss, "found_inf": checked.found_inf.double(),
+                   "scale": state.scaler.scale.double(), "grad_norm": checked.grad_norm}
         if "lr" in state.opt.hyper[0]:  # a user's rule may have no learning rate
-            metrics["lr"] = state.opt.hyper[0]["lr"].float()
+            metrics["lr"] = state.opt.hyper[0]["lr"].to(torch.float64, copy=True)
         if digest is not None:
-            metrics["replicas_differ"] = parts_differ(checked.riders, comm.data_world_size).float()
+            metrics["replicas_differ"] = parts_differ(checked.riders, comm.data_world_size).double()
         return new_state, metrics
 
     return step

@@ -48,6 +48,19 @@ def test_train_moe_example_learns_and_equals_data_parallel(tmp_path):
     assert ep < dp  # each rank holds half the experts
 
 
+@pytest.mark.distributed
+def test_train_moe_example_under_torchrun_gloo(tmp_path):
+    """Four gloo ranks, EP = 2: each rank its own experts, tokens by all-to-all; the data-parallel run's curve."""
+    pytest.importorskip("transformers")
+    text = run_torchrun_script(4, str(EXAMPLES / "train_moe.py"),
+                               ["--comm", "torch", "--steps", "10", "--out", str(tmp_path)], timeout=240)
+    m = re.search(r"done: loss ([\d.]+) -> ([\d.]+) \(expert parallel, EP=2\), ([\d.]+) \(data parallel\); "
+                  r"largest difference between the curves ([\d.e+-]+)", text)
+    assert m, text[-2000:]
+    assert float(m.group(2)) < 0.9 * float(m.group(1)) and float(m.group(4)) < 1e-4, text[-2000:]
+    assert text.count("done: loss") == 1  # rank 0 alone reports
+
+
 def test_compose_by_hand_example_learns():
     losses = _load("compose_by_hand").main(steps=40)
     assert losses[-1] < 0.2 * losses[0]

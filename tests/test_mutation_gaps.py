@@ -331,8 +331,8 @@ def test_describe_rows_and_fingerprint_format():
     head, *rows = lay.describe()
     assert head[:4] == ("world_size", 2, "alignment", 2)
     by_path = {r[0]: r for r in rows}
-    assert by_path["f"][3:] == (False, -1, -1, 0)  # frozen: no flat group, no optimizer group
-    assert by_path["a"][1:] == ((3, 2), "torch.float32", False, by_path["a"][4], 0, 0) and by_path["a"][4] >= 0
+    assert by_path["f"][3:] == (False, -1, -1, 0, "")  # frozen: no flat group, no optimizer group, no parameter group
+    assert by_path["a"][1:] == ((3, 2), "torch.float32", False, by_path["a"][4], 0, 0, "") and by_path["a"][4] >= 0
     assert by_path["b"][2] == "torch.float64"
     assert [s.path for s in lay.trainable_slots] == ["a", "b", "c"]
     assert [s.path for s in lay.frozen_slots] == ["f"]

@@ -109,9 +109,10 @@ def test_clipping_never_scales_gradients_up():
         assert torch.equal(a, b)
 
 
-def test_every_metric_is_a_0d_float32_tensor():
-    """Metrics share one dtype whatever the state holds (float64 hyperparameters, integer
-    counters), so they stack and log alike."""
+def test_every_metric_is_a_0d_float64_tensor():
+    """Metrics share one dtype whatever the state holds (float32 scales and flags, float64
+    hyperparameters, integer counters), so they stack and log alike; float64, the agreement's
+    own, so a float64 model's loss and norm compare at 1e-10."""
     model = mlp(torch.float64)
     comm = fzero.SimulatedWorld(2)
     state = fzero.init_train_state(model, fzero.adamw(lr=1e-3), comm)
@@ -119,5 +120,5 @@ def test_every_metric_is_a_0d_float32_tensor():
     _, metrics = step(state, comm.split_batch(batches(1, 2, 2, torch.float64)[0]))
     assert set(metrics) == {"loss", "found_inf", "scale", "grad_norm", "lr", "replicas_differ"}
     for name, value in metrics.items():
-        assert value.dtype == torch.float32 and value.dim() == 0, (name, value.dtype, value.shape)
+        assert value.dtype == torch.float64 and value.dim() == 0, (name, value.dtype, value.shape)
     assert metrics["lr"].item() == pytest.approx(1e-3) and metrics["replicas_differ"].item() == 0.0
